@@ -1,0 +1,228 @@
+"""The backend contract: where the payload bytes of immutable objects live.
+
+A backend stores *objects*: immutable byte strings (segment files of a few KB to a
+few GB) under keys validated by :func:`~sparkcache.backends.keys.validate_key`.  The
+index (SQLite) decides which objects exist and what they mean; a backend only
+moves bytes.  Objects are written once and never modified in place, which is what
+lets :class:`MmapBackend <sparkcache.backends.local.MmapBackend>` hand out mapped
+views safely.
+
+Every backend passes the shared conformance suite in
+``tests/backends/test_conformance.py``; a new backend is added by implementing
+:class:`Backend` and calling :func:`sparkcache.backends.register_backend`.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable, Iterator
+from contextlib import suppress
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias, cast, runtime_checkable
+
+from sparkcache.errors import BackendError, NotFound, SparkCacheError, StoreFull
+
+if TYPE_CHECKING:
+    import numpy as np
+    from typing_extensions import Buffer
+
+__all__ = [
+    "Backend",
+    "Blob",
+    "BufferBlob",
+    "BufferLike",
+    "as_byte_view",
+    "translate_os_error",
+]
+
+BufferLike: TypeAlias = "Buffer | np.ndarray[Any, Any]"
+"""What ``put`` accepts as a chunk: anything with the buffer protocol.
+
+numpy arrays are named explicitly because numpy's stubs declare ``__buffer__`` only
+for Python >= 3.12, so on 3.11 mypy would not see them as ``Buffer``.
+"""
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""OS errors that mean "no room": reported as :class:`~sparkcache.errors.StoreFull`."""
+
+
+@runtime_checkable
+class Blob(Protocol):
+    """One opened object: a read-only byte view plus the resource behind it.
+
+    ``buffer`` is a read-only, one-dimensional ``memoryview`` of format ``'B'`` over
+    the whole object.  It is valid until :meth:`close`; a consumer that made views
+    of it (slices, ``numpy.frombuffer``, ...) must drop them before closing,
+    otherwise a mapped file stays mapped until those views are garbage collected.
+    Closing twice is harmless.  Blobs are context managers.
+    """
+
+    @property
+    def buffer(self) -> memoryview:
+        """Read-only ``'B'`` view of the whole object (raises ValueError once closed)."""
+        ...
+
+    def close(self) -> None:
+        """Release the view and whatever backs it; idempotent."""
+        ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Storage of immutable objects under validated keys.
+
+    Contract shared by every implementation (and checked by the conformance suite):
+
+    * every method validates its key (or non-empty ``list`` prefix) with
+      ``validate_key`` first and raises :class:`~sparkcache.errors.UnsafeName`
+      before any I/O;
+    * missing objects raise :class:`~sparkcache.errors.NotFound` from ``open`` and
+      ``size``; ``delete`` and ``exists`` report them instead;
+    * "no space" errors surface as :class:`~sparkcache.errors.StoreFull`, other
+      storage failures as :class:`~sparkcache.errors.BackendError`;
+    * a folder is not an object: ``exists`` is False for it and ``open`` raises
+      ``NotFound``.
+    """
+
+    url: str
+    """URL that :func:`~sparkcache.backends.open_backend` turns back into this backend."""
+
+    zero_copy: bool
+    """True when :meth:`open` maps the stored bytes instead of copying them."""
+
+    def put(self, key: str, chunks: Iterable[BufferLike], *, durable: bool = True) -> int:
+        """Store the concatenation of ``chunks`` under ``key``; return bytes written.
+
+        Atomic: concurrent readers see the old object or the complete new one, never a
+        partial one.  The bytes go to a temp object (:func:`temp_key`) first, which
+        is published by a rename.  On any failure -- including an exception raised by
+        the ``chunks`` iterator -- the temp object is removed and the error re-raised
+        (``StoreFull`` for a full disk or quota, ``BackendError`` for other OS
+        errors).  ``durable=True`` means the object survives a power cut once
+        ``put`` returns, where the medium can promise that.
+        """
+        ...
+
+    def open(self, key: str) -> Blob:
+        """Open the object for reading; ``NotFound`` if it does not exist."""
+        ...
+
+    def delete(self, key: str) -> bool:
+        """Remove the object; True if it existed.  A missing object is not an error."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """True if an object is stored under ``key``."""
+        ...
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Every key under folder ``prefix`` ("" for all), temp keys included, any order.
+
+        ``prefix`` names a folder: ``list("objects/m-1")`` finds
+        ``objects/m-1/ab/x`` but not ``objects/m-12/x``.  The prefix is validated
+        when ``list`` is called, not when the iterator is first advanced.
+        """
+        ...
+
+    def size(self, key: str) -> int:
+        """Size of the object in bytes; ``NotFound`` if it does not exist."""
+        ...
+
+    def free_space(self) -> int | None:
+        """Bytes available to this process on the medium, or None if unknown."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend's resources; idempotent.  Open blobs stay usable."""
+        ...
+
+
+class BufferBlob:
+    """A :class:`Blob` over bytes already in memory (the copying backends' blob)."""
+
+    __slots__ = ("_view",)
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self._view: memoryview | None = memoryview(data).toreadonly()
+
+    @property
+    def buffer(self) -> memoryview:
+        if self._view is None:
+            raise ValueError("blob is closed; open the object again to read it")
+        return self._view
+
+    def close(self) -> None:
+        view, self._view = self._view, None
+        if view is not None:
+            # A consumer still holding an export keeps the bytes alive; that is fine,
+            # the memory is ordinary heap, so ignore the refusal.
+            with suppress(BufferError):
+                view.release()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def as_byte_view(chunk: BufferLike) -> memoryview:
+    """Return a flat, unsigned-byte view of ``chunk`` without copying when possible.
+
+    Accepts anything with the buffer protocol (bytes, bytearray, memoryview, numpy
+    arrays, ...).  C-contiguous buffers in a native format are cast in place; only
+    non-contiguous or non-native-format buffers (rare: strided numpy views,
+    big-endian dtypes) are copied once via ``tobytes``.
+    """
+    # cast: numpy arrays are buffers at runtime, whatever 3.11's stubs say.
+    view = memoryview(cast("Buffer", chunk))
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if view.c_contiguous:
+        try:
+            return view.cast("B")
+        except TypeError:
+            pass  # non-native format such as '>f': cast refuses, copy below
+    return memoryview(view.tobytes())
+
+
+def translate_os_error(
+    exc: OSError, action: str, key: str, where: str, *, missing_is_not_found: bool = True
+) -> SparkCacheError:
+    """Map an ``OSError`` to the sparkcache error a caller should see.
+
+    ``action`` is a verb phrase ("writing", "reading"), ``where`` the backend URL;
+    both go into the message so it says what failed and where.  The caller raises
+    the result ``from exc`` so the original stays in the traceback.  Writers pass
+    ``missing_is_not_found=False``: a vanished folder under a write is a storage
+    failure, not a missing object.
+    """
+    if isinstance(exc, SparkCacheError):
+        return exc
+    if exc.errno in FULL_ERRNOS:
+        what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "disk is full"
+        return StoreFull(
+            f"{what} while {action} object {key!r} in {where}: free space on that "
+            "filesystem (evict old snapshots or lower the store's size budget) or point "
+            "the store at a larger disk, then retry"
+        )
+    if missing_is_not_found and isinstance(exc, FileNotFoundError):
+        return NotFound(f"no object {key!r} in {where}")
+    return BackendError(
+        f"storage error while {action} object {key!r} in {where}: {exc}; check that the "
+        "store's disk is mounted, writable and healthy"
+    )

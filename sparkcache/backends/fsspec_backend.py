@@ -1,0 +1,195 @@
+"""Objects on any filesystem fsspec can open: ``memory://``, ``file://``, ``s3://``, ...
+
+Keys map to ``<root path of the URL>/<key>``.  A write goes to the temp key
+(``fs.open(tmp, 'wb')``) and is published by ``fs.mv(tmp, final)``.  How atomic and
+durable that is depends on the filesystem, and this backend cannot do better than
+the filesystem allows:
+
+* ``memory://``: the move is a single dict assignment, atomic within the process;
+  nothing survives the process.
+* ``file://``: the move is ``os.rename`` (atomic), but nothing is fsynced; use
+  ``local://`` or a plain path for durable local storage.
+* object stores (``s3://``, ``gs://``): an upload becomes visible whole when it
+  completes, and ``mv`` is copy-then-delete, so readers never see a partial
+  object; ``durable`` is the store's own guarantee.
+
+``open`` copies the object into memory (``fs.cat_file``); ``zero_copy`` is False and
+``free_space`` is None (fsspec has no portable way to ask).  fsspec is imported
+when the first backend is created, so ``import sparkcache`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
+
+from sparkcache.backends.base import BufferBlob, as_byte_view, translate_os_error
+from sparkcache.backends.keys import temp_key, validate_key
+from sparkcache.errors import BackendError, NotFound, UnsafeName
+
+if TYPE_CHECKING:
+    from sparkcache.backends.base import Blob, BufferLike
+
+__all__ = ["FSSPEC_PREFIX", "FsspecBackend"]
+
+FSSPEC_PREFIX = "fsspec::"
+"""Prefix that forces :func:`~sparkcache.backends.open_backend` to use this backend."""
+
+
+class FsspecBackend:
+    """Objects under the root path of an fsspec URL.
+
+    ``storage_options`` are passed to the filesystem (credentials, endpoints).  The
+    filesystem instance is fsspec's cached one for those options, so several
+    backends on one bucket share connections.
+    """
+
+    zero_copy: bool = False
+
+    def __init__(self, url: str | os.PathLike[str], **storage_options: Any) -> None:
+        text = os.fspath(url).removeprefix(FSSPEC_PREFIX)
+        try:
+            import fsspec.core
+        except ImportError as exc:  # pragma: no cover - fsspec is a dependency
+            raise BackendError(
+                f"cannot open {text!r}: fsspec is not installed; run 'pip install fsspec'"
+            ) from exc
+        try:
+            fs, root = fsspec.core.url_to_fs(text, **storage_options)
+        except ImportError as exc:
+            raise BackendError(
+                f"cannot open {text!r}: fsspec needs an extra package for it ({exc}); "
+                "install that package"
+            ) from exc
+        except (ValueError, OSError) as exc:
+            raise BackendError(f"cannot open {text!r} with fsspec: {exc}") from exc
+        self.fs: Any = fs
+        self.url = text
+        # Kept without its trailing slash so keys join as f"{root}/{key}"; a root of
+        # "/" becomes "" and keys become "/key", which is what both the local and the
+        # memory filesystem expect.
+        self._root: str = str(root).rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def _path(self, key: str) -> str:
+        return f"{self._root}/{validate_key(key)}"
+
+    # -- writes -----------------------------------------------------------------
+
+    def put(self, key: str, chunks: Iterable[BufferLike], *, durable: bool = True) -> int:
+        """Write ``chunks`` to a temp key, then move it onto ``key``.
+
+        ``durable`` is accepted for the protocol; durability is the filesystem's
+        (see the module doc).  On failure the temp object is removed; a failure to
+        remove it is swallowed so that the original error is the one raised.
+        """
+        path = self._path(key)
+        tmp = self._path(temp_key(key))
+        handle: Any = None
+        try:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            handle = self.fs.open(tmp, "wb")
+            total = 0
+            for chunk in chunks:
+                view = as_byte_view(chunk)
+                handle.write(view)
+                total += len(view)
+            handle, closing = None, handle
+            closing.close()
+            self.fs.mv(tmp, path)
+        except BaseException as exc:
+            if handle is not None:
+                with suppress(Exception):
+                    handle.close()
+            with suppress(Exception):
+                self.fs.rm_file(tmp)
+            if isinstance(exc, OSError):
+                raise translate_os_error(
+                    exc, "writing", key, self.url, missing_is_not_found=False
+                ) from exc
+            raise
+        return total
+
+    def delete(self, key: str) -> bool:
+        path = self._path(key)
+        try:
+            if not self.fs.isfile(path):
+                return False
+            self.fs.rm_file(path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            raise translate_os_error(exc, "deleting", key, self.url) from exc
+        return True
+
+    # -- reads ------------------------------------------------------------------
+
+    def open(self, key: str) -> Blob:
+        """Fetch the whole object into memory (``cat_file``)."""
+        path = self._path(key)
+        try:
+            data = self.fs.cat_file(path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise NotFound(f"no object {key!r} in {self.url}") from exc
+        except OSError as exc:
+            raise translate_os_error(exc, "reading", key, self.url) from exc
+        return BufferBlob(bytes(data))
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        try:
+            return bool(self.fs.isfile(path))
+        except OSError as exc:
+            raise translate_os_error(exc, "inspecting", key, self.url) from exc
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        try:
+            info = self.fs.info(path)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise NotFound(f"no object {key!r} in {self.url}") from exc
+        except OSError as exc:
+            raise translate_os_error(exc, "inspecting", key, self.url) from exc
+        if info.get("type") != "file":
+            raise NotFound(f"no object {key!r} in {self.url} (that name is a folder)")
+        return int(info["size"])
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Keys of every object under folder ``prefix`` (``fs.find``), temp keys included.
+
+        Names that are not valid keys (written by other tools) are skipped.
+        """
+        base = validate_key(prefix.removesuffix("/")) if prefix else ""
+        folder = f"{self._root}/{base}" if base else (self._root or "/")
+        try:
+            found = self.fs.find(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            found = []
+        except OSError as exc:
+            raise translate_os_error(exc, "listing", base, self.url) from exc
+        inside = self.fs._strip_protocol(folder).rstrip("/") + "/"
+        return self._keys(found, inside, base)
+
+    @staticmethod
+    def _keys(found: Iterable[str], inside: str, base: str) -> Iterator[str]:
+        for path in found:
+            if not path.startswith(inside):
+                continue  # the prefix itself when it names an object, not a folder
+            key = path[len(inside) :]
+            if base:
+                key = f"{base}/{key}"
+            try:
+                yield validate_key(key)
+            except UnsafeName:
+                continue
+
+    def free_space(self) -> None:
+        """Unknown: fsspec has no portable free-space query."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: the filesystem instance is fsspec's shared, cached one."""

@@ -1,0 +1,199 @@
+"""What makes two KV caches interchangeable.
+
+An identity has three parts (see docs/architecture.md):
+
+* :class:`ModelIdentity` - the model part: weights, KV layout, topology and the
+  storage schema.  It names one model folder on disk and one row in the index,
+  and is the unit of retention.
+* the *rank* - which segment of a snapshot a worker owns.  It is passed next to
+  the identity, never folded into the prefix hashes, so that every rank computes
+  the same hashes.
+* :class:`RequestScope` - cache salt, LoRA and multimodal hashes.  It partitions
+  prefixes inside one model without new folders (it seeds the prefix hashes).
+
+Digests are xxh3_128 over canonical JSON, so they are equal across processes,
+machines and Python versions (no ``hash()``, no PYTHONHASHSEED).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import xxhash
+
+from sparkcache.errors import InvalidArgument
+
+__all__ = [
+    "STORAGE_SCHEMA_VERSION",
+    "ModelIdentity",
+    "RequestScope",
+    "canonical_json",
+    "normalize_dtype",
+]
+
+#: Bumped whenever the bytes a segment holds change meaning.  Part of every
+#: identity, so entries written by another version miss cleanly.
+STORAGE_SCHEMA_VERSION = 1
+
+# Storage dtype names are the safetensors ones; engine spellings map onto them.
+_DTYPE_ALIASES: dict[str, str] = {
+    "float64": "F64", "double": "F64", "fp64": "F64", "f64": "F64",
+    "float32": "F32", "float": "F32", "fp32": "F32", "f32": "F32",
+    "float16": "F16", "half": "F16", "fp16": "F16", "f16": "F16",
+    "bfloat16": "BF16", "bf16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "fp8_e4m3": "F8_E4M3", "fp8": "F8_E4M3", "f8_e4m3": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2", "fp8_e5m2": "F8_E5M2", "f8_e5m2": "F8_E5M2",
+    "int64": "I64", "i64": "I64", "int32": "I32", "i32": "I32",
+    "int16": "I16", "i16": "I16", "int8": "I8", "i8": "I8",
+    "uint8": "U8", "u8": "U8", "bool": "BOOL",
+}
+
+#: Bytes per element of every storage dtype.
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}
+
+
+def normalize_dtype(name: str) -> str:
+    """Map an engine dtype spelling (``torch.bfloat16``, ``fp8``, ``F16``) to a storage name."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"dtype must be a non-empty string, got {name!r}")
+    key = name.strip()
+    if key.upper() in DTYPE_SIZES:
+        return key.upper()
+    key = key.lower().removeprefix("torch.").removeprefix("numpy.")
+    if key in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[key]
+    raise InvalidArgument(
+        f"unknown dtype {name!r}; use one of {sorted(DTYPE_SIZES)} or an engine spelling "
+        "such as 'float16', 'bfloat16', 'fp8_e4m3'"
+    )
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace: the same text on every machine."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The model part of a KV-cache identity.
+
+    Anything that changes the bytes of a KV row must be a field here; two
+    identities with any field different never share a snapshot.
+
+    ``page_shape`` is the shape of one block of one layer as this rank's engine
+    lays it out (e.g. ``(kv_heads, 2 * block_size, head_size)`` on vLLM's CPU
+    backend); ``attention_layout`` is a free-form tag naming that layout.  The
+    store never interprets pages: it checks that their byte size is
+    ``prod(page_shape) * itemsize(kv_cache_dtype)``.
+    """
+
+    model: str
+    revision: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    page_shape: tuple[int, ...]
+    attention_layout: str = "paged"
+    tp_size: int = 1
+    pp_size: int = 1
+    dcp_size: int = 1
+    schema_version: int = STORAGE_SCHEMA_VERSION
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model or len(self.model) > 4096:
+            raise InvalidArgument("model must be a non-empty string of at most 4096 characters")
+        if "\x00" in self.model:
+            raise InvalidArgument("model name must not contain NUL characters")
+        if not isinstance(self.revision, str):
+            raise InvalidArgument("revision must be a string (a commit, tag or weights digest)")
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size",
+                     "tp_size", "pp_size", "dcp_size", "schema_version"):
+            _check_positive(name, getattr(self, name))
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "kv_cache_dtype", normalize_dtype(self.kv_cache_dtype))
+        shape = tuple(self.page_shape)
+        if not shape:
+            raise InvalidArgument("page_shape must have at least one dimension")
+        for dim in shape:
+            _check_positive("page_shape dimension", dim)
+        object.__setattr__(self, "page_shape", shape)
+        object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in self.extra)))
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks hold a segment of every snapshot."""
+        return self.tp_size * self.pp_size * self.dcp_size
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one block of one layer."""
+        n = DTYPE_SIZES[self.kv_cache_dtype]
+        for dim in self.page_shape:
+            n *= dim
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["page_shape"] = list(self.page_shape)
+        d["extra"] = [list(kv) for kv in self.extra]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelIdentity:
+        try:
+            args = dict(d)
+            args["page_shape"] = tuple(args["page_shape"])
+            args["extra"] = tuple(tuple(kv) for kv in args.get("extra", ()))
+            return cls(**args)
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgument(f"not a model identity: {exc}") from exc
+
+    def canonical(self) -> str:
+        return canonical_json(self.to_dict())
+
+    def digest(self) -> str:
+        """32 hex characters naming this model part everywhere (folder, index row)."""
+        return xxhash.xxh3_128_hexdigest(b"sparkcache-model\x00" + self.canonical().encode())
+
+    def check_rank(self, rank: int) -> int:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise InvalidArgument(
+                f"rank must be an integer in [0, {self.world_size}) for this topology "
+                f"(tp={self.tp_size}, pp={self.pp_size}, dcp={self.dcp_size}), got {rank!r}"
+            )
+        return rank
+
+
+@dataclass(frozen=True)
+class RequestScope:
+    """Per-request partition of the prefix space: cache salt, LoRA, multimodal inputs."""
+
+    cache_salt: str | None = None
+    lora: str | None = None
+    mm_hashes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mm_hashes", tuple(str(h) for h in self.mm_hashes))
+
+    def canonical(self) -> str:
+        return canonical_json(
+            {"cache_salt": self.cache_salt, "lora": self.lora, "mm": list(self.mm_hashes)}
+        )
+
+    @property
+    def is_default(self) -> bool:
+        return self.cache_salt is None and self.lora is None and not self.mm_hashes

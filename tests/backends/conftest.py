@@ -1,0 +1,61 @@
+"""Fixtures shared by the backend tests: one factory per backend kind.
+
+Every kind in :data:`BACKEND_KINDS` runs the whole conformance suite; a new backend
+joins by adding a branch to :func:`make_backend`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+
+from sparkcache import backends as registry
+from sparkcache.backends import Backend, FsspecBackend, LocalBackend, MmapBackend
+
+BACKEND_KINDS = ["local", "mmap", "fsspec-memory", "fsspec-file"]
+
+
+def make_backend(kind: str, folder: Path) -> Backend:
+    """A fresh, empty backend of ``kind``; ``folder`` is used by the on-disk kinds."""
+    if kind == "local":
+        return LocalBackend(folder)
+    if kind == "mmap":
+        return MmapBackend(folder)
+    if kind == "fsspec-memory":
+        # The memory filesystem is one process-wide dict: a unique root per test.
+        return FsspecBackend(f"memory://sparkcache-test-{uuid.uuid4().hex}")
+    if kind == "fsspec-file":
+        folder.mkdir(parents=True, exist_ok=True)
+        return FsspecBackend(f"file://{folder}")
+    raise AssertionError(f"unknown backend kind {kind!r}")
+
+
+def dispose_backend(backend: Backend) -> None:
+    """Close ``backend`` and drop what a memory backend stored (disk kinds use tmp_path)."""
+    backend.close()
+    if isinstance(backend, FsspecBackend) and backend.url.startswith("memory://"):
+        with suppress(FileNotFoundError):
+            backend.fs.rm(backend.url, recursive=True)
+
+
+@pytest.fixture(params=BACKEND_KINDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    """Each backend kind in turn, empty, removed after the test."""
+    made = make_backend(str(request.param), tmp_path / "store")
+    yield made
+    dispose_backend(made)
+
+
+@pytest.fixture
+def clean_registry() -> Iterator[None]:
+    """Restore the backend registry after a test that registers schemes."""
+    saved, loaded = dict(registry._registry), dict(registry._loaded)
+    yield
+    registry._registry.clear()
+    registry._registry.update(saved)
+    registry._loaded.clear()
+    registry._loaded.update(loaded)

@@ -1,0 +1,319 @@
+"""The one conformance suite every backend passes (the ``backend`` fixture's kinds)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sparkcache.backends import (
+    Backend,
+    Blob,
+    is_temp_key,
+    open_backend,
+    temp_key,
+)
+from sparkcache.errors import BackendError, InvalidArgument, NotFound, UnsafeName
+
+KEY = "objects/m-0123abcd/ab/ab12cd34-9f3c.r0.safetensors"
+MB = 1 << 20
+
+_ARRAY = np.arange(1000, dtype=np.float32)
+_MATRIX = np.arange(24, dtype=np.int64).reshape(4, 6)
+_BIG = np.random.default_rng(7).integers(0, 256, size=20 * MB, dtype=np.uint8)
+
+CHUNK_CASES: dict[str, list[Any]] = {
+    "bytes": [b"hello ", b"world"],
+    "bytearray": [bytearray(b"abc"), bytearray(range(256))],
+    "memoryview": [memoryview(b"0123456789")[2:8], memoryview(bytearray(b"xyz"))],
+    "numpy": [_ARRAY, _MATRIX, _MATRIX[:, ::2], np.float16(1.5)],
+    "mixed": [b"a", bytearray(b"b"), memoryview(b"c"), np.array([1, 2], dtype=np.uint16)],
+    "many-chunks": [bytes([i % 256]) * (i % 7) for i in range(2000)],
+    "empty-no-chunks": [],
+    "empty-chunks": [b"", bytearray(), memoryview(b"")],
+    "20MB": [_BIG[: 7 * MB], _BIG[7 * MB :]],
+}
+
+UNSAFE_KEYS = [
+    "..",
+    "/abs",
+    "a/../b",
+    "a\x00b",
+    "a\\b",
+    ".hidden",
+    "x" * 10_000,
+    "",
+    "a//b",
+    "a/",
+    "./a",
+    "-dash",
+    "é",
+]
+
+
+def expected_bytes(chunks: list[Any]) -> bytes:
+    return b"".join(np.asarray(c).tobytes() if not isinstance(c, bytes) else c for c in chunks)
+
+
+def read(backend: Backend, key: str) -> bytes:
+    with backend.open(key) as blob:
+        return bytes(blob.buffer)
+
+
+# -- roundtrips ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CHUNK_CASES))
+def test_put_open_roundtrip(backend: Backend, case: str) -> None:
+    chunks = CHUNK_CASES[case]
+    want = expected_bytes(chunks)
+    assert backend.put(KEY, iter(chunks)) == len(want)
+    assert backend.exists(KEY)
+    assert backend.size(KEY) == len(want)
+    with backend.open(KEY) as blob:
+        assert isinstance(blob, Blob)
+        view = blob.buffer
+        assert view.format == "B" and view.ndim == 1 and view.readonly
+        assert len(view) == len(want)
+        assert view == want
+
+
+def test_put_not_durable_roundtrips(backend: Backend) -> None:
+    assert backend.put("k", [b"scratch"], durable=False) == 7
+    assert read(backend, "k") == b"scratch"
+
+
+def test_backend_satisfies_protocol(backend: Backend) -> None:
+    assert isinstance(backend, Backend)
+    assert isinstance(backend.url, str) and "://" in backend.url
+    assert isinstance(backend.zero_copy, bool)
+
+
+def test_url_reopens_the_same_store(backend: Backend) -> None:
+    backend.put("a/b", [b"shared"])
+    again = open_backend(backend.url)
+    assert type(again) is type(backend)
+    assert read(again, "a/b") == b"shared"
+    again.close()
+
+
+# -- overwrite -------------------------------------------------------------------------
+
+
+def test_put_overwrites_atomically(backend: Backend) -> None:
+    old, new = b"old" * 1000, b"NEW" * 2000
+    backend.put(KEY, [old])
+    held = backend.open(KEY)  # a reader that opened before the overwrite
+
+    def chunks() -> Iterator[bytes]:
+        yield new[:100]
+        # Mid-write, readers still see the complete old object, never a partial one.
+        assert read(backend, KEY) == old
+        assert backend.size(KEY) == len(old)
+        yield new[100:]
+
+    assert backend.put(KEY, chunks()) == len(new)
+    assert read(backend, KEY) == new
+    assert backend.size(KEY) == len(new)
+    assert bytes(held.buffer) == old  # the earlier reader keeps its snapshot
+    held.close()
+    assert [k for k in backend.list() if is_temp_key(k)] == []
+
+
+# -- missing objects, delete, exists, size ----------------------------------------------
+
+
+def test_open_missing_raises_not_found(backend: Backend) -> None:
+    with pytest.raises(NotFound) as info:
+        backend.open("no/such/object")
+    assert "no/such/object" in str(info.value)
+    assert isinstance(info.value, KeyError)  # NotFound is also a KeyError
+
+
+def test_size_missing_raises_not_found(backend: Backend) -> None:
+    with pytest.raises(NotFound):
+        backend.size("missing")
+
+
+def test_delete_reports_whether_it_existed(backend: Backend) -> None:
+    backend.put("d/x", [b"1"])
+    assert backend.delete("d/x") is True
+    assert backend.delete("d/x") is False
+    assert backend.delete("never/there") is False
+    assert not backend.exists("d/x")
+    with pytest.raises(NotFound):
+        backend.open("d/x")
+
+
+def test_exists(backend: Backend) -> None:
+    assert backend.exists("e") is False
+    backend.put("e", [b""])
+    assert backend.exists("e") is True
+
+
+def test_folders_are_not_objects(backend: Backend) -> None:
+    backend.put("folder/inner/obj", [b"x"])
+    assert backend.exists("folder") is False
+    assert backend.exists("folder/inner") is False
+    with pytest.raises(NotFound):
+        backend.open("folder/inner")
+    with pytest.raises(NotFound):
+        backend.size("folder")
+    assert backend.delete("folder/inner") is False
+    assert read(backend, "folder/inner/obj") == b"x"
+
+
+def test_path_through_an_object_is_missing(backend: Backend) -> None:
+    backend.put("file", [b"x"])
+    assert backend.exists("file/below") is False
+    with pytest.raises(NotFound):
+        backend.open("file/below")
+    assert backend.delete("file/below") is False
+
+
+# -- list ------------------------------------------------------------------------------
+
+
+def test_list_with_prefix(backend: Backend) -> None:
+    keys = ["a/x", "a/b/y", "a/b/c/z", "ab/z", "c"]
+    for key in keys:
+        backend.put(key, [key.encode()])
+    assert sorted(backend.list()) == sorted(keys)
+    assert sorted(backend.list("")) == sorted(keys)
+    assert sorted(backend.list("a")) == ["a/b/c/z", "a/b/y", "a/x"]
+    assert sorted(backend.list("a/")) == ["a/b/c/z", "a/b/y", "a/x"]
+    assert sorted(backend.list("a/b")) == ["a/b/c/z", "a/b/y"]
+    assert list(backend.list("nope")) == []
+    assert list(backend.list("c")) == []  # an object is not a folder
+
+
+def test_list_includes_temp_keys(backend: Backend) -> None:
+    backend.put("f/obj", [b"1"])
+    leftover = temp_key("f/obj")  # what a crashed writer leaves behind
+    backend.put(leftover, [b"partial"])
+    listed = sorted(backend.list("f"))
+    assert listed == sorted(["f/obj", leftover])
+    assert [k for k in listed if is_temp_key(k)] == [leftover]
+
+
+def test_list_empty_store(backend: Backend) -> None:
+    assert list(backend.list()) == []
+
+
+# -- free space ------------------------------------------------------------------------
+
+
+def test_free_space_type(backend: Backend) -> None:
+    free = backend.free_space()
+    assert free is None or (isinstance(free, int) and free > 0)
+
+
+# -- failures --------------------------------------------------------------------------
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def failing_chunks() -> Iterator[bytes]:
+    yield b"first part " * 1000
+    yield b"second part " * 1000
+    raise Boom("producer died")
+
+
+def test_failed_put_leaves_nothing(backend: Backend) -> None:
+    with pytest.raises(Boom):
+        backend.put("fail/obj", failing_chunks())
+    assert not backend.exists("fail/obj")
+    assert list(backend.list()) == []
+
+
+def test_failed_overwrite_keeps_old_object(backend: Backend) -> None:
+    backend.put("fail/obj", [b"keep me"])
+    with pytest.raises(Boom):
+        backend.put("fail/obj", failing_chunks())
+    assert read(backend, "fail/obj") == b"keep me"
+    assert list(backend.list()) == ["fail/obj"]
+
+
+def test_non_buffer_chunk_is_type_error(backend: Backend) -> None:
+    with pytest.raises(TypeError):
+        backend.put("t", [b"ok", "text is not bytes"])  # type: ignore[list-item]
+    assert list(backend.list()) == []
+
+
+@pytest.mark.parametrize("bad", UNSAFE_KEYS, ids=repr)
+def test_unsafe_keys_rejected_by_every_method(backend: Backend, bad: str) -> None:
+    with pytest.raises(UnsafeName) as info:
+        backend.put(bad, [b"x"])
+    assert "key" in str(info.value)
+    with pytest.raises(UnsafeName):
+        backend.open(bad)
+    with pytest.raises(UnsafeName):
+        backend.delete(bad)
+    with pytest.raises(UnsafeName):
+        backend.exists(bad)
+    with pytest.raises(UnsafeName):
+        backend.size(bad)
+    if bad not in ("", "a/"):  # "" lists everything; "a/" is the folder "a"
+        with pytest.raises(UnsafeName):
+            backend.list(bad)  # raised at the call, before iterating
+    assert list(backend.list()) == []
+
+
+def test_unsafe_name_is_invalid_argument(backend: Backend) -> None:
+    with pytest.raises(InvalidArgument):
+        backend.open("../etc/passwd")
+    with pytest.raises(ValueError):
+        backend.open("../etc/passwd")
+
+
+def test_non_str_key_rejected(backend: Backend) -> None:
+    with pytest.raises(UnsafeName):
+        backend.exists(b"bytes-key")  # type: ignore[arg-type]
+
+
+# -- blobs -----------------------------------------------------------------------------
+
+
+def test_blob_buffer_is_read_only(backend: Backend) -> None:
+    backend.put("ro", [b"immutable"])
+    with backend.open("ro") as blob:
+        with pytest.raises(TypeError):
+            blob.buffer[0] = 0
+        with pytest.raises(TypeError):
+            blob.buffer[1:3] = b"zz"
+        assert bytes(blob.buffer) == b"immutable"
+    assert read(backend, "ro") == b"immutable"
+
+
+def test_blob_close_twice_and_closed_buffer(backend: Backend) -> None:
+    backend.put("c", [b"data"])
+    blob = backend.open("c")
+    blob.close()
+    blob.close()
+    with pytest.raises(ValueError):
+        _ = blob.buffer
+
+
+def test_blob_of_empty_object(backend: Backend) -> None:
+    backend.put("empty", [])
+    with backend.open("empty") as blob:
+        assert len(blob.buffer) == 0
+        assert blob.buffer.readonly
+
+
+def test_numpy_view_of_blob(backend: Backend) -> None:
+    backend.put("arr", [_ARRAY])
+    with backend.open("arr") as blob:
+        restored = np.frombuffer(blob.buffer, dtype=np.float32)
+        assert np.array_equal(restored, _ARRAY)
+        assert not restored.flags.writeable
+        del restored  # consumers release their views before closing
+
+
+def test_backend_errors_are_os_errors() -> None:
+    # Callers that already handle OSError keep working.
+    assert issubclass(BackendError, OSError)
