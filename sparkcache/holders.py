@@ -1,0 +1,57 @@
+"""Who holds a lease: host, pid and process start time, and whether it still lives.
+
+A lease outlives the process that took it only until it expires; ``check`` and
+publishers also drop leases whose holder is a dead process on this host, so a
+SIGKILLed worker blocks nothing.  The start time guards against pid reuse.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = ["holder_alive", "this_holder"]
+
+
+def _stat(pid: int) -> tuple[str, str]:
+    """(state, start time in clock ticks since boot) from /proc, or ('', '') where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return "", ""
+    # The command name (field 2) may hold spaces and parentheses: split after it.
+    fields = stat.rsplit(")", 1)[-1].split()
+    return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
+
+
+def _start_time(pid: int) -> str:
+    return _stat(pid)[1]
+
+
+def this_holder(tag: str = "") -> str:
+    """``host/pid/start[/tag]`` naming this process."""
+    pid = os.getpid()
+    base = f"{socket.gethostname()}/{pid}/{_start_time(pid)}"
+    return f"{base}/{tag}" if tag else base
+
+
+def holder_alive(holder: str) -> bool | None:
+    """True/False for a holder on this host; None when it lives elsewhere (unknown)."""
+    parts = holder.split("/")
+    if len(parts) < 3 or parts[0] != socket.gethostname():
+        return None
+    try:
+        pid = int(parts[1])
+    except ValueError:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    state, started = _stat(pid)
+    if state in ("Z", "X"):  # killed, not yet reaped: it will never release anything
+        return False
+    return not (started and parts[2] and started != parts[2])

@@ -1,0 +1,142 @@
+"""The SQL the store runs, as named constants next to the schema.
+
+Every statement touches indexed columns only, so its cost grows with the rows
+it reads or writes, not with the size of the store (design invariant 6).
+"""
+
+from __future__ import annotations
+
+# -- models -------------------------------------------------------------------
+MODEL_BY_DIGEST = "SELECT id FROM models WHERE digest = ? AND deleted_at IS NULL"
+INSERT_MODEL = (
+    "INSERT INTO models (digest, name, folder, identity_json, created_at) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (digest) DO UPDATE SET deleted_at = NULL RETURNING id"
+)
+LIST_MODELS = "SELECT id, digest, name, folder, identity_json, created_at FROM models"
+
+# -- snapshots ----------------------------------------------------------------
+SNAPSHOT_COLUMNS = (
+    "id, model_id, snap_key, n_tokens, start_token, parent_id, depth, world_size, nbytes, "
+    "state, reason, pinned, created_at, last_used, use_count"
+)
+SNAPSHOT_BY_ID = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?"
+LIVE_SNAPSHOT_BY_KEY = (
+    f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots "
+    "WHERE model_id = ? AND snap_key = ? AND state IN ('pending', 'ready')"
+)
+INSERT_SNAPSHOT = (
+    "INSERT INTO snapshots (model_id, snap_key, n_tokens, start_token, parent_id, depth, "
+    "world_size, nbytes, state, pinned, created_at, last_used, use_count) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, 0, 'pending', 0, ?, ?, 0) RETURNING id"
+)
+ADD_SNAPSHOT_BYTES = "UPDATE snapshots SET nbytes = nbytes + ? WHERE id = ?"
+MARK_READY = (
+    "UPDATE snapshots SET state = 'ready', created_at = ?, last_used = ? "
+    "WHERE id = ? AND state = 'pending'"
+)
+# Root first: every link of the chain that holds rows below ``n_tokens``.
+CHAIN = """
+WITH RECURSIVE chain(id, parent_id, start_token, n_tokens, snap_key, state, lvl) AS (
+    SELECT id, parent_id, start_token, n_tokens, snap_key, state, 0 FROM snapshots WHERE id = ?
+    UNION ALL
+    SELECT s.id, s.parent_id, s.start_token, s.n_tokens, s.snap_key, s.state, c.lvl + 1
+    FROM snapshots AS s JOIN chain AS c ON s.id = c.parent_id
+)
+SELECT id, start_token, n_tokens, snap_key, state FROM chain ORDER BY lvl DESC
+"""
+# The snapshot and all its descendants, deepest first (safe deletion order).
+SUBTREE = """
+WITH RECURSIVE sub(id, lvl) AS (
+    SELECT id, 0 FROM snapshots WHERE id = ?
+    UNION ALL
+    SELECT s.id, sub.lvl + 1 FROM snapshots AS s JOIN sub ON s.parent_id = sub.id
+)
+SELECT id FROM sub ORDER BY lvl DESC
+"""
+QUARANTINE = (
+    "UPDATE snapshots SET state = 'quarantined', reason = ? "
+    "WHERE id = ? AND state != 'quarantined'"
+)
+TOUCH = "UPDATE snapshots SET last_used = ?, use_count = use_count + 1 WHERE id = ?"
+SET_PINNED = "UPDATE snapshots SET pinned = ? WHERE id = ?"
+DELETE_SNAPSHOT = "DELETE FROM snapshots WHERE id = ?"
+HAS_CHILDREN = "SELECT 1 FROM snapshots WHERE parent_id = ? LIMIT 1"
+LIST_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots"
+PENDING_SNAPSHOTS = "SELECT id, created_at FROM snapshots WHERE state = 'pending'"
+# Eviction candidates of one state, least recently used first: leaves only (a
+# parent still needed by a child goes after it), never pinned or leased.
+EVICTABLE = """
+SELECT s.id FROM snapshots AS s
+WHERE s.state = ? {model_filter}
+  AND s.pinned = 0
+  AND NOT EXISTS (SELECT 1 FROM snapshots AS c WHERE c.parent_id = s.id)
+  AND NOT EXISTS (SELECT 1 FROM leases AS l WHERE l.snapshot_id = s.id AND l.expires_at > ?)
+ORDER BY s.last_used LIMIT ?
+"""
+
+# -- segments -----------------------------------------------------------------
+SEGMENT = (
+    "SELECT object_key, token_start, token_end, nbytes, digest, state FROM segments "
+    "WHERE snapshot_id = ? AND rank = ?"
+)
+INSERT_SEGMENT = (
+    "INSERT INTO segments (snapshot_id, rank, object_key, token_start, token_end, nbytes, "
+    "digest, state, created_at) VALUES (?, ?, ?, ?, ?, 0, NULL, 'writing', ?)"
+)
+FINISH_SEGMENT = (
+    "UPDATE segments SET state = 'ready', nbytes = ?, digest = ? "
+    "WHERE snapshot_id = ? AND rank = ? AND state = 'writing'"
+)
+DELETE_SEGMENT = "DELETE FROM segments WHERE snapshot_id = ? AND rank = ?"
+SEGMENT_KEYS = "SELECT object_key FROM segments WHERE snapshot_id = ?"
+COUNT_SEGMENTS = "SELECT count(*) FROM segments WHERE snapshot_id = ?"
+COUNT_READY_SEGMENTS = "SELECT count(*) FROM segments WHERE snapshot_id = ? AND state = 'ready'"
+ALL_SEGMENT_KEYS = "SELECT object_key FROM segments"
+READY_SEGMENTS = (
+    "SELECT snapshot_id, rank, object_key, nbytes FROM segments WHERE state = 'ready'"
+)
+WRITING_SEGMENTS = "SELECT snapshot_id, rank, object_key FROM segments WHERE state = 'writing'"
+# Restorable: every expected rank has a ready segment of this link.
+READY_RANKS = (
+    "SELECT count(*) FROM segments WHERE snapshot_id = ? AND state = 'ready' "
+    "AND rank IN (SELECT value FROM json_each(?))"
+)
+
+# -- boundaries (prefix ends, sparse aliases, breakpoints) ---------------------
+INSERT_BOUNDARY = (
+    "INSERT OR IGNORE INTO boundaries (prefix_hash, snapshot_id, model_id, n_tokens, kind) "
+    "VALUES (?, ?, ?, ?, ?)"
+)
+# Hashes arrive as one JSON array of hex strings: a single prepared statement
+# whatever the prompt length.
+FIND_BOUNDARIES = (
+    "SELECT b.prefix_hash, b.snapshot_id, b.n_tokens FROM boundaries AS b "
+    "WHERE b.prefix_hash IN (SELECT unhex(value) FROM json_each(?)) AND b.model_id = ?"
+)
+DELETE_BOUNDARIES = "DELETE FROM boundaries WHERE snapshot_id = ?"
+
+# -- leases -------------------------------------------------------------------
+INSERT_LEASE = (
+    "INSERT INTO leases (snapshot_id, holder, kind, created_at, expires_at) "
+    "VALUES (?, ?, ?, ?, ?) RETURNING id"
+)
+DELETE_LEASE = "DELETE FROM leases WHERE id = ?"
+RENEW_LEASE = "UPDATE leases SET expires_at = ? WHERE id = ? AND expires_at > ?"
+LIVE_LEASES_OF = "SELECT holder FROM leases WHERE snapshot_id = ? AND expires_at > ?"
+LEASE_OF_KIND = "SELECT id, holder, expires_at FROM leases WHERE snapshot_id = ? AND kind = ?"
+EXPIRED_LEASES = "SELECT id FROM leases WHERE expires_at <= ?"
+ALL_LEASES = "SELECT id, snapshot_id, holder, kind, expires_at FROM leases"
+
+# -- counters and settings ----------------------------------------------------
+BUMP_COUNTER = (
+    "INSERT INTO counters (model_id, name, value) VALUES (?, ?, ?) "
+    "ON CONFLICT (model_id, name) DO UPDATE SET value = value + excluded.value"
+)
+COUNTERS = "SELECT model_id, name, value FROM counters"
+GET_SETTING = "SELECT value FROM settings WHERE key = ?"
+PUT_SETTING = (
+    "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) "
+    "ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at"
+)
+
+__all__ = [name for name in dir() if name.isupper()]

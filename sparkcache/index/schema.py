@@ -1,0 +1,314 @@
+"""The index schema at head, defined once in SQLAlchemy Core, plus the SQL text next to it.
+
+``METADATA`` describes the newest revision (``SCHEMA_REVISION``).  The alembic
+revisions under ``migrations/versions`` are frozen history: each spells out its own
+``op.create_table`` calls so that editing this module never rewrites the past.
+``tests/index/test_schema.py`` checks that a database migrated to head is exactly
+what this module describes (tables, indexes, views), so the two cannot drift.
+
+Conventions: timestamps are REAL unix seconds (``time.time()``); digests and keys
+are lower-case hex text; prefix hashes are 16-byte BLOBs.  See ``docs/index.md``
+for what every column means and who writes it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from sqlalchemy import (
+    REAL,
+    CheckConstraint,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    text,
+)
+
+__all__ = [
+    "BEGIN_DEFERRED",
+    "BEGIN_IMMEDIATE",
+    "BOUNDARIES",
+    "BOUNDARY_KINDS",
+    "COMMIT",
+    "COUNTERS",
+    "DEFAULT_BUSY_TIMEOUT_MS",
+    "JOURNAL_MODE",
+    "LEASES",
+    "METADATA",
+    "MODELS",
+    "PRAGMAS",
+    "RELEASE_SAVEPOINT",
+    "ROLLBACK",
+    "ROLLBACK_TO_SAVEPOINT",
+    "SAVEPOINT",
+    "SCHEMA_REVISION",
+    "SEGMENTS",
+    "SEGMENT_STATES",
+    "SELECT_ALEMBIC_VERSION",
+    "SETTINGS",
+    "SETTING_SQLITE_VERSION",
+    "SNAPSHOTS",
+    "SNAPSHOT_STATES",
+    "TABLE_EXISTS",
+    "USER_OBJECT_COUNT",
+    "VIEWS",
+    "V_COUNTERS",
+    "V_LEASES",
+    "V_MODELS",
+    "V_SEGMENTS",
+    "V_SNAPSHOTS",
+]
+
+# The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
+# it with the database's ``alembic_version`` so that an up-to-date open never has to
+# import alembic; a test checks it equals the newest revision file.
+SCHEMA_REVISION: Final = "0002"
+
+# -- connection settings --------------------------------------------------------------------
+# WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
+JOURNAL_MODE: Final = "wal"
+# Applied on every connection, in order.  FULL syncs the WAL on every commit: a
+# committed row survives power loss, which the "files deleted after the commit that
+# forgets them" rule relies on.  Foreign keys are off by default in SQLite.
+PRAGMAS: Final[tuple[tuple[str, str], ...]] = (
+    ("synchronous", "FULL"),
+    ("foreign_keys", "ON"),
+)
+DEFAULT_BUSY_TIMEOUT_MS: Final = 10_000
+
+# -- SQL the connection layer runs --------------------------------------------------------
+BEGIN_DEFERRED: Final = "BEGIN"
+BEGIN_IMMEDIATE: Final = "BEGIN IMMEDIATE"
+COMMIT: Final = "COMMIT"
+ROLLBACK: Final = "ROLLBACK"
+SAVEPOINT: Final = "SAVEPOINT {name}"
+RELEASE_SAVEPOINT: Final = "RELEASE SAVEPOINT {name}"
+ROLLBACK_TO_SAVEPOINT: Final = "ROLLBACK TO SAVEPOINT {name}"
+TABLE_EXISTS: Final = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+USER_OBJECT_COUNT: Final = "SELECT count(*) FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
+SELECT_ALEMBIC_VERSION: Final = "SELECT version_num FROM alembic_version"
+# settings key holding the SQLite library version of the last process that opened
+# the store (the statements live in ``queries``).
+SETTING_SQLITE_VERSION: Final = "sqlite_version"
+
+# -- enumerations (CHECK constraints) -----------------------------------------------------
+SNAPSHOT_STATES: Final = ("pending", "ready", "quarantined")
+SEGMENT_STATES: Final = ("writing", "ready")
+BOUNDARY_KINDS: Final = ("end", "stride", "breakpoint")
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+METADATA: Final = MetaData()
+
+SETTINGS: Final = Table(
+    "settings",
+    METADATA,
+    Column("key", Text, primary_key=True),
+    Column("value", Text, nullable=False),
+    Column("updated_at", REAL, nullable=False),
+)
+
+MODELS: Final = Table(
+    "models",
+    METADATA,
+    Column("id", Integer, primary_key=True),
+    Column("digest", Text, nullable=False, unique=True),
+    Column("name", Text, nullable=False),
+    Column("folder", Text, nullable=False, unique=True),
+    Column("identity_json", Text, nullable=False),
+    Column("created_at", REAL, nullable=False),
+    Column("deleted_at", REAL, nullable=True),
+)
+
+SNAPSHOTS: Final = Table(
+    "snapshots",
+    METADATA,
+    Column("id", Integer, primary_key=True),
+    Column("model_id", Integer, ForeignKey("models.id", ondelete="CASCADE"), nullable=False),
+    Column("snap_key", Text, nullable=False),
+    Column("n_tokens", Integer, nullable=False),
+    Column("start_token", Integer, nullable=False, server_default=text("0")),
+    # No cascade: a parent that still has children cannot be deleted.
+    Column("parent_id", Integer, ForeignKey("snapshots.id"), nullable=True),
+    Column("depth", Integer, nullable=False, server_default=text("0")),
+    Column("world_size", Integer, nullable=False),
+    Column("nbytes", Integer, nullable=False, server_default=text("0")),
+    Column("state", Text, nullable=False),
+    Column("reason", Text, nullable=True),
+    Column("pinned", Integer, nullable=False, server_default=text("0")),
+    Column("created_at", REAL, nullable=False),
+    Column("last_used", REAL, nullable=False),
+    Column("use_count", Integer, nullable=False, server_default=text("0")),
+    CheckConstraint(_one_of("state", SNAPSHOT_STATES), name="ck_snapshots_state"),
+    Index("ix_snapshots_model_state_used", "model_id", "state", "last_used"),
+    Index("ix_snapshots_state_used", "state", "last_used"),
+    Index("ix_snapshots_parent", "parent_id"),
+    # One live snapshot per key and model; quarantined rows may pile up beside it.
+    Index(
+        "ux_snapshots_model_key_live",
+        "model_id",
+        "snap_key",
+        unique=True,
+        sqlite_where=text("state IN ('pending', 'ready')"),
+    ),
+    # Ids are never reused, so a stale id held by a reader can never name a new row.
+    sqlite_autoincrement=True,
+)
+
+SEGMENTS: Final = Table(
+    "segments",
+    METADATA,
+    Column(
+        "snapshot_id",
+        Integer,
+        ForeignKey("snapshots.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("rank", Integer, nullable=False),
+    Column("object_key", Text, nullable=False, unique=True),
+    Column("token_start", Integer, nullable=False),
+    Column("token_end", Integer, nullable=False),
+    Column("nbytes", Integer, nullable=False, server_default=text("0")),
+    Column("digest", Text, nullable=True),
+    Column("state", Text, nullable=False),
+    Column("created_at", REAL, nullable=False),
+    PrimaryKeyConstraint("snapshot_id", "rank", name="pk_segments"),
+    CheckConstraint(_one_of("state", SEGMENT_STATES), name="ck_segments_state"),
+)
+
+BOUNDARIES: Final = Table(
+    "boundaries",
+    METADATA,
+    Column("prefix_hash", LargeBinary, nullable=False),
+    Column(
+        "snapshot_id",
+        Integer,
+        ForeignKey("snapshots.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    # Copied from the snapshot so a lookup filters by model without a join.
+    Column("model_id", Integer, nullable=False),
+    Column("n_tokens", Integer, nullable=False),
+    Column("kind", Text, nullable=False),
+    PrimaryKeyConstraint("prefix_hash", "snapshot_id", name="pk_boundaries"),
+    CheckConstraint(_one_of("kind", BOUNDARY_KINDS), name="ck_boundaries_kind"),
+    Index("ix_boundaries_snapshot", "snapshot_id"),
+    # The rows are the primary-key b-tree itself: one probe per hash, no rowid detour.
+    sqlite_with_rowid=False,
+)
+
+LEASES: Final = Table(
+    "leases",
+    METADATA,
+    Column("id", Integer, primary_key=True),
+    Column(
+        "snapshot_id",
+        Integer,
+        ForeignKey("snapshots.id", ondelete="CASCADE"),
+        nullable=True,
+    ),
+    Column("holder", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("created_at", REAL, nullable=False),
+    Column("expires_at", REAL, nullable=False),
+    Index("ix_leases_snapshot_expires", "snapshot_id", "expires_at"),
+    Index("ix_leases_expires", "expires_at"),
+    sqlite_autoincrement=True,
+)
+
+# Revision 0002.  model_id 0 means "the whole store"; no foreign key so that a
+# counter outlives the model it counted.
+COUNTERS: Final = Table(
+    "counters",
+    METADATA,
+    Column("model_id", Integer, nullable=False, server_default=text("0")),
+    Column("name", Text, nullable=False),
+    Column("value", Integer, nullable=False, server_default=text("0")),
+    PrimaryKeyConstraint("model_id", "name", name="pk_counters"),
+)
+
+# -- views for people at the sqlite3 shell (revision 0002) ---------------------------------
+# Times are UTC 'YYYY-MM-DD HH:MM:SS' text, which sorts like the number it shows;
+# sizes are decimal megabytes (10**6 bytes).  Nothing in sparkcache reads the views.
+# v_leases computes "now" in unix seconds as (julianday('now') - 2440587.5) * 86400.0,
+# which works on every SQLite (unixepoch('subsec') needs 3.42).
+
+V_MODELS: Final = """CREATE VIEW v_models AS
+SELECT m.id AS id,
+       m.name AS name,
+       m.digest AS digest,
+       (SELECT count(*) FROM snapshots AS s WHERE s.model_id = m.id) AS snapshots,
+       (SELECT count(*) FROM snapshots AS s
+         WHERE s.model_id = m.id AND s.state = 'ready') AS ready,
+       round((SELECT coalesce(sum(s.nbytes), 0) FROM snapshots AS s
+               WHERE s.model_id = m.id) / 1e6, 1) AS mb,
+       datetime(m.created_at, 'unixepoch') AS created,
+       datetime(m.deleted_at, 'unixepoch') AS deleted
+FROM models AS m"""
+
+V_SNAPSHOTS: Final = """CREATE VIEW v_snapshots AS
+SELECT s.id AS id,
+       m.name AS model,
+       s.n_tokens AS tokens,
+       s.start_token AS start_token,
+       round(s.nbytes / 1e6, 1) AS mb,
+       s.state AS state,
+       s.reason AS reason,
+       s.pinned AS pinned,
+       s.parent_id AS parent,
+       s.depth AS depth,
+       s.world_size AS world_size,
+       s.use_count AS uses,
+       datetime(s.created_at, 'unixepoch') AS created,
+       datetime(s.last_used, 'unixepoch') AS last_used,
+       s.snap_key AS snap_key
+FROM snapshots AS s JOIN models AS m ON m.id = s.model_id"""
+
+V_SEGMENTS: Final = """CREATE VIEW v_segments AS
+SELECT g.snapshot_id AS snapshot_id,
+       g.rank AS rank,
+       g.state AS state,
+       g.token_start AS token_start,
+       g.token_end AS token_end,
+       round(g.nbytes / 1e6, 1) AS mb,
+       g.digest AS digest,
+       datetime(g.created_at, 'unixepoch') AS created,
+       g.object_key AS object_key
+FROM segments AS g"""
+
+V_LEASES: Final = """CREATE VIEW v_leases AS
+SELECT l.id AS id,
+       l.snapshot_id AS snapshot_id,
+       l.kind AS kind,
+       l.holder AS holder,
+       datetime(l.created_at, 'unixepoch') AS created,
+       datetime(l.expires_at, 'unixepoch') AS expires,
+       round(l.expires_at - (julianday('now') - 2440587.5) * 86400.0, 1) AS seconds_left,
+       l.expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired
+FROM leases AS l"""
+
+V_COUNTERS: Final = """CREATE VIEW v_counters AS
+SELECT CASE WHEN c.model_id = 0 THEN '(all)'
+            ELSE coalesce(m.name, '#' || c.model_id) END AS model,
+       c.name AS name,
+       c.value AS value,
+       c.model_id AS model_id
+FROM counters AS c LEFT JOIN models AS m ON m.id = c.model_id"""
+
+# name -> CREATE VIEW statement, in creation order.
+VIEWS: Final[dict[str, str]] = {
+    "v_models": V_MODELS,
+    "v_snapshots": V_SNAPSHOTS,
+    "v_segments": V_SEGMENTS,
+    "v_leases": V_LEASES,
+    "v_counters": V_COUNTERS,
+}

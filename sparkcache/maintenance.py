@@ -1,0 +1,215 @@
+"""Deleting, evicting and checking: the store's housekeeping.
+
+Deletions follow one rule (STYLE habit 6): rows go in one write transaction,
+and the files those rows named are deleted only after it commits.  A crash in
+between leaves orphan files, never an index row naming a missing file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+from sparkcache.backends import is_temp_key
+from sparkcache.backends.keys import temp_key_pid
+from sparkcache.errors import LeaseError, NotFound
+from sparkcache.holders import holder_alive
+from sparkcache.identity import ModelIdentity
+from sparkcache.index import queries as q
+
+if TYPE_CHECKING:
+    from sparkcache.store import SnapshotStore
+
+__all__ = ["CheckReport", "check", "delete_snapshots", "evict_lru"]
+
+#: A pending snapshot with no live publisher is abandoned after this long.
+PENDING_GRACE_SECONDS = 600.0
+
+
+def _lease_blocks(holder: str) -> bool:
+    """An unexpired lease blocks unless its holder is a dead process on this host."""
+    return holder_alive(holder) is not False
+
+
+def _delete_rows(conn: Any, store: SnapshotStore, snapshot_id: int, reason: str) -> list[str]:
+    """Delete one snapshot's rows (cascading to segments, boundaries, leases)."""
+    row = conn.execute(q.SNAPSHOT_BY_ID, (snapshot_id,)).fetchone()
+    if row is None:
+        return []
+    keys = [k for (k,) in conn.execute(q.SEGMENT_KEYS, (snapshot_id,))]
+    conn.execute(q.DELETE_SNAPSHOT, (snapshot_id,))
+    conn.execute(q.BUMP_COUNTER, (row[1], f"evictions.{reason}", 1))
+    return keys
+
+
+def _delete_files_after_commit(store: SnapshotStore, keys: Iterable[str]) -> None:
+    for key in keys:
+        store.db.on_commit(functools.partial(store._delete_object, key))
+
+
+def delete_snapshots(
+    store: SnapshotStore, snapshot_ids: Iterable[int], *, force: bool = False,
+    reason: str = "deleted",
+) -> list[int]:
+    """Delete snapshots with their descendants, deepest first.  See SnapshotStore.delete."""
+    now = store._clock()
+    deleted: list[int] = []
+    with store._write() as conn:
+        for snapshot_id in snapshot_ids:
+            subtree = [i for (i,) in conn.execute(q.SUBTREE, (snapshot_id,)).fetchall()]
+            if not subtree:
+                raise NotFound(f"no snapshot {snapshot_id}")
+            if not force:
+                for sub in subtree:
+                    for (holder,) in conn.execute(q.LIVE_LEASES_OF, (sub, now)).fetchall():
+                        if _lease_blocks(holder):
+                            raise LeaseError(
+                                f"snapshot {sub} is leased by {holder}; wait for the lease to "
+                                "expire or pass force=True"
+                            )
+            for sub in subtree:
+                _delete_files_after_commit(store, _delete_rows(conn, store, sub, reason))
+                deleted.append(sub)
+    return deleted
+
+
+def evict_lru(
+    store: SnapshotStore, *, model: ModelIdentity | None = None, count: int = 1,
+    reason: str = "lru",
+) -> list[int]:
+    """Delete up to ``count`` snapshots, quarantined ones first, then least recently used.
+
+    Only leaves go (a parent still needed by a child waits until the child has
+    gone, which may happen in this same call), never pinned or leased ones.
+    Each candidate query reads rows in ``last_used`` order through an index, so
+    the cost follows what is deleted, not the size of the store.
+    """
+    if count <= 0:
+        return []
+    now = store._clock()
+    evicted: list[int] = []
+    with store._write() as conn:
+        model_filter, params = "", cast(tuple[int, ...], ())
+        if model is not None:
+            model_id = store._model_id(conn, model)
+            if model_id is None:
+                return []
+            model_filter, params = "AND s.model_id = ?", (model_id,)
+        sql = q.EVICTABLE.format(model_filter=model_filter)
+        while len(evicted) < count:
+            progressed = False
+            for state in ("quarantined", "ready"):
+                want = count - len(evicted)
+                if want <= 0:
+                    break
+                for (sid,) in conn.execute(sql, (state, *params, now, want)).fetchall():
+                    if _leased_by_live(conn, sid, now):
+                        continue
+                    _delete_files_after_commit(store, _delete_rows(conn, store, sid, reason))
+                    evicted.append(sid)
+                    progressed = True
+            if not progressed:
+                break
+    return evicted
+
+
+def _leased_by_live(conn: Any, snapshot_id: int, now: float) -> bool:
+    return any(
+        _lease_blocks(h) for (h,) in conn.execute(q.LIVE_LEASES_OF, (snapshot_id, now)).fetchall()
+    )
+
+
+@dataclass
+class CheckReport:
+    """What ``check`` found (and, with ``fix``, repaired)."""
+
+    expired_leases: list[int] = field(default_factory=list)
+    dead_publishes: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, rank)
+    stuck_pending: list[int] = field(default_factory=list)
+    missing_files: list[int] = field(default_factory=list)  # snapshots quarantined
+    orphan_files: list[str] = field(default_factory=list)
+    fixed: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not (self.expired_leases or self.dead_publishes or self.stuck_pending
+                    or self.missing_files or self.orphan_files)
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check(store: SnapshotStore, *, fix: bool = False) -> CheckReport:
+    """Compare the index with the files and with the living processes.
+
+    Finds expired or orphaned leases, publishes whose process died, snapshots
+    stuck mid-publish, ready segments whose file is missing (their snapshot is
+    quarantined) and files no row names (temp files of dead writers included).
+    With ``fix`` every finding is repaired; without it nothing changes.
+    """
+    report = CheckReport(fixed=fix)
+    # Files are listed *before* the rows are read: a publisher inserts its row
+    # before it creates its file, so a live publish is never taken for an orphan.
+    files = list(store.backend.list("objects"))
+    now = store._clock()
+    doomed: list[str] = []
+    with store._write() as conn:
+        for lease_id, _sid, holder, _kind, expires in conn.execute(q.ALL_LEASES).fetchall():
+            if expires <= now or not _lease_blocks(holder):
+                report.expired_leases.append(lease_id)
+                if fix:
+                    conn.execute(q.DELETE_LEASE, (lease_id,))
+        live_publishers = {
+            (sid, kind) for _id, sid, holder, kind, expires in conn.execute(q.ALL_LEASES)
+            if expires > now and _lease_blocks(holder)
+        }
+        for sid, rank, key in conn.execute(q.WRITING_SEGMENTS).fetchall():
+            if (sid, f"publish.r{rank}") not in live_publishers:
+                report.dead_publishes.append((sid, rank))
+                if fix:
+                    conn.execute(q.DELETE_SEGMENT, (sid, rank))
+                    doomed.append(key)
+        busy = {sid for sid, kind in live_publishers if kind.startswith("publish.")}
+        for sid, created in conn.execute(q.PENDING_SNAPSHOTS).fetchall():
+            if sid in busy:
+                continue
+            remaining = conn.execute(q.COUNT_SEGMENTS, (sid,)).fetchone()[0]
+            if not fix:  # with fix, the dead segments' rows are already gone
+                remaining -= sum(1 for s, _r in report.dead_publishes if s == sid)
+            if remaining == 0 or now - created > PENDING_GRACE_SECONDS:
+                report.stuck_pending.append(sid)
+                if fix:
+                    doomed.extend(_delete_rows(conn, store, sid, "abandoned"))
+        referenced = {k for (k,) in conn.execute(q.ALL_SEGMENT_KEYS)}
+        for sid, _rank, key, _nbytes in conn.execute(q.READY_SEGMENTS).fetchall():
+            if not store.backend.exists(key) and sid not in report.missing_files:
+                report.missing_files.append(sid)
+        if fix:
+            _delete_files_after_commit(store, doomed)
+    if fix:
+        for sid in report.missing_files:
+            store.quarantine(sid, "missing")
+    for key in files:
+        if is_temp_key(key):
+            base = key.rsplit(".tmp.", 1)[0]
+            if base in referenced and _pid_alive(temp_key_pid(key)):
+                continue  # a live writer's temp file
+        elif key in referenced:
+            continue
+        report.orphan_files.append(key)
+    if fix:
+        for key in report.orphan_files:
+            store._delete_object(key)
+    return report

@@ -1,0 +1,240 @@
+"""The on-disk segment: one rank's pages of one snapshot, as a safetensors file.
+
+Layout (plain safetensors, readable by the ``safetensors`` library)::
+
+    u64 little-endian header length | JSON header (space padded to 8) | data
+
+Tensors, in data order: ``layer.0`` ... ``layer.{L-1}`` with shape
+``[n_blocks, *page_shape]`` in the engine's own KV-cache dtype, then ``tokens``
+(``U32``, the token ids of the segment's range).  ``__metadata__`` holds one
+key, ``sparkcache``: canonical JSON with the identity digest, rank, snapshot
+key, token range, layout and the xxh3_128 digest of every ``CHUNK_BYTES``
+chunk of every tensor.
+
+The index records the xxh3_128 of the whole header (the *segment digest*).  A
+read checks the header against that digest, then each chunk against its
+digest *before* copying it out, so no unverified byte reaches the caller and
+the data is touched once from memory while it is still in cache.  A prefix
+read verifies only the chunks it copies.  Nothing here unpickles anything:
+the header is JSON and the payload raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import xxhash
+
+from sparkcache.errors import CorruptSnapshot, InvalidArgument
+from sparkcache.identity import DTYPE_SIZES, canonical_json
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "CHUNK_BYTES",
+    "FORMAT",
+    "SegmentHeader",
+    "as_byte_view",
+    "build_header",
+    "parse_header",
+]
+
+FORMAT = "sparkcache-segment-1"
+#: Verification granularity: small enough to stay in L2 between hash and copy.
+CHUNK_BYTES = 1 << 20
+#: Refuse headers larger than this (safetensors itself caps at 100 MB).
+MAX_HEADER_BYTES = 64 << 20
+_DIGEST_HEX = 32
+
+
+def as_byte_view(buf: Any, *, writable: bool = False) -> np.ndarray:
+    """A flat uint8 numpy view of any C-contiguous buffer, without copying."""
+    try:
+        mv = memoryview(cast("Buffer", buf))
+    except TypeError as exc:
+        raise InvalidArgument(
+            f"pages must support the buffer protocol (numpy array, bytes, memoryview), "
+            f"got {type(buf).__name__}"
+        ) from exc
+    if not mv.c_contiguous:
+        raise InvalidArgument("page buffers must be C-contiguous; pass a contiguous copy")
+    if writable and mv.readonly:
+        raise InvalidArgument("destination buffers must be writable")
+    if not mv.nbytes:
+        return np.zeros(0, np.uint8)
+    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
+
+
+def _hexdigest(view: np.ndarray) -> str:
+    # numpy arrays are buffers at runtime; 3.11's stubs do not say so.
+    return xxhash.xxh3_128_hexdigest(cast("Buffer", view))
+
+
+def _chunk_digests(view: np.ndarray) -> str:
+    return "".join(_hexdigest(view[i : i + CHUNK_BYTES]) for i in range(0, view.size, CHUNK_BYTES))
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """The parsed, validated header of a segment file."""
+
+    meta: dict[str, Any]
+    data_start: int
+    tensors: dict[str, tuple[int, int]]  # name -> (offset from file start, nbytes)
+    digest: str
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.meta["n_layers"])
+
+    @property
+    def token_start(self) -> int:
+        return int(self.meta["token_start"])
+
+    @property
+    def token_end(self) -> int:
+        return int(self.meta["token_end"])
+
+    def chunk_digest(self, name: str, index: int) -> str:
+        hexes: str = self.meta["chunks"][name]
+        return hexes[index * _DIGEST_HEX : (index + 1) * _DIGEST_HEX]
+
+
+def build_header(
+    meta: dict[str, Any],
+    layers: Sequence[np.ndarray],
+    tokens: np.ndarray,
+    page_shape: Sequence[int],
+    dtype: str,
+) -> tuple[bytes, str]:
+    """Header bytes (length prefix included) and the segment digest.
+
+    ``layers`` are flat uint8 views; ``tokens`` is a little-endian uint32 array.
+    Hashes every chunk once (xxh3_128 runs at memory speed, far above fsync).
+    """
+    n_blocks = int(meta["token_end"] - meta["token_start"]) // int(meta["block_size"])
+    entries: dict[str, Any] = {}
+    chunks: dict[str, str] = {}
+    offset = 0
+    for i, layer in enumerate(layers):
+        entries[f"layer.{i}"] = {
+            "dtype": dtype,
+            "shape": [n_blocks, *page_shape],
+            "data_offsets": [offset, offset + layer.size],
+        }
+        chunks[f"layer.{i}"] = _chunk_digests(layer)
+        offset += layer.size
+    token_bytes = tokens.view(np.uint8)
+    entries["tokens"] = {
+        "dtype": "U32",
+        "shape": [tokens.size],
+        "data_offsets": [offset, offset + token_bytes.size],
+    }
+    chunks["tokens"] = _chunk_digests(token_bytes)
+    full_meta = dict(meta, format=FORMAT, n_layers=len(layers), chunk_bytes=CHUNK_BYTES,
+                     chunks=chunks, dtype=dtype, page_shape=list(page_shape))
+    entries["__metadata__"] = {"sparkcache": canonical_json(full_meta)}
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    header = struct.pack("<Q", len(text)) + text
+    return header, xxhash.xxh3_128_hexdigest(header)
+
+
+def _fail(message: str, reason: str) -> CorruptSnapshot:
+    return CorruptSnapshot(message, reason)
+
+
+def parse_header(buf: memoryview, expected_digest: str) -> SegmentHeader:
+    """Check the header against the index digest and the file size; parse it.
+
+    Raises :class:`CorruptSnapshot` on any mismatch (never returns bad data).
+    """
+    size = buf.nbytes
+    if size < 8:
+        raise _fail(f"segment is {size} bytes, too short for a header", "truncated")
+    (hlen,) = struct.unpack_from("<Q", buf, 0)
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        raise _fail(f"segment header length {hlen} does not fit a {size}-byte file", "truncated")
+    header = buf[: 8 + hlen]
+    digest = xxhash.xxh3_128_hexdigest(header)
+    if digest != expected_digest:
+        raise _fail("segment header digest differs from the index", "digest")
+    try:
+        entries = json.loads(bytes(header[8:]))
+        meta = json.loads(entries.pop("__metadata__")["sparkcache"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _fail(f"segment header is not valid JSON: {exc}", "header") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _fail("segment header is not a sparkcache segment", "header")
+    data_start = 8 + hlen
+    tensors: dict[str, tuple[int, int]] = {}
+    end = 0
+    try:
+        itemsize = DTYPE_SIZES[meta["dtype"]]
+        ordered = sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        for name, info in ordered:
+            lo, hi = (int(x) for x in info["data_offsets"])
+            count = 1
+            for dim in info["shape"]:
+                count *= int(dim)
+            width = 4 if name == "tokens" else itemsize
+            if lo != end or hi - lo != count * width:
+                raise _fail(f"tensor {name} has inconsistent offsets", "header")
+            tensors[name] = (data_start + lo, hi - lo)
+            end = hi
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _fail(f"segment header is malformed: {exc}", "header") from exc
+    if data_start + end != size:
+        raise _fail(
+            f"segment holds {size} bytes but its header describes {data_start + end}",
+            "truncated",
+        )
+    expected_names = {f"layer.{i}" for i in range(int(meta.get("n_layers", -1)))} | {"tokens"}
+    if set(tensors) != expected_names:
+        raise _fail("segment tensors do not match its layer count", "header")
+    return SegmentHeader(meta=meta, data_start=data_start, tensors=tensors, digest=digest)
+
+
+def verified_view(buf: memoryview, header: SegmentHeader, name: str, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` of tensor ``name``, every chunk checked, as a uint8 view.
+
+    The view aliases ``buf`` (an mmap where the backend allows); use
+    :func:`copy_verified` to verify and copy in one pass.
+    """
+    offset, total = header.tensors[name]
+    if nbytes > total:
+        raise _fail(f"{name} holds {total} bytes, {nbytes} requested", "shape")
+    view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
+    _check_chunks(view, header, name, nbytes)
+    return view[:nbytes]
+
+
+def _check_chunks(view: np.ndarray, header: SegmentHeader, name: str, nbytes: int) -> None:
+    for index, start in enumerate(range(0, nbytes, CHUNK_BYTES)):
+        if _hexdigest(view[start : start + CHUNK_BYTES]) != header.chunk_digest(name, index):
+            raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
+
+
+def copy_verified(
+    buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray
+) -> None:
+    """Verify each chunk of the first ``nbytes`` of ``name``, then copy it into ``dest``.
+
+    A chunk is copied only after its digest matched, while it is still in cache.
+    """
+    offset, total = header.tensors[name]
+    if nbytes > total:
+        raise _fail(f"{name} holds {total} bytes, {nbytes} requested", "shape")
+    view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
+    for index, start in enumerate(range(0, nbytes, CHUNK_BYTES)):
+        chunk = view[start : start + CHUNK_BYTES]
+        if _hexdigest(chunk) != header.chunk_digest(name, index):
+            raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
+        stop = min(start + CHUNK_BYTES, nbytes)
+        dest[start:stop] = chunk[: stop - start]

@@ -1,0 +1,1 @@
+"""Tests of sparkcache.index: schema, migrations, the connection."""

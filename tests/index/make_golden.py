@@ -1,0 +1,92 @@
+"""Write tests/index/data/golden_0001.sqlite: a small index frozen at revision 0001.
+
+Run once, when revision 0001 was the newest, and commit the file; never regenerate
+it (a golden database is a witness of what real old stores look like)::
+
+    .venv/bin/python tests/index/make_golden.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import apsw
+
+from sparkcache.index.migrate import current_revision, upgrade
+
+GOLDEN = Path(__file__).parent / "data" / "golden_0001.sqlite"
+
+# 2026-01-02 03:04:05 UTC and a few seconds later.
+T0 = 1767323045.0
+DIGEST = "0123456789abcdef0123456789abcdef"
+SNAP_KEY = "fedcba9876543210fedcba9876543210"
+CHILD_KEY = "00112233445566778899aabbccddeeff"
+
+ROWS = [
+    ("INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)", ("alias_stride", "256", T0)),
+    (
+        "INSERT INTO models (id, digest, name, folder, identity_json, created_at) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (1, DIGEST, "meta-llama/Llama-3.1-8B", f"objects/m-{DIGEST}", '{"dtype":"bfloat16"}', T0),
+    ),
+    (
+        "INSERT INTO snapshots (id, model_id, snap_key, n_tokens, start_token, parent_id, depth, "
+        "world_size, nbytes, state, pinned, created_at, last_used, use_count) "
+        "VALUES (1, 1, ?, 512, 0, NULL, 0, 1, 3145728, 'ready', 1, ?, ?, 3)",
+        (SNAP_KEY, T0, T0 + 60),
+    ),
+    (
+        "INSERT INTO snapshots (id, model_id, snap_key, n_tokens, start_token, parent_id, depth, "
+        "world_size, nbytes, state, reason, created_at, last_used) "
+        "VALUES (2, 1, ?, 768, 512, 1, 1, 1, 1572864, 'quarantined', 'digest', ?, ?)",
+        (CHILD_KEY, T0 + 10, T0 + 10),
+    ),
+    (
+        "INSERT INTO segments (snapshot_id, rank, object_key, token_start, token_end, nbytes, "
+        "digest, state, created_at) VALUES (1, 0, ?, 0, 512, 3145728, ?, 'ready', ?)",
+        (f"objects/m-{DIGEST}/fe/{SNAP_KEY}-a1b2c3.r0.safetensors", "ab" * 16, T0),
+    ),
+    (
+        "INSERT INTO segments (snapshot_id, rank, object_key, token_start, token_end, nbytes, "
+        "digest, state, created_at) VALUES (2, 0, ?, 512, 768, 1572864, ?, 'ready', ?)",
+        (f"objects/m-{DIGEST}/00/{CHILD_KEY}-d4e5f6.r0.safetensors", "cd" * 16, T0 + 10),
+    ),
+    (
+        "INSERT INTO boundaries (prefix_hash, snapshot_id, model_id, n_tokens, kind) "
+        "VALUES (?, 1, 1, 512, 'end')",
+        (bytes.fromhex(SNAP_KEY),),
+    ),
+    (
+        "INSERT INTO boundaries (prefix_hash, snapshot_id, model_id, n_tokens, kind) "
+        "VALUES (?, 1, 1, 256, 'stride')",
+        (bytes(range(16)),),
+    ),
+    (
+        "INSERT INTO leases (snapshot_id, holder, kind, created_at, expires_at) "
+        "VALUES (1, 'host-a:1234', 'read', ?, ?)",
+        (T0, T0 + 30),
+    ),
+]
+
+
+def main(path: Path = GOLDEN) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    conn = apsw.Connection(str(path))
+    conn.pragma("foreign_keys", "ON")
+    assert upgrade(conn, "0001") == ["0001"]
+    with conn:  # one transaction
+        for sql, params in ROWS:
+            conn.execute(sql, params)
+    assert current_revision(conn) == "0001"
+    assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    # A single self-contained file: rollback journal, no -wal beside it.
+    conn.pragma("journal_mode", "delete")
+    conn.execute("VACUUM")
+    conn.close()
+    print(f"wrote {path} ({path.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN)

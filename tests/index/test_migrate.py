@@ -1,0 +1,143 @@
+"""Upgrades: a golden old index, a newer index, several processes opening at once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkcache.errors import SchemaMismatch
+from sparkcache.index import Database, current_revision, head_revision, upgrade
+from sparkcache.index.migrate import known_revisions, render_sql
+
+from .helpers import DATA, raw, schema_objects
+
+
+def test_render_sql_is_plain_sqlite() -> None:
+    sql = render_sql(None, "0001")
+    assert "CREATE TABLE snapshots" in sql
+    assert "INSERT INTO alembic_version" in sql
+    assert "BEGIN" not in sql.upper().split("CREATE")[0]  # the caller owns the transaction
+    assert "UPDATE alembic_version SET version_num='0002'" in render_sql("0001", "0002")
+
+
+def test_upgrade_step_by_step(db_path: Path) -> None:
+    conn = raw(db_path)
+    assert current_revision(conn) is None
+    assert upgrade(conn, "0001") == ["0001"]
+    assert current_revision(conn) == "0001"
+    assert upgrade(conn, "0001") == []
+    assert upgrade(conn) == ["0002"]
+    assert upgrade(conn, "0001") == []  # never a downgrade
+    assert current_revision(conn) == head_revision()
+    assert not conn.in_transaction
+
+
+def test_golden_0001_upgrades_and_keeps_its_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "index.sqlite"
+    shutil.copyfile(DATA / "golden_0001.sqlite", path)
+    assert current_revision(raw(path)) == "0001"
+    with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
+        assert db.migrated == ["0002"]
+        assert "upgraded the schema" in caplog.text
+        with db.read() as conn:
+            assert current_revision(conn) == head_revision()
+            assert conn.execute("SELECT count(*) FROM boundaries").fetchall() == [(2,)]
+            assert conn.execute("SELECT count(*) FROM segments").fetchall() == [(2,)]
+            assert conn.execute(
+                "SELECT value FROM settings WHERE key = 'alias_stride'"
+            ).fetchall() == [("256",)]
+            snapshots = conn.execute(
+                "SELECT id, model, tokens, mb, state, reason, pinned, parent, depth, uses, "
+                "created, last_used FROM v_snapshots ORDER BY id"
+            ).fetchall()
+            assert snapshots == [
+                (1, "meta-llama/Llama-3.1-8B", 512, 3.1, "ready", None, 1, None, 0, 3,
+                 "2026-01-02 03:04:05", "2026-01-02 03:05:05"),
+                (2, "meta-llama/Llama-3.1-8B", 768, 1.6, "quarantined", "digest", 0, 1, 1, 0,
+                 "2026-01-02 03:04:15", "2026-01-02 03:04:15"),
+            ]  # fmt: skip
+            assert conn.execute("SELECT snapshots, mb FROM v_models").fetchall() == [(2, 4.7)]
+            assert conn.execute("SELECT kind, expired FROM v_leases").fetchall() == [("read", 1)]
+            assert conn.execute("SELECT count(*) FROM v_segments").fetchall() == [(2,)]
+            assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        # The upgraded database is the schema a fresh one gets.
+        fresh = Database(tmp_path / "fresh.sqlite")
+        assert schema_objects(db.connection) == schema_objects(fresh.connection)
+        fresh.close()
+        with db.write() as conn:  # new ids keep counting up
+            conn.execute("INSERT INTO counters (name, value) VALUES ('hits', 1)")
+
+
+def _dump(path: Path) -> list[object]:
+    conn = raw(path)
+    try:
+        return [
+            conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY name").fetchall(),
+            conn.execute("SELECT * FROM alembic_version").fetchall(),
+            conn.execute("SELECT * FROM settings ORDER BY key").fetchall(),
+        ]
+    finally:
+        conn.close()
+
+
+def test_newer_schema_is_refused_and_left_alone(db_path: Path) -> None:
+    with Database(db_path) as db, db.write() as conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'ffff_future'")
+    before = _dump(db_path)
+    with pytest.raises(SchemaMismatch) as info:
+        Database(db_path)
+    message = str(info.value)
+    assert "'ffff_future'" in message
+    assert repr(head_revision()) in message
+    assert "pip install -U sparkcache" in message
+    assert "another folder" in message
+    assert str(db_path) in message
+    with pytest.raises(SchemaMismatch, match="ffff_future"):
+        upgrade(raw(db_path))
+    assert _dump(db_path) == before
+
+
+OPENER = """
+import json, sys
+from sparkcache.index import Database, current_revision
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+sys.stdin.readline()
+db = Database(sys.argv[1])
+print(json.dumps({"applied": db.migrated, "revision": current_revision(db.connection)}))
+"""
+
+
+@pytest.mark.slow
+def test_processes_opening_a_fresh_store_at_once(db_path: Path) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER, str(db_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    for proc in procs:  # every process has imported everything: start together
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out))
+    assert all(r["revision"] == head_revision() for r in results)
+    applied = [rev for r in results for rev in r["applied"]]
+    assert sorted(applied) == list(known_revisions())  # each revision applied exactly once

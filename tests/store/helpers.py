@@ -1,0 +1,42 @@
+"""Shared builders for store tests: a small identity and deterministic pages."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparkcache import ModelIdentity
+
+BLOCK = 4
+LAYERS = 2
+
+
+def identity(*, world: int = 1, dtype: str = "float16", model: str = "tiny-llama",
+             block_size: int = BLOCK) -> ModelIdentity:
+    return ModelIdentity(
+        model=model, revision="r1", num_layers=LAYERS, num_kv_heads=2, head_size=8,
+        dtype="float16", kv_cache_dtype=dtype, block_size=block_size,
+        page_shape=(2, 2 * block_size, 8), tp_size=world,
+    )
+
+
+def pages_for(ident: ModelIdentity, tokens: np.ndarray | list[int], rank: int = 0,
+              start: int = 0) -> list[np.ndarray]:
+    """Pages whose bytes are a function of (layer, rank, token ids so far): the
+    same prefix always yields the same rows, as a real KV cache does."""
+    toks = np.asarray(tokens, dtype=np.int64)
+    bs = ident.block_size
+    n_blocks = len(toks) // bs
+    weighted = np.cumsum(toks[: n_blocks * bs] * np.arange(1, n_blocks * bs + 1)) % 2**31
+    out = []
+    for layer in range(LAYERS):
+        arr = np.empty((n_blocks - start // bs, ident.page_nbytes), np.uint8)
+        for b in range(start // bs, n_blocks):
+            seed = int(weighted[(b + 1) * bs - 1])
+            rng = np.random.default_rng([seed, layer, rank])
+            arr[b - start // bs] = rng.integers(0, 256, ident.page_nbytes, dtype=np.uint8)
+        out.append(arr)
+    return out
+
+
+def tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n).astype(np.uint32)
