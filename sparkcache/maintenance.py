@@ -7,11 +7,13 @@ between leaves orphan files, never an index row naming a missing file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from sparkcache.backends import is_temp_key
 from sparkcache.backends.keys import temp_key_pid
@@ -27,6 +29,8 @@ __all__ = ["CheckReport", "check", "delete_snapshots", "evict_lru"]
 
 #: A pending snapshot with no live publisher is abandoned after this long.
 PENDING_GRACE_SECONDS = 600.0
+#: Eviction candidates read per query.
+_EVICT_BATCH = 64
 
 
 def _lease_blocks(holder: str) -> bool:
@@ -77,42 +81,67 @@ def delete_snapshots(
 
 
 def evict_lru(
-    store: SnapshotStore, *, model: ModelIdentity | None = None, count: int = 1,
-    reason: str = "lru",
+    store: SnapshotStore, *, model: ModelIdentity | None = None, model_id: int | None = None,
+    count: int | None = None, free_bytes: int | None = None, older_than: float | None = None,
+    keep: Iterable[int] = (), reason: str = "lru",
 ) -> list[int]:
-    """Delete up to ``count`` snapshots, quarantined ones first, then least recently used.
+    """Delete snapshots, quarantined ones first, then least recently used, until
+    ``count`` went or ``free_bytes`` were freed (whichever comes first; with
+    neither, every candidate goes).  ``older_than`` keeps snapshots used since;
+    ``keep`` protects ids (e.g. the snapshot being published).
 
     Only leaves go (a parent still needed by a child waits until the child has
     gone, which may happen in this same call), never pinned or leased ones.
-    Each candidate query reads rows in ``last_used`` order through an index, so
-    the cost follows what is deleted, not the size of the store.
+    Candidates come in ``last_used`` order through an index, a batch at a time,
+    so the cost follows what is deleted, not the size of the store.  One write
+    transaction; the files go after it commits.  Each eviction is counted as
+    ``evictions.<reason>``.
     """
-    if count <= 0:
+    if count is not None and count <= 0:
         return []
     now = store._clock()
     evicted: list[int] = []
+    freed = 0
+    skipped = [int(i) for i in keep]
+
+    def done() -> bool:
+        return ((count is not None and len(evicted) >= count)
+                or (free_bytes is not None and freed >= free_bytes))
+
     with store._write() as conn:
-        model_filter, params = "", cast(tuple[int, ...], ())
+        filters: list[str] = []
+        params: list[float] = []
         if model is not None:
             model_id = store._model_id(conn, model)
             if model_id is None:
                 return []
-            model_filter, params = "AND s.model_id = ?", (model_id,)
-        sql = q.EVICTABLE.format(model_filter=model_filter)
-        while len(evicted) < count:
-            progressed = False
-            for state in ("quarantined", "ready"):
-                want = count - len(evicted)
-                if want <= 0:
-                    break
-                for (sid,) in conn.execute(sql, (state, *params, now, want)).fetchall():
+        if model_id is not None:
+            filters.append(q.EVICT_FILTER_MODEL)
+            params.append(model_id)
+        if older_than is not None:
+            filters.append(q.EVICT_FILTER_OLDER)
+            params.append(older_than)
+        sql = q.EVICTABLE.format(filters=" ".join(filters))
+        for state in ("quarantined", "ready"):
+            while not done():
+                batch = conn.execute(
+                    sql, (state, *params, json.dumps(skipped), _EVICT_BATCH)
+                ).fetchall()
+                progressed = False
+                for sid, nbytes in batch:
                     if _leased_by_live(conn, sid, now):
+                        skipped.append(sid)
                         continue
                     _delete_files_after_commit(store, _delete_rows(conn, store, sid, reason))
                     evicted.append(sid)
+                    freed += nbytes
                     progressed = True
-            if not progressed:
-                break
+                    if done():
+                        break
+                # A short batch means no candidate was left, unless deleting
+                # children just turned their parents into leaves: query again.
+                if not batch or (len(batch) < _EVICT_BATCH and not progressed):
+                    break
     return evicted
 
 
@@ -213,3 +242,82 @@ def check(store: SnapshotStore, *, fix: bool = False) -> CheckReport:
         for key in report.orphan_files:
             store._delete_object(key)
     return report
+
+
+def _remove_folder(store: SnapshotStore, folder: str) -> None:
+    """Delete every object under ``folder``, then its empty local directories."""
+    from sparkcache.backends import LocalBackend
+
+    for key in list(store.backend.list(folder)):
+        store._delete_object(key)
+    if isinstance(store.backend, LocalBackend):
+        top = os.path.join(store.backend.root, *folder.split("/"))
+        for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+
+
+def delete_model(store: SnapshotStore, model_id: int) -> bool:
+    """Delete a model: its snapshots, its row and its folder.
+
+    Marks the model deleted first, so lookups stop at once.  Leased snapshots
+    stay until their lease ends; then the sweeper finishes the job.  Returns
+    True when the model is completely gone.
+    """
+    now = store._clock()
+    with store._write() as conn:
+        row = conn.execute(q.MODEL_BY_ID, (model_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no model {model_id}")
+        conn.execute(q.MARK_MODEL_DELETED, (now, model_id))
+    return _finish_model_deletion(store, model_id)
+
+
+def _finish_model_deletion(store: SnapshotStore, model_id: int) -> bool:
+    now = store._clock()
+    with store._write() as conn:
+        row = conn.execute(q.MODEL_BY_ID, (model_id,)).fetchone()
+        if row is None:
+            return True
+        folder = row[2]
+        ids = [i for (i,) in conn.execute(q.MODEL_SNAPSHOTS_DEEPEST_FIRST, (model_id,)).fetchall()]
+        blocked = {i for i in ids if _leased_by_live(conn, i, now)}
+        # Ancestors of a leased snapshot stay too: it cannot be read without them.
+        for sid in list(blocked):
+            blocked.update(i for i, *_ in conn.execute(q.CHAIN, (sid,)).fetchall())
+        for sid in ids:
+            if sid not in blocked:
+                _delete_files_after_commit(store, _delete_rows(conn, store, sid, "model_deleted"))
+        if blocked:
+            return False
+        conn.execute(q.DELETE_MODEL, (model_id,))
+    _remove_folder(store, folder)
+    return True
+
+
+def remove_deleted_models(store: SnapshotStore) -> tuple[list[str], list[str]]:
+    """The sweeper's first step: finish deleting models marked deleted, and remove
+    model folders that no model row names (left by a lost or replaced index).
+
+    Returns (names of models removed, folders removed)."""
+    from sparkcache.backends import LocalBackend
+
+    models: list[str] = []
+    folders: list[str] = []
+    with store._read() as conn:
+        marked = conn.execute(q.DELETED_MODELS).fetchall()
+        known = {f for (f,) in conn.execute(q.MODEL_FOLDERS).fetchall()}
+    for model_id, name, folder in marked:
+        if _finish_model_deletion(store, model_id):
+            models.append(name)
+            folders.append(folder)
+    if isinstance(store.backend, LocalBackend):
+        objects = os.path.join(store.backend.root, "objects")
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(objects):
+                folder = f"objects/{entry.name}"
+                if (entry.is_dir(follow_symlinks=False) and entry.name.startswith("m-")
+                        and folder not in known):
+                    _remove_folder(store, folder)
+                    folders.append(folder)
+    return models, folders

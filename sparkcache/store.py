@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from sparkcache.holders import holder_alive, this_holder
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 from sparkcache.index.db import Database
+
+if TYPE_CHECKING:
+    from sparkcache.retention import Retention
 
 __all__ = ["Match", "PublishResult", "SnapshotInfo", "SnapshotStore"]
 
@@ -86,6 +89,7 @@ class PublishResult:
     bytes_written: int
     deduplicated: bool  # True when this rank's segment was already there (nothing written)
     compacted: bool = False
+    skipped: str | None = None  # why retention refused to save it (state 'skipped')
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,9 @@ class SnapshotStore:
     ``storage`` optionally puts payloads elsewhere (a path or any backend URL,
     see :func:`sparkcache.backends.open_backend`).  ``alias_stride`` and
     ``max_chain`` are fixed when the store is created and recorded in its
-    settings table.  ``clock`` is injectable for tests.  Safe to share between
+    settings table.  ``clock`` is injectable for tests.  With ``retention``
+    (:class:`~sparkcache.retention.Retention`) every publish obeys Spark's limits
+    and trims its own model; without it nothing is evicted automatically.  Safe to share between
     threads; each process opens its own store (connections reopen after fork).
     """
 
@@ -144,6 +150,7 @@ class SnapshotStore:
         max_chain: int | None = None,
         busy_timeout_ms: int = 10_000,
         clock: Callable[[], float] = time.time,
+        retention: Retention | None = None,
     ) -> None:
         self.root = Path(root)
         try:
@@ -151,6 +158,7 @@ class SnapshotStore:
         except OSError as exc:
             raise InvalidArgument(f"cannot create the store folder {self.root}: {exc}") from exc
         self._clock = clock
+        self.retention = retention
         self._lock = threading.RLock()
         self._unsaved: Counter[tuple[int, str]] = Counter()
         self._db: Database | None = Database(
@@ -327,6 +335,14 @@ class SnapshotStore:
             if not compact:
                 start, depth = p.n_tokens, p.depth + 1
         views = self._page_views(identity, pages, (n - tail_start) // bs)
+        if self.retention is not None:
+            nbytes = (n // bs if compact else (n - tail_start) // bs) * identity.page_nbytes
+            why = self.retention.refuse(self, n, nbytes * len(views))
+            if why is not None:
+                with self._write() as conn:
+                    conn.execute(q.BUMP_COUNTER, (self._ensure_model(conn, identity),
+                                                  "skipped", 1))
+                return PublishResult(0, n, "skipped", 0, False, skipped=why)
 
         now = self._clock()
         holder = this_holder()
@@ -395,6 +411,8 @@ class SnapshotStore:
             raise SparkCacheError(
                 f"snapshot {snapshot_id} was removed while rank {rank} published it; retry"
             )
+        if self.retention is not None:
+            self.retention.trim_model(self, model_id, keep=snapshot_id)
         return PublishResult(snapshot_id, n, state, written, False, compact)
 
     def _finish(
@@ -760,12 +778,21 @@ class SnapshotStore:
 
         return delete_snapshots(self, [snapshot_id], force=force, reason="deleted")
 
-    def evict(self, *, model: ModelIdentity | None = None, count: int = 1,
-              reason: str = "lru") -> list[int]:
-        """Delete up to ``count`` least recently used evictable snapshots (see maintenance)."""
+    def evict(
+        self, *, model: ModelIdentity | None = None, count: int | None = 1,
+        free_bytes: int | None = None, older_than: float | None = None, reason: str = "lru",
+    ) -> list[int]:
+        """Delete least recently used evictable snapshots: see
+        :func:`sparkcache.maintenance.evict_lru` for the rules."""
         from sparkcache.maintenance import evict_lru
 
-        return evict_lru(self, model=model, count=count, reason=reason)
+        return evict_lru(self, model=model, count=count, free_bytes=free_bytes,
+                         older_than=older_than, reason=reason)
+
+    def _evict(self, **kwargs: Any) -> list[int]:
+        from sparkcache.maintenance import evict_lru
+
+        return evict_lru(self, **kwargs)
 
     def check(self, *, fix: bool = False) -> Any:
         """Compare index and files; with ``fix`` repair (see :mod:`sparkcache.maintenance`)."""

@@ -12,7 +12,17 @@ INSERT_MODEL = (
     "INSERT INTO models (digest, name, folder, identity_json, created_at) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (digest) DO UPDATE SET deleted_at = NULL RETURNING id"
 )
-LIST_MODELS = "SELECT id, digest, name, folder, identity_json, created_at FROM models"
+LIST_MODELS = (
+    "SELECT id, digest, name, folder, identity_json, created_at, deleted_at FROM models"
+)
+MODEL_BY_ID = "SELECT id, name, folder, deleted_at FROM models WHERE id = ?"
+MARK_MODEL_DELETED = "UPDATE models SET deleted_at = ? WHERE id = ? AND deleted_at IS NULL"
+DELETE_MODEL = "DELETE FROM models WHERE id = ?"
+DELETED_MODELS = "SELECT id, name, folder FROM models WHERE deleted_at IS NOT NULL"
+MODEL_FOLDERS = "SELECT folder FROM models"
+MODEL_SNAPSHOTS_DEEPEST_FIRST = (
+    "SELECT id FROM snapshots WHERE model_id = ? ORDER BY depth DESC, id DESC"
+)
 
 # -- snapshots ----------------------------------------------------------------
 SNAPSHOT_COLUMNS = (
@@ -45,6 +55,8 @@ WITH RECURSIVE chain(id, parent_id, start_token, n_tokens, snap_key, state, lvl)
 SELECT id, start_token, n_tokens, snap_key, state FROM chain ORDER BY lvl DESC
 """
 # The snapshot and all its descendants, deepest first (safe deletion order).
+MODEL_USAGE = "SELECT snapshots, nbytes FROM model_usage WHERE model_id = ?"
+TOTAL_USAGE = "SELECT coalesce(sum(snapshots), 0), coalesce(sum(nbytes), 0) FROM model_usage"
 SUBTREE = """
 WITH RECURSIVE sub(id, lvl) AS (
     SELECT id, 0 FROM snapshots WHERE id = ?
@@ -64,15 +76,20 @@ HAS_CHILDREN = "SELECT 1 FROM snapshots WHERE parent_id = ? LIMIT 1"
 LIST_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots"
 PENDING_SNAPSHOTS = "SELECT id, created_at FROM snapshots WHERE state = 'pending'"
 # Eviction candidates of one state, least recently used first: leaves only (a
-# parent still needed by a child goes after it), never pinned or leased.
+# parent still needed by a child goes after it), never pinned.  Leases are
+# checked per row (a dead holder's lease blocks nothing).  ``{filters}`` is
+# built from the constants below only.  Served by ix (state, last_used) or
+# (model_id, state, last_used): the scan stops after LIMIT rows.
 EVICTABLE = """
-SELECT s.id FROM snapshots AS s
-WHERE s.state = ? {model_filter}
+SELECT s.id, s.nbytes FROM snapshots AS s
+WHERE s.state = ? {filters}
   AND s.pinned = 0
   AND NOT EXISTS (SELECT 1 FROM snapshots AS c WHERE c.parent_id = s.id)
-  AND NOT EXISTS (SELECT 1 FROM leases AS l WHERE l.snapshot_id = s.id AND l.expires_at > ?)
+  AND s.id NOT IN (SELECT value FROM json_each(?))
 ORDER BY s.last_used LIMIT ?
 """
+EVICT_FILTER_MODEL = "AND s.model_id = ?"
+EVICT_FILTER_OLDER = "AND s.last_used < ?"
 
 # -- segments -----------------------------------------------------------------
 SEGMENT = (

@@ -42,6 +42,7 @@ __all__ = [
     "LEASES",
     "METADATA",
     "MODELS",
+    "MODEL_USAGE",
     "PRAGMAS",
     "RELEASE_SAVEPOINT",
     "ROLLBACK",
@@ -56,6 +57,7 @@ __all__ = [
     "SNAPSHOTS",
     "SNAPSHOT_STATES",
     "TABLE_EXISTS",
+    "TRIGGERS",
     "USER_OBJECT_COUNT",
     "VIEWS",
     "V_COUNTERS",
@@ -68,7 +70,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0002"
+SCHEMA_REVISION: Final = "0003"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -235,6 +237,40 @@ COUNTERS: Final = Table(
     Column("value", Integer, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("model_id", "name", name="pk_counters"),
 )
+
+# Revision 0003.  Kept exact by the triggers below, in the same transaction as
+# every change to ``snapshots``: retention reads one row instead of summing.
+MODEL_USAGE: Final = Table(
+    "model_usage",
+    METADATA,
+    Column("model_id", Integer, ForeignKey("models.id", ondelete="CASCADE"), nullable=False),
+    Column("snapshots", Integer, nullable=False, server_default=text("0")),
+    Column("nbytes", Integer, nullable=False, server_default=text("0")),
+    PrimaryKeyConstraint("model_id", name="pk_model_usage"),
+)
+
+TR_USAGE_INSERT: Final = """CREATE TRIGGER tr_usage_insert AFTER INSERT ON snapshots
+BEGIN
+    INSERT INTO model_usage (model_id, snapshots, nbytes) VALUES (NEW.model_id, 1, NEW.nbytes)
+    ON CONFLICT (model_id) DO UPDATE SET snapshots = snapshots + 1, nbytes = nbytes + NEW.nbytes;
+END"""
+TR_USAGE_DELETE: Final = """CREATE TRIGGER tr_usage_delete AFTER DELETE ON snapshots
+BEGIN
+    UPDATE model_usage SET snapshots = snapshots - 1, nbytes = nbytes - OLD.nbytes
+    WHERE model_id = OLD.model_id;
+END"""
+TR_USAGE_RESIZE: Final = """CREATE TRIGGER tr_usage_resize AFTER UPDATE OF nbytes ON snapshots
+BEGIN
+    UPDATE model_usage SET nbytes = nbytes + NEW.nbytes - OLD.nbytes
+    WHERE model_id = NEW.model_id;
+END"""
+
+# name -> CREATE TRIGGER statement (revision 0003).
+TRIGGERS: Final[dict[str, str]] = {
+    "tr_usage_insert": TR_USAGE_INSERT,
+    "tr_usage_delete": TR_USAGE_DELETE,
+    "tr_usage_resize": TR_USAGE_RESIZE,
+}
 
 # -- views for people at the sqlite3 shell (revision 0002) ---------------------------------
 # Times are UTC 'YYYY-MM-DD HH:MM:SS' text, which sorts like the number it shows;

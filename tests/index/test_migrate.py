@@ -32,7 +32,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert upgrade(conn, "0001") == ["0001"]
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
-    assert upgrade(conn) == ["0002"]
+    assert upgrade(conn) == ["0002", "0003"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -45,7 +45,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
-        assert db.migrated == ["0002"]
+        assert db.migrated == ["0002", "0003"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -65,6 +65,10 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
                  "2026-01-02 03:04:15", "2026-01-02 03:04:15"),
             ]  # fmt: skip
             assert conn.execute("SELECT snapshots, mb FROM v_models").fetchall() == [(2, 4.7)]
+            # 0003 backfilled the usage totals from the existing rows.
+            assert conn.execute("SELECT snapshots, nbytes FROM model_usage").fetchall() == [
+                conn.execute("SELECT count(*), sum(nbytes) FROM snapshots").fetchone()
+            ]
             assert conn.execute("SELECT kind, expired FROM v_leases").fetchall() == [("read", 1)]
             assert conn.execute("SELECT count(*) FROM v_segments").fetchall() == [(2,)]
             assert conn.execute("PRAGMA foreign_key_check").fetchall() == []

@@ -16,12 +16,16 @@ from sparkcache.index.migrate import MIGRATIONS_PACKAGE, known_revisions
 
 from .helpers import raw, schema_objects
 
-TABLES = {"settings", "models", "snapshots", "segments", "boundaries", "leases", "counters"}
+TABLES = {
+    "settings", "models", "snapshots", "segments", "boundaries", "leases", "counters",
+    "model_usage",
+}
+TRIGGERS = {"tr_usage_insert", "tr_usage_delete", "tr_usage_resize"}
 VIEWS = {"v_models", "v_snapshots", "v_segments", "v_leases", "v_counters"}
 
 
 def test_revisions_form_one_line_ending_at_schema_revision() -> None:
-    assert known_revisions() == ("0001", "0002")
+    assert known_revisions() == ("0001", "0002", "0003")
     assert head_revision() == schema.SCHEMA_REVISION
 
 
@@ -30,11 +34,11 @@ def test_revisions_ship_inside_the_package() -> None:
     assert root.joinpath("env.py").is_file()
     assert root.joinpath("script.py.mako").is_file()
     names = {entry.name for entry in root.joinpath("versions").iterdir()}
-    assert {"0001_initial.py", "0002_counters_views.py"} <= names
+    assert {"0001_initial.py", "0002_counters_views.py", "0003_model_usage.py"} <= names
 
 
 def test_fresh_database_reaches_head(db: Database, db_path: Path) -> None:
-    assert db.migrated == ["0001", "0002"]
+    assert db.migrated == ["0001", "0002", "0003"]
     conn = db.connection
     assert current_revision(conn) == head_revision()
     names = {
@@ -43,6 +47,7 @@ def test_fresh_database_reaches_head(db: Database, db_path: Path) -> None:
     }
     assert {("table", t) for t in TABLES} <= names
     assert {("view", v) for v in VIEWS} <= names
+    assert {("trigger", t) for t in TRIGGERS} <= names
     assert conn.pragma("journal_mode") == "wal"
     assert conn.pragma("foreign_keys") == 1
     assert conn.pragma("synchronous") == 2  # FULL
@@ -71,6 +76,8 @@ def test_head_matches_the_metadata(db: Database, tmp_path: Path) -> None:
             reference.execute(str(CreateIndex(index).compile(dialect=dialect)))
     for create_view in schema.VIEWS.values():
         reference.execute(create_view)
+    for create_trigger in schema.TRIGGERS.values():
+        reference.execute(create_trigger)
     assert schema_objects(db.connection) == schema_objects(reference)
 
 
@@ -147,3 +154,28 @@ def test_foreign_database_is_refused(db_path: Path) -> None:
     conn.close()
     with pytest.raises(SchemaMismatch, match="not a sparkcache index"):
         Database(db_path)
+
+
+def test_model_usage_follows_every_change(db: Database) -> None:
+    now = 1.0e9
+    with db.write() as conn:
+        conn.execute(
+            "INSERT INTO models (id, digest, name, folder, identity_json, created_at) "
+            "VALUES (1, 'd', 'm', 'objects/m-d', '{}', ?)",
+            (now,),
+        )
+        insert = (
+            "INSERT INTO snapshots (model_id, snap_key, n_tokens, world_size, nbytes, state, "
+            "created_at, last_used) VALUES (1, ?, 16, 1, ?, 'ready', ?, ?)"
+        )
+        conn.execute(insert, ("a", 100, now, now))
+        conn.execute(insert, ("b", 50, now, now))
+        conn.execute("UPDATE snapshots SET nbytes = nbytes + 7 WHERE snap_key = 'b'")
+    usage = "SELECT snapshots, nbytes FROM model_usage WHERE model_id = 1"
+    with db.read() as conn:
+        assert conn.execute(usage).fetchall() == [(2, 157)]
+    with db.write() as conn:
+        conn.execute("DELETE FROM snapshots WHERE snap_key = 'a'")
+        assert conn.execute(usage).fetchall() == [(1, 57)]
+        conn.execute("DELETE FROM models WHERE id = 1")
+        assert conn.execute(usage).fetchall() == []

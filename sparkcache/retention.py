@@ -1,0 +1,361 @@
+"""Retention: Spark's snapshot limits, trim on save, and the sweeper.
+
+The settings and their defaults are Spark's (``SPARK_KV_CACHE_*``, tabled in
+docs/retention.md); users who know them get exactly that behaviour:
+
+* a publish trims its own model: the per-model budget (MB) and entry count,
+  least recently used first; shorter contexts than MIN_TOKENS are not stored;
+  below the free-disk margin nothing new is saved;
+* the sweeper handles the rest, across models: folders of deleted models, age,
+  the disk margin (least recently used of every model first) and the total.
+
+Leased and pinned snapshots never go, and a copy-on-write parent goes only
+after its children.  The clock, the disk-usage source and the RAM size are
+injectable so that every limit is testable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from sparkcache.errors import InvalidArgument
+from sparkcache.index import queries as q
+
+if TYPE_CHECKING:
+    from sparkcache.store import SnapshotStore
+
+__all__ = [
+    "DiskUsage",
+    "Retention",
+    "RetentionSettings",
+    "SweepReport",
+    "Sweeper",
+    "default_folder",
+]
+
+log = logging.getLogger(__name__)
+
+MB = 1_000_000
+GB = 1_000 * MB
+PREFIX = "SPARK_KV_CACHE_"
+#: The disk margin's auto value: 5% of the disk, clamped to [1 GB, 10 GB].
+AUTO_MIN_FREE_FRACTION = 0.05
+AUTO_MIN_FREE_CLAMP = (1 * GB, 10 * GB)
+
+
+class DiskUsage(NamedTuple):
+    total: int
+    free: int
+
+
+DiskProbe = Callable[[Path], DiskUsage]
+
+
+def _disk_usage(path: Path) -> DiskUsage:
+    usage = shutil.disk_usage(path)
+    return DiskUsage(usage.total, usage.free)
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_folder(env: Mapping[str, str] | None = None) -> Path:
+    """``$SPARK_STORAGE/kvcache``; SPARK_STORAGE defaults to ``~/.local/share/spark``."""
+    env = os.environ if env is None else env
+    storage = env.get("SPARK_STORAGE") or str(Path.home() / ".local" / "share" / "spark")
+    return Path(storage).expanduser() / "kvcache"
+
+
+def _parse(env: Mapping[str, str], name: str, kind: type, *, auto: bool = False,
+           minimum: float | None = None, hint: str) -> Any:
+    var = PREFIX + name
+    raw = env.get(var)
+    if raw is None or raw.strip() == "":
+        return ...
+    text = raw.strip().lower()
+    if auto and text == "auto":
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise InvalidArgument(f"{var}={raw!r} is not valid: {hint}") from None
+    if minimum is not None and value < minimum:
+        raise InvalidArgument(f"{var}={raw!r} is out of range: {hint}")
+    return value
+
+
+@dataclass(frozen=True)
+class RetentionSettings:
+    """Spark's retention settings.  ``None`` means *auto* where a setting has one.
+
+    ======================  ========  ==========================================
+    field (env var suffix)  default   meaning
+    ======================  ========  ==========================================
+    folder (FOLDER)         $SPARK_STORAGE/kvcache; one folder per model inside
+    mb (MB)                 auto      per model: RAM/4, at most half the free
+                                      disk; -1 turns snapshots off
+    entries (ENTRIES)       64        snapshots kept per model
+    min_tokens (MIN_TOKENS) 64        shorter contexts are not stored
+    min_free_mb             auto      5% of the disk, clamped to 1-10 GB
+    max_age_hours           168       unused this long -> deleted; 0 keeps
+    total_mb (TOTAL_MB)     0         all models together; 0 = disk margin only
+    sweep_seconds           300       how often the sweeper runs
+    ======================  ========  ==========================================
+    """
+
+    folder: Path = field(default_factory=default_folder)
+    mb: int | None = None
+    entries: int = 64
+    min_tokens: int = 64
+    min_free_mb: int | None = None
+    max_age_hours: float = 168.0
+    total_mb: int = 0
+    sweep_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "folder", Path(self.folder).expanduser())
+        checks = [
+            ("mb", self.mb is None or self.mb == -1 or self.mb >= 0,
+             "a number of megabytes, 'auto', or -1 to turn snapshots off"),
+            ("entries", self.entries >= 1, "at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "0 or more tokens"),
+            ("min_free_mb", self.min_free_mb is None or self.min_free_mb >= 0,
+             "megabytes >= 0 or 'auto'"),
+            ("max_age_hours", self.max_age_hours >= 0, "hours >= 0 (0 keeps while there is room)"),
+            ("total_mb", self.total_mb >= 0, "megabytes >= 0 (0 = no limit)"),
+            ("sweep_seconds", self.sweep_seconds > 0, "seconds > 0"),
+        ]
+        for name, ok, hint in checks:
+            if not ok:
+                raise InvalidArgument(
+                    f"{name}={getattr(self, name)!r} is out of range "
+                    f"({PREFIX}{name.upper()}): {hint}"
+                )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> RetentionSettings:
+        """Read ``SPARK_KV_CACHE_*`` (and ``SPARK_STORAGE``); ``overrides`` win.
+
+        Bad values raise :class:`InvalidArgument` naming the variable.
+        """
+        env = os.environ if env is None else env
+        found: dict[str, Any] = {
+            "mb": _parse(env, "MB", int, auto=True, minimum=-1,
+                         hint="an integer number of megabytes, 'auto', or -1 (off)"),
+            "entries": _parse(env, "ENTRIES", int, minimum=1, hint="an integer >= 1"),
+            "min_tokens": _parse(env, "MIN_TOKENS", int, minimum=0, hint="an integer >= 0"),
+            "min_free_mb": _parse(env, "MIN_FREE_MB", int, auto=True, minimum=0,
+                                  hint="an integer number of megabytes or 'auto'"),
+            "max_age_hours": _parse(env, "MAX_AGE_HOURS", float, minimum=0,
+                                    hint="hours >= 0; 0 keeps snapshots while there is room"),
+            "total_mb": _parse(env, "TOTAL_MB", int, minimum=0,
+                               hint="an integer number of megabytes; 0 means no limit"),
+            "sweep_seconds": _parse(env, "SWEEP_SECONDS", float, minimum=1e-3,
+                                    hint="a number of seconds > 0"),
+        }
+        folder = env.get(PREFIX + "FOLDER")
+        kwargs = {k: v for k, v in found.items() if v is not ...}
+        kwargs["folder"] = Path(folder).expanduser() if folder else default_folder(env)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mb != -1
+
+
+@dataclass
+class SweepReport:
+    """What one sweep (or trim) deleted, by reason."""
+
+    evicted: dict[str, list[int]] = field(default_factory=dict)
+    models_removed: list[str] = field(default_factory=list)
+    folders_removed: list[str] = field(default_factory=list)
+
+    def add(self, reason: str, ids: list[int]) -> None:
+        if ids:
+            self.evicted.setdefault(reason, []).extend(ids)
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self.evicted.values())
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter({k: len(v) for k, v in self.evicted.items()}))
+
+
+class Retention:
+    """The limits applied to one store, with injectable clock, disk and RAM probes."""
+
+    def __init__(
+        self,
+        settings: RetentionSettings | None = None,
+        *,
+        disk_usage: DiskProbe = _disk_usage,
+        ram_bytes: Callable[[], int] = _ram_bytes,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.settings = settings or RetentionSettings.from_env()
+        self.disk_usage = disk_usage
+        self.ram_bytes = ram_bytes
+        self.clock = clock
+
+    def with_settings(self, **changes: Any) -> Retention:
+        return Retention(replace(self.settings, **changes), disk_usage=self.disk_usage,
+                         ram_bytes=self.ram_bytes, clock=self.clock)
+
+    # -- derived limits ----------------------------------------------------------------
+
+    def min_free_bytes(self, disk: DiskUsage) -> int:
+        if self.settings.min_free_mb is not None:
+            return self.settings.min_free_mb * MB
+        lo, hi = AUTO_MIN_FREE_CLAMP
+        return int(min(max(disk.total * AUTO_MIN_FREE_FRACTION, lo), hi))
+
+    def model_budget_bytes(self, disk: DiskUsage, model_bytes: int) -> int:
+        """MB, or auto: a quarter of RAM, at most half the disk space the cache may
+        use (what is free plus what this model's snapshots already take)."""
+        if self.settings.mb is not None and self.settings.mb >= 0:
+            return self.settings.mb * MB
+        return int(min(self.ram_bytes() / 4, (disk.free + model_bytes) / 2))
+
+    def _disk(self, store: SnapshotStore) -> DiskUsage:
+        return self.disk_usage(store.root)
+
+    # -- on save ---------------------------------------------------------------------
+
+    def refuse(self, store: SnapshotStore, n_tokens: int, nbytes: int) -> str | None:
+        """Why a publish of ``n_tokens`` (``nbytes`` on this rank) must not be saved,
+        or None.  The reason is a sentence for logs and the publish result."""
+        s = self.settings
+        if not s.enabled:
+            return f"snapshots are off ({PREFIX}MB=-1)"
+        if n_tokens < s.min_tokens:
+            return f"{n_tokens} tokens is shorter than {PREFIX}MIN_TOKENS={s.min_tokens}"
+        disk = self._disk(store)
+        margin = self.min_free_bytes(disk)
+        if disk.free - nbytes < margin:
+            return (f"only {disk.free // MB} MB free on the cache disk, below the "
+                    f"{margin // MB} MB margin ({PREFIX}MIN_FREE_MB); nothing new is saved")
+        return None
+
+    def trim_model(self, store: SnapshotStore, model_id: int, keep: int) -> SweepReport:
+        """After a save: the model's entry count and budget, least recently used first."""
+        report = SweepReport()
+        with store._read() as conn:
+            row = conn.execute(q.MODEL_USAGE, (model_id,)).fetchone()
+        if row is None:
+            return report
+        count, nbytes = row
+        extra = count - self.settings.entries
+        if extra > 0:
+            report.add("entries", store._evict(model_id=model_id, count=extra, keep=(keep,),
+                                               reason="entries"))
+            with store._read() as conn:
+                count, nbytes = conn.execute(q.MODEL_USAGE, (model_id,)).fetchone()
+        budget = self.model_budget_bytes(self._disk(store), nbytes)
+        if nbytes > budget:
+            report.add("budget", store._evict(model_id=model_id, free_bytes=nbytes - budget,
+                                              count=None, keep=(keep,), reason="budget"))
+        return report
+
+    # -- the sweeper -------------------------------------------------------------------
+
+    def sweep(self, store: SnapshotStore) -> SweepReport:
+        """One pass: deleted models' folders, age, disk margin, total.  Idempotent."""
+        from sparkcache.maintenance import remove_deleted_models
+
+        report = SweepReport()
+        s = self.settings
+        now = (self.clock or store._clock)()
+        removed_models, removed_folders = remove_deleted_models(store)
+        report.models_removed.extend(removed_models)
+        report.folders_removed.extend(removed_folders)
+        if s.max_age_hours > 0:
+            report.add("age", store._evict(count=None, older_than=now - s.max_age_hours * 3600,
+                                           reason="age"))
+        disk = self._disk(store)
+        margin = self.min_free_bytes(disk)
+        if disk.free < margin:
+            report.add("disk", store._evict(count=None, free_bytes=margin - disk.free,
+                                            reason="disk"))
+        if s.total_mb > 0:
+            with store._read() as conn:
+                _count, total = conn.execute(q.TOTAL_USAGE).fetchone()
+            if total > s.total_mb * MB:
+                report.add("total", store._evict(count=None, free_bytes=total - s.total_mb * MB,
+                                                 reason="total"))
+        if report.count or report.folders_removed:
+            log.info("sparkcache sweep: %s, folders removed: %d", report.counts(),
+                     len(report.folders_removed))
+        return report
+
+
+class Sweeper:
+    """Runs :meth:`Retention.sweep` every ``sweep_seconds`` on a daemon thread.
+
+    The connector and the server start one in the scheduler process.  Errors
+    are logged, never raised into the serving process; ``stop`` returns once the
+    thread has finished its current pass.
+    """
+
+    def __init__(self, store: SnapshotStore, retention: Retention) -> None:
+        self.store = store
+        self.retention = retention
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.passes = 0
+        self.last_report: SweepReport | None = None
+        self.last_error: BaseException | None = None
+
+    def start(self) -> Sweeper:
+        if self._thread is not None:
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="sparkcache-sweeper", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.last_report = self.retention.sweep(self.store)
+            except Exception as exc:  # a bad pass must not kill the thread
+                self.last_error = exc
+                log.warning("sparkcache sweep failed: %s", exc)
+            self.passes += 1
+            self._stop.wait(self.retention.settings.sweep_seconds)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> Sweeper:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_for_passes(sweeper: Sweeper, n: int, timeout: float = 10.0) -> bool:
+    """Test helper: wait until the sweeper finished ``n`` passes."""
+    deadline = time.monotonic() + timeout
+    while sweeper.passes < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sweeper.passes >= n
