@@ -25,7 +25,10 @@ from sparkcache.index import queries as q
 if TYPE_CHECKING:
     from sparkcache.store import SnapshotStore
 
-__all__ = ["CheckReport", "check", "delete_snapshots", "evict_lru"]
+__all__ = [
+    "CheckReport", "check", "clear_model", "delete_model", "delete_snapshots", "evict_lru",
+    "remove_deleted_models",
+]
 
 #: A pending snapshot with no live publisher is abandoned after this long.
 PENDING_GRACE_SECONDS = 600.0
@@ -273,25 +276,46 @@ def delete_model(store: SnapshotStore, model_id: int) -> bool:
     return _finish_model_deletion(store, model_id)
 
 
-def _finish_model_deletion(store: SnapshotStore, model_id: int) -> bool:
+def clear_model(
+    store: SnapshotStore, model_id: int, *, keep_pinned: bool = False, reason: str = "cleared",
+) -> tuple[list[int], list[int], list[int]]:
+    """Delete every snapshot of a model in one transaction, deepest first.
+
+    Leased snapshots stay with their ancestors (they cannot be read without
+    them), and pinned ones too with ``keep_pinned``.  Files go after the commit.
+    Returns (deleted, kept because leased, kept because pinned).
+    """
     now = store._clock()
+    deleted: list[int] = []
     with store._write() as conn:
-        row = conn.execute(q.MODEL_BY_ID, (model_id,)).fetchone()
-        if row is None:
-            return True
-        folder = row[2]
-        ids = [i for (i,) in conn.execute(q.MODEL_SNAPSHOTS_DEEPEST_FIRST, (model_id,)).fetchall()]
-        blocked = {i for i in ids if _leased_by_live(conn, i, now)}
-        # Ancestors of a leased snapshot stay too: it cannot be read without them.
-        for sid in list(blocked):
-            blocked.update(i for i, *_ in conn.execute(q.CHAIN, (sid,)).fetchall())
+        ids = [i for (i,) in conn.execute(q.MODEL_SNAPSHOTS_DEEPEST_FIRST, (model_id,))]
+
+        def with_ancestors(chosen: set[int]) -> set[int]:
+            return {i for sid in chosen for i, *_ in conn.execute(q.CHAIN, (sid,))}
+
+        leased = with_ancestors({i for i in ids if _leased_by_live(conn, i, now)})
+        pinned = with_ancestors({i for i in ids if keep_pinned and conn.execute(
+            q.SNAPSHOT_BY_ID, (i,)).fetchone()[11]}) - leased
         for sid in ids:
-            if sid not in blocked:
-                _delete_files_after_commit(store, _delete_rows(conn, store, sid, "model_deleted"))
-        if blocked:
-            return False
+            if sid not in leased | pinned:
+                _delete_files_after_commit(store, _delete_rows(conn, store, sid, reason))
+                deleted.append(sid)
+    return sorted(deleted), sorted(leased), sorted(pinned)
+
+
+def _finish_model_deletion(store: SnapshotStore, model_id: int) -> bool:
+    with store._read() as conn:
+        row = conn.execute(q.MODEL_BY_ID, (model_id,)).fetchone()
+    if row is None:
+        return True
+    _deleted, leased, _pinned = clear_model(store, model_id, reason="model_deleted")
+    if leased:
+        return False
+    with store._write() as conn:
+        if conn.execute(q.COUNT_MODEL_SNAPSHOTS, (model_id,)).fetchone()[0]:
+            return False  # published again meanwhile: the model is back in use
         conn.execute(q.DELETE_MODEL, (model_id,))
-    _remove_folder(store, folder)
+    _remove_folder(store, row[2])
     return True
 
 

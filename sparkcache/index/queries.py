@@ -20,6 +20,7 @@ MARK_MODEL_DELETED = "UPDATE models SET deleted_at = ? WHERE id = ? AND deleted_
 DELETE_MODEL = "DELETE FROM models WHERE id = ?"
 DELETED_MODELS = "SELECT id, name, folder FROM models WHERE deleted_at IS NOT NULL"
 MODEL_FOLDERS = "SELECT folder FROM models"
+COUNT_MODEL_SNAPSHOTS = "SELECT count(*) FROM snapshots WHERE model_id = ?"
 MODEL_SNAPSHOTS_DEEPEST_FIRST = (
     "SELECT id FROM snapshots WHERE model_id = ? ORDER BY depth DESC, id DESC"
 )
@@ -154,6 +155,36 @@ GET_SETTING = "SELECT value FROM settings WHERE key = ?"
 PUT_SETTING = (
     "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) "
     "ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at"
+)
+
+# -- admin API and CLI (sparkcache.admin) ---------------------------------------
+# Read by people-facing commands only; never on the serving path.
+ADMIN_MODELS = (
+    "SELECT m.id, m.name, m.digest, m.folder, m.identity_json, m.created_at, m.deleted_at, "
+    "coalesce(u.snapshots, 0), coalesce(u.nbytes, 0) "
+    "FROM models AS m LEFT JOIN model_usage AS u ON u.model_id = m.id ORDER BY m.id"
+)
+ADMIN_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots ORDER BY id"
+ADMIN_MODEL_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE model_id = ? ORDER BY id"
+ADMIN_SEGMENTS = (
+    "SELECT rank, object_key, token_start, token_end, nbytes, digest, state, created_at "
+    "FROM segments WHERE snapshot_id = ? ORDER BY rank"
+)
+ADMIN_CHILDREN = "SELECT id FROM snapshots WHERE parent_id = ? ORDER BY id"
+ADMIN_LEASES = (
+    "SELECT id, holder, kind, created_at, expires_at FROM leases WHERE snapshot_id = ? "
+    "ORDER BY id"
+)
+ADMIN_QUARANTINED = (
+    f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE state = 'quarantined' ORDER BY id"
+)
+# Every written segment of every snapshot not already quarantined, with what its
+# header must say (the model's identity and the snapshot key).
+ADMIN_VERIFY_SEGMENTS = (
+    "SELECT g.snapshot_id, g.rank, g.object_key, g.token_start, g.token_end, g.nbytes, "
+    "g.digest, s.snap_key, m.identity_json FROM segments AS g "
+    "JOIN snapshots AS s ON s.id = g.snapshot_id JOIN models AS m ON m.id = s.model_id "
+    "WHERE g.state = 'ready' AND s.state != 'quarantined' ORDER BY g.snapshot_id, g.rank"
 )
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -1,0 +1,371 @@
+"""Export and import a model's snapshots to and from a folder or fsspec URL.
+
+Split from :mod:`sparkcache.admin` (which re-exports both verbs).  An export is
+one file per segment and a ``manifest.json`` written last; an import verifies
+every file (size, header digest, header fields, every chunk, the snapshot key
+against its tokens) and then re-publishes through
+:meth:`SnapshotStore.publish`, parents first, so an imported snapshot is exactly
+as trusted as one the engine wrote.  Nothing read is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from sparkcache import __version__
+from sparkcache import segment as seg
+from sparkcache.admin import (
+    _HEX32,
+    EXPORT_FORMAT,
+    EXPORT_LEASE_SECONDS,
+    EXPORT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    ExportReport,
+    Imported,
+    ImportReport,
+    Problem,
+    Progress,
+    SegmentRow,
+    _model_identity,
+    _no_progress,
+    _opened,
+    _verify_file,
+    resolve_model,
+)
+from sparkcache.backends import Backend, Blob, open_backend, validate_key
+from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
+from sparkcache.hashing import prefix_hashes, prefix_seed
+from sparkcache.identity import ModelIdentity
+from sparkcache.index import queries as q
+from sparkcache.store import SnapshotInfo, SnapshotStore
+
+__all__ = ["export_model", "import_model"]
+
+
+# -- export ----------------------------------------------------------------------
+
+
+def _segment_key(snap_key: str, rank: int) -> str:
+    return f"segments/{snap_key}.r{rank}.safetensors"
+
+
+def export_model(store: SnapshotStore, model: str | int, dest: str,
+                 progress: Progress | None = None) -> ExportReport:
+    """Copy every ready snapshot of a model, verified, into ``dest`` (a folder or URL).
+
+    ``dest`` receives ``segments/<snapshot key>.r<rank>.safetensors`` and, last,
+    ``manifest.json``; a ``dest`` that already holds a manifest is refused.  Each
+    file is fully verified while copied: a damaged one is quarantined, left out
+    with its descendants, and listed in ``skipped``.  Snapshots published with a
+    request scope (cache salt, LoRA, multimodal inputs) are left out too (reason
+    ``scope``): the store does not record the scope, so an import could not
+    rebuild their keys.  The snapshots are leased while they are copied.
+    """
+    tick = progress or _no_progress
+    row = resolve_model(store, model)
+    identity = _model_identity(store, row.id)
+    out = open_backend(dest)
+    try:
+        if out.exists(MANIFEST):
+            raise InvalidArgument(
+                f"{dest} already holds an export ({MANIFEST}); export into an empty folder "
+                "or remove the old export first"
+            )
+        report = ExportReport(row.name, dest)
+        with store._read() as conn:
+            rows = conn.execute(q.ADMIN_MODEL_SNAPSHOTS, (row.id,)).fetchall()
+            infos = sorted((s for s in map(SnapshotInfo.from_row, rows) if s.state == "ready"),
+                           key=lambda s: (s.depth, s.id))  # parents first
+            segments = {s.id: [SegmentRow(*r) for r in conn.execute(q.ADMIN_SEGMENTS, (s.id,))]
+                        for s in infos}
+        total = sum(g.nbytes for segs in segments.values() for g in segs)
+        done = 0
+        tick(0, total)
+        entries: list[dict[str, Any]] = []
+        exported: set[int] = set()
+        leases: list[int] = []
+        try:
+            for info in infos:
+                segs = segments[info.id]
+                size = sum(g.nbytes for g in segs)
+                problem = _export_one(store, out, identity, info, segs, exported, leases)
+                if problem is None:
+                    exported.add(info.id)
+                    report.snapshots.append(info.id)
+                    report.segments += len(segs)
+                    report.nbytes += size
+                    entries.append(_manifest_entry(info, segs))
+                else:
+                    report.skipped.append(problem)
+                done += size
+                tick(done, total)
+        finally:
+            for lease_id in leases:
+                with contextlib.suppress(SparkCacheError):
+                    store.release_lease(lease_id)
+        manifest = {
+            "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "sparkcache": __version__,
+            "created_at": time.time(),
+            "model": {"digest": row.digest, "name": row.name, "identity": identity.to_dict()},
+            "snapshots": entries,
+            "skipped": [asdict(p) for p in report.skipped],
+        }
+        out.put(MANIFEST, [json.dumps(manifest, indent=1, sort_keys=True).encode()])
+    finally:
+        out.close()
+    return report
+
+
+def _manifest_entry(info: SnapshotInfo, segs: list[SegmentRow]) -> dict[str, Any]:
+    return {
+        "id": info.id, "parent": info.parent_id, "start_token": info.start_token,
+        "n_tokens": info.n_tokens, "snap_key": info.snap_key, "pinned": info.pinned,
+        "segments": [
+            {"rank": g.rank, "key": _segment_key(info.snap_key, g.rank),
+             "token_start": g.token_start, "token_end": g.token_end, "nbytes": g.nbytes,
+             "digest": g.digest}
+            for g in segs
+        ],
+    }
+
+
+def _export_one(
+    store: SnapshotStore, out: Backend, identity: ModelIdentity, info: SnapshotInfo,
+    segs: list[SegmentRow], exported: set[int], leases: list[int],
+) -> Problem | None:
+    """Verify and copy one snapshot's files; a Problem when it must be left out."""
+    if info.parent_id is not None and info.parent_id not in exported:
+        return Problem(info.id, None, "parent", f"its parent {info.parent_id} was left out")
+    try:
+        leases.append(store.acquire_lease(info.id, kind="export", ttl=EXPORT_LEASE_SECONDS))
+    except NotFound:
+        return Problem(info.id, None, "missing", "deleted while the export ran")
+    if sorted(g.rank for g in segs) != list(range(identity.world_size)) or any(
+            g.state != "ready" or g.digest is None for g in segs):
+        return Problem(info.id, None, "missing", "not every rank's segment is ready")
+    written: list[str] = []
+    for g in segs:
+        try:
+            with _opened(store.backend, g.object_key) as buf:
+                header = _verify_file(buf, str(g.digest), identity, g.rank, info.snap_key,
+                                      g.token_start, g.token_end)
+                if g.rank == 0:
+                    _check_key(identity, store, info, buf, header)
+                out.put(_segment_key(info.snap_key, g.rank), [buf])
+                written.append(_segment_key(info.snap_key, g.rank))
+                del buf
+        except CorruptSnapshot as exc:
+            if exc.reason != "scope":
+                store.quarantine(info.id, exc.reason)
+            for key in written:  # the other ranks' copies are of no use alone
+                out.delete(key)
+            return Problem(info.id, g.rank, exc.reason, str(exc))
+    return None
+
+
+def _check_key(identity: ModelIdentity, store: SnapshotStore, info: SnapshotInfo,
+               buf: memoryview, header: seg.SegmentHeader) -> None:
+    """Refuse a snapshot whose key is not the default-scope hash of its tokens."""
+    seed = prefix_seed(identity)
+    if info.parent_id is not None:
+        seed = bytes.fromhex(store.snapshot(info.parent_id).snap_key)
+    tokens = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1])
+    key = prefix_hashes(seed, tokens.view("<u4"), identity.block_size)[-1].hex()
+    del tokens
+    if key != info.snap_key:
+        raise CorruptSnapshot(
+            "published with a request scope (cache salt, LoRA or multimodal inputs), which "
+            "the store does not record: it cannot be imported again", "scope")
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise InvalidArgument(f"the export manifest is invalid: {what}; export the model again")
+
+
+def _is_int(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[str, Any]]]:
+    """Load and strictly validate ``manifest.json`` (JSON only, every field checked)."""
+    try:
+        size = src.size(MANIFEST)
+    except NotFound:
+        raise NotFound(f"{where} holds no {MANIFEST}: it is not a sparkcache export") from None
+    _require(size <= MAX_MANIFEST_BYTES, f"{MANIFEST} is {size} bytes")
+    with src.open(MANIFEST) as blob:
+        raw = bytes(blob.buffer)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"{where}/{MANIFEST} is not JSON ({exc}); export again") from exc
+    _require(isinstance(doc, dict) and doc.get("format") == EXPORT_FORMAT,
+             f"format is not {EXPORT_FORMAT!r}")
+    _require(doc.get("version") == EXPORT_VERSION,
+             f"version {doc.get('version')!r} is not {EXPORT_VERSION} (a newer sparkcache "
+             "wrote it? upgrade sparkcache)")
+    model, snaps = doc.get("model"), doc.get("snapshots")
+    _require(isinstance(model, dict) and isinstance(model.get("identity"), dict),
+             "model.identity is missing")
+    _require(isinstance(snaps, list), "snapshots is not a list")
+    try:
+        identity = ModelIdentity.from_dict(model["identity"])
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"the export manifest is invalid: model.identity: {exc}") from exc
+    _require(identity.digest() == model.get("digest"),
+             "model.digest does not match model.identity")
+    bs, seen = identity.block_size, dict[int, int]()
+    snap_keys = {"id", "parent", "start_token", "n_tokens", "snap_key", "pinned", "segments"}
+    seg_keys = {"rank", "key", "token_start", "token_end", "nbytes", "digest"}
+    for snap in snaps:
+        _require(isinstance(snap, dict) and set(snap) == snap_keys,
+                 f"a snapshot entry must have exactly the fields {sorted(snap_keys)}")
+        sid, parent, start, end = (snap["id"], snap["parent"], snap["start_token"],
+                                   snap["n_tokens"])
+        _require(_is_int(sid, 1) and sid not in seen, f"snapshot id {sid!r} is bad or repeated")
+        _require(parent is None or (_is_int(parent, 1) and parent in seen),
+                 f"snapshot {sid}: parent {parent!r} does not come before it")
+        _require(_is_int(start) and _is_int(end, 1) and start < end
+                 and start % bs == 0 and end % bs == 0
+                 and start == (0 if parent is None else seen[parent]),
+                 f"snapshot {sid}: token range [{start!r}, {end!r}) is inconsistent")
+        _require(isinstance(snap["snap_key"], str) and bool(_HEX32.fullmatch(snap["snap_key"])),
+                 f"snapshot {sid}: snap_key is not 32 hex digits")
+        _require(isinstance(snap["pinned"], bool), f"snapshot {sid}: pinned is not a boolean")
+        segs = snap["segments"]
+        _require(isinstance(segs, list)
+                 and all(isinstance(g, dict) and set(g) == seg_keys for g in segs)
+                 and [g["rank"] for g in segs] == list(range(identity.world_size)),
+                 f"snapshot {sid}: segments must list ranks 0..{identity.world_size - 1} "
+                 f"with the fields {sorted(seg_keys)}")
+        for g in segs:
+            key = g["key"]
+            _require(isinstance(key, str) and key == _segment_key(snap["snap_key"], g["rank"]),
+                     f"snapshot {sid}: segment key {key!r} is not the expected one")
+            validate_key(key)
+            _require((g["token_start"], g["token_end"]) == (start, end)
+                     and _is_int(g["nbytes"], 1)
+                     and isinstance(g["digest"], str) and bool(_HEX32.fullmatch(g["digest"])),
+                     f"snapshot {sid} rank {g['rank']}: range, nbytes or digest is bad")
+        seen[sid] = end
+    return identity, snaps
+
+
+def import_model(store: SnapshotStore, src: str,
+                 progress: Progress | None = None) -> ImportReport:
+    """Publish every snapshot of an export into ``store``, parents first.
+
+    Each file is checked against the manifest (size, header digest, header
+    fields, every chunk) before anything of its snapshot is published; a
+    damaged or missing file refuses that snapshot and its descendants (listed in
+    ``refused``).  Snapshots already in the store are deduplicated.
+    """
+    tick = progress or _no_progress
+    source = open_backend(src)
+    try:
+        identity, snaps = _read_manifest(source, src)
+        report = ImportReport(identity.model, src)
+        total = sum(g["nbytes"] for s in snaps for g in s["segments"])
+        done = 0
+        tick(0, total)
+        new_ids: dict[int, int] = {}
+        full_tokens: dict[int, np.ndarray] = {}
+        keys: dict[int, str] = {}
+        for snap in snaps:
+            size = sum(g["nbytes"] for g in snap["segments"])
+            problem = _import_one(store, source, identity, snap, new_ids, full_tokens, keys,
+                                  report)
+            if problem is not None:
+                report.refused.append(problem)
+            else:
+                report.nbytes += size
+            done += size
+            tick(done, total)
+    finally:
+        source.close()
+    return report
+
+
+def _import_one(
+    store: SnapshotStore, source: Backend, identity: ModelIdentity, snap: dict[str, Any],
+    new_ids: dict[int, int], full_tokens: dict[int, np.ndarray], keys: dict[int, str],
+    report: ImportReport,
+) -> Problem | None:
+    """Verify every rank's file of one snapshot, then publish them; else a Problem."""
+    sid, parent = snap["id"], snap["parent"]
+    if parent is not None and parent not in new_ids:
+        return Problem(sid, None, "parent", f"its parent {parent} was refused")
+    # A child's chain of hashes continues from its parent's key.
+    seed = prefix_seed(identity) if parent is None else bytes.fromhex(keys[parent])
+    blobs: list[Blob] = []
+    pages: list[list[np.ndarray]] = []
+    try:
+        tokens: np.ndarray | None = None
+        for g in snap["segments"]:
+            try:
+                size = source.size(g["key"])
+                if size != g["nbytes"]:
+                    return Problem(sid, g["rank"], "truncated",
+                                   f"{g['key']} is {size} bytes, the manifest says {g['nbytes']}")
+                blobs.append(source.open(g["key"]))
+            except NotFound:
+                return Problem(sid, g["rank"], "missing", f"{g['key']} is missing")
+            buf = blobs[-1].buffer
+            try:
+                header = _verify_file(buf, g["digest"], identity, g["rank"], snap["snap_key"],
+                                      g["token_start"], g["token_end"])
+            except CorruptSnapshot as exc:
+                return Problem(sid, g["rank"], exc.reason, str(exc))
+            stored = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1])
+            these = stored.view("<u4").copy()
+            del stored
+            if tokens is None:
+                tokens = these
+            elif not np.array_equal(tokens, these):
+                return Problem(sid, g["rank"], "tokens", "ranks disagree on the token ids")
+            pages.append([seg.verified_view(buf, header, f"layer.{i}",
+                                            header.tensors[f"layer.{i}"][1])
+                          for i in range(header.n_layers)])
+            del buf
+        assert tokens is not None
+        if prefix_hashes(seed, tokens, identity.block_size)[-1].hex() != snap["snap_key"]:
+            return Problem(sid, None, "scope",
+                           "its key is not the hash of its tokens (published with a request "
+                           "scope, or the manifest was edited)")
+        full = tokens if parent is None else np.concatenate([full_tokens[parent], tokens])
+        new_parent = None if parent is None else new_ids[parent]
+        try:
+            results = [store.publish(identity, rank, full, layer_pages, parent=new_parent)
+                       for rank, layer_pages in enumerate(pages)]
+        except NotFound as exc:  # the parent was evicted meanwhile (retention, a sweep)
+            return Problem(sid, None, "missing", str(exc))
+        result = results[-1]
+        if result.state == "skipped":  # the store's retention refused it
+            return Problem(sid, None, "retention", str(result.skipped))
+        if result.state != "ready":
+            raise SparkCacheError(
+                f"snapshot {sid} was published as {result.state!r}, not ready; run "
+                "`sparkcache check --fix` and import again")
+        new_ids[sid] = result.snapshot_id
+        full_tokens[sid] = full
+        keys[sid] = snap["snap_key"]
+        if snap["pinned"]:
+            store.pin(result.snapshot_id)
+        report.model_id = store.snapshot(result.snapshot_id).model_id
+        report.imported.append(
+            Imported(sid, result.snapshot_id, all(r.deduplicated for r in results)))
+        return None
+    finally:
+        pages.clear()
+        for blob in blobs:
+            blob.close()
+
+
