@@ -1,1 +1,42 @@
-"""The vLLM KV connector (scheduler and worker sides).  Not implemented yet: see issue 4."""
+"""The vLLM KV connector (scheduler and worker sides).
+
+vLLM loads it with::
+
+    --kv-transfer-config '{"kv_connector": "SparkCacheConnector",
+                           "kv_connector_module_path": "sparkcache.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"folder": "/var/cache/kv"}}'
+
+Importing this package does not import vLLM: :class:`SparkCacheConnector`
+(which subclasses vLLM's ``KVConnectorBase_V1``) is resolved on first access,
+so the settings and layout helpers work, and are tested, without vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sparkcache.connector.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from sparkcache.connector.connector import (
+        SparkCacheConnector,
+        SparkCacheMetadata,
+        SparkCacheStats,
+    )
+
+__all__ = ["ConnectorSettings", "SparkCacheConnector", "SparkCacheMetadata", "SparkCacheStats"]
+
+_LAZY = {"SparkCacheConnector", "SparkCacheMetadata", "SparkCacheStats"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from sparkcache.connector import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)

@@ -1,0 +1,151 @@
+"""The :class:`~sparkcache.identity.ModelIdentity` of a vLLM engine, from its config.
+
+The scheduler and every worker compute the identity with the same function
+from the same inputs (the ``VllmConfig`` and the ``KVCacheConfig`` both roles
+receive), so the scheduler can look up what the workers publish without ever
+seeing a KV tensor.  Each worker then checks the identity against its real
+tensors (:func:`check_tensors`) and turns itself off on a mismatch: a wrong
+guess costs misses, never a wrong restore.
+
+Duck-typed over vLLM objects (``Any``) so that neither mypy nor an import of
+this module needs vLLM; vLLM is imported lazily through importlib, which also
+keeps mypy from following imports into vLLM and torch (slow, and their types
+change between versions).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from sparkcache.errors import InvalidArgument
+from sparkcache.identity import DTYPE_SIZES, ModelIdentity, canonical_json, normalize_dtype
+
+__all__ = ["check_tensors", "model_identity", "rank_of", "weights_fingerprint"]
+
+#: Files whose bytes define the weights of a local model folder.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def weights_fingerprint(folder: str | os.PathLike[str]) -> str:
+    """A cheap digest naming the weights in a local model folder.
+
+    config.json's bytes plus the name, size and mtime of every weight file:
+    re-saving different weights under the same path changes it (a clean miss),
+    reading gigabytes of weights at start-up does not happen.  Pass
+    ``revision`` in the connector settings to name the weights exactly.
+    """
+    root = Path(folder)
+    h = xxhash.xxh3_128(b"sparkcache-weights\x00")
+    config = root / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.name.endswith(_WEIGHT_SUFFIXES):
+            st = path.stat()
+            h.update(f"{path.relative_to(root)}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode())
+    return "local:" + h.hexdigest()
+
+
+def _dtype_name(dtype: Any) -> str:
+    return normalize_dtype(str(dtype))
+
+
+def _attention_spec(kv_cache_config: Any) -> Any:
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise InvalidArgument(
+            f"sparkcache supports models with one KV cache group, this one has {len(groups)} "
+            "(hybrid, sliding-window or encoder-decoder layouts are not supported yet)"
+        )
+    spec = groups[0].kv_cache_spec
+    for attr in ("num_kv_heads", "head_size", "block_size", "dtype"):
+        if not hasattr(spec, attr):
+            raise InvalidArgument(f"KV cache spec {type(spec).__name__} is not attention KV "
+                                  f"(no {attr}); sparkcache cannot store it")
+    return spec
+
+
+def page_shape_of(spec: Any) -> tuple[int, ...]:
+    """Shape of one manager block of one layer, in elements of the cache dtype."""
+    interface = importlib.import_module("vllm.v1.kv_cache_interface")
+    _blocks, heads, tokens, content_bytes = interface.compute_layer_kv_cache_shape_bytes(spec, 1)
+    itemsize = DTYPE_SIZES[_dtype_name(spec.dtype)]
+    if content_bytes % itemsize:
+        raise InvalidArgument(f"KV page content of {content_bytes} bytes is not a whole number "
+                              f"of {spec.dtype} elements")
+    return (int(heads), int(tokens), int(content_bytes) // itemsize)
+
+
+def model_identity(
+    vllm_config: Any, kv_cache_config: Any, *, revision: str | None = None
+) -> ModelIdentity:
+    """The model part of the identity of this engine's KV cache."""
+    vllm = importlib.import_module("vllm")
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    spec = _attention_spec(kv_cache_config)
+
+    model = str(model_config.model)
+    if revision is None:
+        revision = model_config.revision
+    if revision is None:
+        revision = weights_fingerprint(model) if os.path.isdir(model) else ""
+    try:
+        layout = cache_config.get_resolved_kv_cache_layout().name
+    except (AttributeError, ValueError):
+        layout = "unresolved"
+    hf_text = getattr(model_config, "hf_text_config", model_config.hf_config)
+    extra = {
+        "vllm": str(vllm.__version__),
+        "cache_dtype": str(cache_config.cache_dtype),
+        "quantization": str(model_config.quantization),
+        "spec": type(spec).__name__,
+        "hf_overrides": canonical_json(getattr(model_config, "hf_overrides", None) or {}),
+    }
+    return ModelIdentity(
+        model=model,
+        revision=str(revision),
+        num_layers=int(hf_text.num_hidden_layers),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        dtype=_dtype_name(model_config.dtype),
+        kv_cache_dtype=_dtype_name(spec.dtype),
+        block_size=int(spec.block_size),
+        page_shape=page_shape_of(spec),
+        attention_layout=f"vllm/{layout}",
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+        extra=tuple(sorted(extra.items())),
+    )
+
+
+def rank_of(identity: ModelIdentity, tp_rank: int, pp_rank: int, dcp_rank: int = 0) -> int:
+    """This worker's segment index: ``(pp * tp_size + tp) * dcp_size + dcp``."""
+    return identity.check_rank(
+        (pp_rank * identity.tp_size + tp_rank) * identity.dcp_size + dcp_rank
+    )
+
+
+def check_tensors(identity: ModelIdentity, tensors: list[Any]) -> None:
+    """Raise InvalidArgument unless every tensor is ``[num_blocks, *page_shape]``
+    of the identity's KV dtype (and, without pipeline parallelism, one per layer)."""
+    if identity.pp_size == 1 and len(tensors) != identity.num_layers:
+        raise InvalidArgument(f"{len(tensors)} KV cache tensors for a model with "
+                              f"{identity.num_layers} layers (shared KV layers?)")
+    for t in tensors:
+        if tuple(t.shape[1:]) != identity.page_shape:
+            raise InvalidArgument(f"KV cache tensor of shape {tuple(t.shape)}; expected pages of "
+                                  f"{identity.page_shape} (kernel block splitting?)")
+        if _dtype_name(t.dtype) != identity.kv_cache_dtype:
+            raise InvalidArgument(f"KV cache tensor of dtype {t.dtype}; the identity says "
+                                  f"{identity.kv_cache_dtype}")
+        if t.device.type != "cpu":
+            raise InvalidArgument(f"KV cache on {t.device}: this connector copies CPU tensors "
+                                  "only (GPU pages need sparkcache.cuda)")

