@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sparkcache import reader
 from sparkcache import segment as seg
 from sparkcache.backends import Backend, open_backend
 from sparkcache.errors import (
-    CorruptSnapshot,
     InvalidArgument,
     LeaseError,
     NotFound,
@@ -116,16 +116,6 @@ class SnapshotInfo:
          state, reason, pinned, created_at, last_used, use_count) = row
         return cls(id_, model_id, snap_key, n_tokens, start_token, parent_id, depth, world_size,
                    nbytes, state, reason, bool(pinned), created_at, last_used, use_count)
-
-
-@dataclass(frozen=True)
-class _Link:
-    id: int
-    start: int
-    end: int
-    snap_key: str
-    object_key: str
-    digest: str
 
 
 class SnapshotStore:
@@ -350,6 +340,12 @@ class SnapshotStore:
         doomed: list[str] = []
         with self._write() as conn:
             model_id = self._ensure_model(conn, identity)
+            if parent is not None:  # checked again under the write lock: it may have gone
+                prow = conn.execute(q.SNAPSHOT_BY_ID, (parent,)).fetchone()
+                if prow is None or prow[9] != "ready":
+                    raise NotFound(
+                        f"parent snapshot {parent} is not restorable; publish without parent"
+                    )
             existing = conn.execute(q.LIVE_SNAPSHOT_BY_KEY, (model_id, snap_key)).fetchone()
             if existing is not None:
                 info = SnapshotInfo.from_row(existing)
@@ -459,7 +455,7 @@ class SnapshotStore:
         with self._read() as conn:
             p_tokens = int(conn.execute(q.SNAPSHOT_BY_ID, (parent,)).fetchone()[3])
         match = Match(parent, p_tokens, identity, tokens[:p_tokens])
-        head = self._read_pages(match, rank, None, touch=False)
+        head = reader.read_pages(self, match, rank, None, touch=False)
         return [np.concatenate([h.reshape(-1), t]) for h, t in zip(head, tail, strict=True)]
 
     def _publisher_alive(self, conn: Any, snapshot_id: int, kind: str, now: float) -> bool:
@@ -539,19 +535,47 @@ class SnapshotStore:
             if model_id is None:
                 return None
             probe = list(range(stride - 1, n_blocks, stride))
-            found = self._find(conn, model_id, hashes, probe, bs)
-            top = max((n for _s, n in found), default=0) // bs  # blocks matched at a stride
+            matched = self._matched_strides(conn, model_id, hashes, probe, bs)
+            top = probe[matched - 1] + 1 if matched else 0  # blocks matched at a stride
             window = [i for i in range(top, min(n_blocks, top + stride)) if (i + 1) % stride]
-            found += self._find(conn, model_id, hashes, window, bs)
-            found.sort(key=lambda c: (-c[1], -c[0]))
+            # Every candidate of top * bs tokens or more has a row at the top stride or
+            # in the window; the shorter ones are read only if none of those restores.
+            found = self._find(conn, model_id, hashes, probe[matched - 1:matched] + window, bs)
             ranks_json = json.dumps(expected)
-            for snapshot_id, n in found:
-                if self._restorable(conn, snapshot_id, n, ranks_json, len(expected)):
-                    return Match(snapshot_id, n, identity, tokens[:n].copy(), scope)
-            if found:
+            unrestorable = False
+            for shorter in (False, True):
+                if shorter:
+                    found = self._find(conn, model_id, hashes, probe[:max(0, matched - 1)], bs)
+                found.sort(key=lambda c: (-c[1], -c[0]))
+                for snapshot_id, n in found:
+                    if self._restorable(conn, snapshot_id, n, ranks_json, len(expected)):
+                        return Match(snapshot_id, n, identity, tokens[:n].copy(), scope)
+                unrestorable = unrestorable or bool(found)
+            if unrestorable:
                 self._count(model_id, "misses.unrestorable")
             self._count(model_id, "misses")
         return None
+
+    @staticmethod
+    def _matched_strides(
+        conn: Any, model_id: int, hashes: Sequence[bytes], probe: list[int], bs: int
+    ) -> int:
+        """How many leading stride probes have a boundary row, by binary search.
+
+        Stride rows are prefix-closed: a snapshot sharing the prompt's first p
+        tokens has a row at every stride position up to p, so the matched probes
+        are a prefix of ``probe``.  log2(len(probe)) point queries, instead of
+        reading every row of every snapshot that shares a prefix with the prompt.
+        """
+        lo, hi = 0, len(probe)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            i = probe[mid]
+            if conn.execute(q.HAS_BOUNDARY, (hashes[i], model_id, (i + 1) * bs)).fetchone():
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     @staticmethod
     def _find(
@@ -580,7 +604,7 @@ class SnapshotStore:
                 return False
         return True
 
-    # -- read -----------------------------------------------------------------------
+    # -- read (sparkcache.reader) ------------------------------------------------------
 
     def read(self, match: Match, rank: int, *, n_tokens: int | None = None) -> list[np.ndarray]:
         """Verified pages of the first ``n_tokens`` (default all matched) for ``rank``.
@@ -588,20 +612,7 @@ class SnapshotStore:
         One uint8 array ``[n_blocks, page_nbytes]`` per layer (fresh memory).
         Raises CorruptSnapshot (snapshot quarantined) or NotFound: both a miss.
         """
-        return self._read_pages(match, rank, n_tokens, touch=True)
-
-    def _read_pages(
-        self, match: Match, rank: int, n_tokens: int | None, *, touch: bool
-    ) -> list[np.ndarray]:
-        out: list[np.ndarray] = []
-
-        def alloc(n_layers: int, n_blocks: int) -> list[np.ndarray]:
-            out.extend(np.empty((n_blocks, match.identity.page_nbytes), np.uint8)
-                       for _ in range(n_layers))
-            return [a.reshape(-1) for a in out]
-
-        self._read_chain(match, rank, n_tokens, alloc, touch=touch)
-        return out
+        return reader.read_pages(self, match, rank, n_tokens, touch=True)
 
     def read_into(
         self, match: Match, rank: int, out: Sequence[Any], *, n_tokens: int | None = None
@@ -610,111 +621,7 @@ class SnapshotStore:
         per layer, at least ``n_blocks * page_nbytes`` bytes each).  Returns the
         number of blocks copied.  A failure may leave ``out`` partly written with
         *verified* bytes only; treat it as a miss."""
-        dests = [seg.as_byte_view(o, writable=True) for o in out]
-
-        def check(n_layers: int, n_blocks: int) -> list[np.ndarray]:
-            if n_layers != len(dests):
-                raise InvalidArgument(f"the snapshot has {n_layers} layers, out has {len(dests)}")
-            need = n_blocks * match.identity.page_nbytes
-            if any(d.size < need for d in dests):
-                raise InvalidArgument(f"each destination needs at least {need} bytes")
-            return dests
-
-        return self._read_chain(match, rank, n_tokens, check)
-
-    def _chain_links(self, match: Match, rank: int, n: int) -> list[_Link]:
-        links: list[_Link] = []
-        with self._read() as conn:
-            chain = conn.execute(q.CHAIN, (match.snapshot_id,)).fetchall()
-            for link_id, start, end, key, state in chain:
-                if start >= n:
-                    continue
-                segrow = conn.execute(q.SEGMENT, (link_id, rank)).fetchone()
-                if state != "ready" or segrow is None or segrow[5] != "ready":
-                    raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
-                links.append(_Link(link_id, start, end, key, segrow[0], segrow[4]))
-        if not links or links[0].start != 0:
-            raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
-        return links
-
-    def _read_chain(
-        self, match: Match, rank: int, n_tokens: int | None,
-        dest_for: Callable[[int, int], list[np.ndarray]], *, touch: bool = True,
-    ) -> int:
-        identity = match.identity
-        identity.check_rank(rank)
-        bs = identity.block_size
-        n = match.n_tokens if n_tokens is None else n_tokens
-        if not 0 < n <= match.n_tokens or n % bs:
-            raise InvalidArgument(
-                f"n_tokens must be a positive multiple of {bs} up to {match.n_tokens}, got {n}"
-            )
-        links = self._chain_links(match, rank, n)
-        page = identity.page_nbytes
-        dests: list[np.ndarray] | None = None
-        for link in links:
-            stop = min(link.end, n)
-            try:
-                with self._open_verified(link, identity, rank) as (buf, header):
-                    stored = seg.verified_view(buf, header, "tokens", (stop - link.start) * 4)
-                    if not np.array_equal(stored.view("<u4"), match.token_ids[link.start:stop]):
-                        raise CorruptSnapshot("stored token ids differ from the prompt", "tokens")
-                    del stored
-                    if dests is None:
-                        dests = dest_for(header.n_layers, n // bs)
-                    elif header.n_layers != len(dests):
-                        raise CorruptSnapshot("chain links disagree on the layer count", "shape")
-                    lo, nbytes = link.start // bs * page, (stop - link.start) // bs * page
-                    for i, dest in enumerate(dests):
-                        seg.copy_verified(buf, header, f"layer.{i}", nbytes, dest[lo:lo + nbytes])
-            except CorruptSnapshot as exc:
-                self.quarantine(link.id, exc.reason)
-                raise
-        assert dests is not None
-        if touch:
-            self._touch(match, links, n, n // bs * page * len(dests))
-        return n // bs
-
-    @contextmanager
-    def _open_verified(
-        self, link: _Link, identity: ModelIdentity, rank: int
-    ) -> Iterator[tuple[memoryview, seg.SegmentHeader]]:
-        try:
-            blob = self.backend.open(link.object_key)
-        except NotFound as exc:
-            raise CorruptSnapshot(f"segment file {link.object_key} is missing", "missing") from exc
-        buf: memoryview | None = None
-        try:
-            buf = blob.buffer
-            header = seg.parse_header(buf, link.digest)
-            meta = header.meta
-            expected = {
-                "model": identity.digest(), "rank": rank, "snap_key": link.snap_key,
-                "token_start": link.start, "token_end": link.end,
-                "block_size": identity.block_size, "dtype": identity.kv_cache_dtype,
-                "page_shape": list(identity.page_shape),
-            }
-            for key, value in expected.items():
-                if meta.get(key) != value:
-                    raise CorruptSnapshot(
-                        f"segment {key} is {meta.get(key)!r}, expected {value!r}", "identity"
-                    )
-            yield buf, header
-        finally:
-            del buf
-            blob.close()
-
-    def _touch(self, match: Match, links: list[_Link], n: int, nbytes: int) -> None:
-        now = self._clock()
-        with self._write() as conn:
-            for link in links:
-                conn.execute(q.TOUCH, (now, link.id))
-            row = conn.execute(q.SNAPSHOT_BY_ID, (match.snapshot_id,)).fetchone()
-            if row is not None:
-                model_id = row[1]
-                for name, value in (("hits", 1), ("restored_tokens", n),
-                                    ("restored_bytes", nbytes)):
-                    conn.execute(q.BUMP_COUNTER, (model_id, name, value))
+        return reader.read_into(self, match, rank, out, n_tokens=n_tokens)
 
     # -- maintenance (see also sparkcache.maintenance) ---------------------------------
 

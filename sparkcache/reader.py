@@ -1,0 +1,168 @@
+"""The verified read path: walk a snapshot's chain, check, copy out.
+
+For each link of the chain (root first) the segment is opened (mmap where the
+backend allows), its header checked against the index digest and the expected
+identity, its token ids compared with the prompt's, and every chunk verified
+*before* it is copied into the destination.  Any failure quarantines the link
+(and so its descendants) and raises :class:`CorruptSnapshot`; a snapshot that
+vanished raises :class:`NotFound`.  Both are misses for the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sparkcache import segment as seg
+from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound
+from sparkcache.identity import ModelIdentity
+from sparkcache.index import queries as q
+
+if TYPE_CHECKING:
+    from sparkcache.store import Match, SnapshotStore
+
+__all__ = ["read_into", "read_pages"]
+
+
+@dataclass(frozen=True)
+class _Link:
+    id: int
+    start: int
+    end: int
+    snap_key: str
+    object_key: str
+    digest: str
+
+
+
+
+def read_pages(
+    store: SnapshotStore, match: Match, rank: int, n_tokens: int | None, *, touch: bool
+) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+
+    def alloc(n_layers: int, n_blocks: int) -> list[np.ndarray]:
+        out.extend(np.empty((n_blocks, match.identity.page_nbytes), np.uint8)
+                   for _ in range(n_layers))
+        return [a.reshape(-1) for a in out]
+
+    _read_chain(store, match, rank, n_tokens, alloc, touch=touch)
+    return out
+
+def read_into(
+    store: SnapshotStore, match: Match, rank: int, out: Sequence[Any], *,
+    n_tokens: int | None = None,
+) -> int:
+    """Verify and copy the first ``n_tokens`` into ``out`` (one writable buffer
+    per layer, at least ``n_blocks * page_nbytes`` bytes each).  Returns the
+    number of blocks copied.  A failure may leave ``out`` partly written with
+    *verified* bytes only; treat it as a miss."""
+    dests = [seg.as_byte_view(o, writable=True) for o in out]
+
+    def check(n_layers: int, n_blocks: int) -> list[np.ndarray]:
+        if n_layers != len(dests):
+            raise InvalidArgument(f"the snapshot has {n_layers} layers, out has {len(dests)}")
+        need = n_blocks * match.identity.page_nbytes
+        if any(d.size < need for d in dests):
+            raise InvalidArgument(f"each destination needs at least {need} bytes")
+        return dests
+
+    return _read_chain(store, match, rank, n_tokens, check)
+
+def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[_Link]:
+    links: list[_Link] = []
+    with store._read() as conn:
+        chain = conn.execute(q.CHAIN, (match.snapshot_id,)).fetchall()
+        for link_id, start, end, key, state in chain:
+            if start >= n:
+                continue
+            segrow = conn.execute(q.SEGMENT, (link_id, rank)).fetchone()
+            if state != "ready" or segrow is None or segrow[5] != "ready":
+                raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
+            links.append(_Link(link_id, start, end, key, segrow[0], segrow[4]))
+    if not links or links[0].start != 0:
+        raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
+    return links
+
+def _read_chain(
+    store: SnapshotStore, match: Match, rank: int, n_tokens: int | None,
+    dest_for: Callable[[int, int], list[np.ndarray]], *, touch: bool = True,
+) -> int:
+    identity = match.identity
+    identity.check_rank(rank)
+    bs = identity.block_size
+    n = match.n_tokens if n_tokens is None else n_tokens
+    if not 0 < n <= match.n_tokens or n % bs:
+        raise InvalidArgument(
+            f"n_tokens must be a positive multiple of {bs} up to {match.n_tokens}, got {n}"
+        )
+    links = _chain_links(store, match, rank, n)
+    page = identity.page_nbytes
+    dests: list[np.ndarray] | None = None
+    for link in links:
+        stop = min(link.end, n)
+        try:
+            with _open_verified(store, link, identity, rank) as (buf, header):
+                stored = seg.verified_view(buf, header, "tokens", (stop - link.start) * 4)
+                if not np.array_equal(stored.view("<u4"), match.token_ids[link.start:stop]):
+                    raise CorruptSnapshot("stored token ids differ from the prompt", "tokens")
+                del stored
+                if dests is None:
+                    dests = dest_for(header.n_layers, n // bs)
+                elif header.n_layers != len(dests):
+                    raise CorruptSnapshot("chain links disagree on the layer count", "shape")
+                lo, nbytes = link.start // bs * page, (stop - link.start) // bs * page
+                for i, dest in enumerate(dests):
+                    seg.copy_verified(buf, header, f"layer.{i}", nbytes, dest[lo:lo + nbytes])
+        except CorruptSnapshot as exc:
+            store.quarantine(link.id, exc.reason)
+            raise
+    assert dests is not None
+    if touch:
+        _touch(store, match, links, n, n // bs * page * len(dests))
+    return n // bs
+
+@contextmanager
+def _open_verified(
+    store: SnapshotStore, link: _Link, identity: ModelIdentity, rank: int
+) -> Iterator[tuple[memoryview, seg.SegmentHeader]]:
+    try:
+        blob = store.backend.open(link.object_key)
+    except NotFound as exc:
+        raise CorruptSnapshot(f"segment file {link.object_key} is missing", "missing") from exc
+    buf: memoryview | None = None
+    try:
+        buf = blob.buffer
+        header = seg.parse_header(buf, link.digest)
+        meta = header.meta
+        expected = {
+            "model": identity.digest(), "rank": rank, "snap_key": link.snap_key,
+            "token_start": link.start, "token_end": link.end,
+            "block_size": identity.block_size, "dtype": identity.kv_cache_dtype,
+            "page_shape": list(identity.page_shape),
+        }
+        for key, value in expected.items():
+            if meta.get(key) != value:
+                raise CorruptSnapshot(
+                    f"segment {key} is {meta.get(key)!r}, expected {value!r}", "identity"
+                )
+        yield buf, header
+    finally:
+        del buf
+        blob.close()
+
+def _touch(store: SnapshotStore, match: Match, links: list[_Link], n: int, nbytes: int) -> None:
+    now = store._clock()
+    with store._write() as conn:
+        for link in links:
+            conn.execute(q.TOUCH, (now, link.id))
+        row = conn.execute(q.SNAPSHOT_BY_ID, (match.snapshot_id,)).fetchone()
+        if row is not None:
+            model_id = row[1]
+            for name, value in (("hits", 1), ("restored_tokens", n),
+                                ("restored_bytes", nbytes)):
+                conn.execute(q.BUMP_COUNTER, (model_id, name, value))
