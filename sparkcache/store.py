@@ -357,10 +357,15 @@ class SnapshotStore:
                         return PublishResult(info.id, n, info.state, 0, True)
                     self._drop_segment(conn, info.id, rank, lease_kind, row[0], doomed)
                 if (info.parent_id, info.start_token) != ((parent if start else None), start):
-                    raise InvalidArgument(
-                        f"snapshot {info.id} was started by another rank with parent "
-                        f"{info.parent_id}; every rank must publish with the same parent"
-                    )
+                    if conn.execute(q.COUNT_SEGMENTS, (info.id,)).fetchone()[0]:
+                        raise InvalidArgument(
+                            f"snapshot {info.id} was started by another rank with parent "
+                            f"{info.parent_id}; every rank must publish with the same parent"
+                        )
+                    # No rank has a segment left: its publishers died.  Start afresh.
+                    conn.execute(q.DELETE_SNAPSHOT, (info.id,))
+                    existing = None
+            if existing is not None:
                 snapshot_id = info.id
             else:
                 snapshot_id = int(conn.execute(
