@@ -161,17 +161,8 @@ class Database:
             if self._levels:
                 yield conn
                 return
-            self._begin(conn, schema.BEGIN_DEFERRED, _READ)
-            try:
+            with self._outermost(conn, schema.BEGIN_DEFERRED, _READ):
                 yield conn
-            except _LOCKED as exc:
-                self._rollback(conn)
-                raise self._timeout(exc) from exc
-            except BaseException:
-                self._rollback(conn)
-                raise
-            else:
-                self._commit(conn)
 
     @contextmanager
     def write(self) -> Iterator[apsw.Connection]:
@@ -194,18 +185,9 @@ class Database:
                 with self._savepoint(conn):
                     yield conn
                 return
-            self._begin(conn, schema.BEGIN_IMMEDIATE, _WRITE)
-            try:
+            with self._outermost(conn, schema.BEGIN_IMMEDIATE, _WRITE):
                 yield conn
-            except _LOCKED as exc:
-                self._rollback(conn)
-                raise self._timeout(exc) from exc
-            except BaseException:
-                self._rollback(conn)
-                raise
-            else:
-                callbacks = self._callbacks[0]
-                self._commit(conn)
+                callbacks = self._callbacks[0]  # taken before COMMIT clears them
         finally:
             self._lock.release()
         # Outside the lock: other threads may use the index while files are deleted.
@@ -327,6 +309,23 @@ class Database:
         self._owner = None
         self._levels.clear()
         self._callbacks.clear()
+
+    @contextmanager
+    def _outermost(self, conn: apsw.Connection, begin: str, kind: str) -> Iterator[None]:
+        """BEGIN; COMMIT when the body succeeds, ROLLBACK (and re-raise) when not.
+
+        A busy timeout inside the body becomes StoreTimeout.
+        """
+        self._begin(conn, begin, kind)
+        try:
+            yield
+        except _LOCKED as exc:
+            self._rollback(conn)
+            raise self._timeout(exc) from exc
+        except BaseException:
+            self._rollback(conn)
+            raise
+        self._commit(conn)
 
     def _commit(self, conn: apsw.Connection) -> None:
         """COMMIT the outermost transaction; on failure roll back and raise."""
