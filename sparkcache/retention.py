@@ -282,23 +282,45 @@ class Retention:
         report.models_removed.extend(removed_models)
         report.folders_removed.extend(removed_folders)
         if s.max_age_hours > 0:
-            report.add("age", store._evict(count=None, older_than=now - s.max_age_hours * 3600,
-                                           reason="age"))
-        disk = self._disk(store)
-        margin = self.min_free_bytes(disk)
-        if disk.free < margin:
-            report.add("disk", store._evict(count=None, free_bytes=margin - disk.free,
-                                            reason="disk"))
+            cutoff = now - s.max_age_hours * 3600
+            report.add("age", _in_chunks(store, "age", lambda: {"older_than": cutoff}))
+
+        def disk_short() -> dict[str, Any] | None:
+            disk = self._disk(store)  # read again after each chunk's files went
+            short = self.min_free_bytes(disk) - disk.free
+            return {"free_bytes": short} if short > 0 else None
+
+        report.add("disk", _in_chunks(store, "disk", disk_short))
         if s.total_mb > 0:
-            with store._read() as conn:
-                _count, total = conn.execute(q.TOTAL_USAGE).fetchone()
-            if total > s.total_mb * MB:
-                report.add("total", store._evict(count=None, free_bytes=total - s.total_mb * MB,
-                                                 reason="total"))
+            def over_total() -> dict[str, Any] | None:
+                with store._read() as conn:
+                    _count, total = conn.execute(q.TOTAL_USAGE).fetchone()
+                over = total - s.total_mb * MB
+                return {"free_bytes": over} if over > 0 else None
+
+            report.add("total", _in_chunks(store, "total", over_total))
         if report.count or report.folders_removed:
             log.info("sparkcache sweep: %s, folders removed: %d", report.counts(),
                      len(report.folders_removed))
         return report
+
+
+#: Snapshots one sweep transaction deletes at most: publishers (other processes)
+#: and lookups (this one) wait for one chunk, not for the whole sweep.
+SWEEP_CHUNK = 256
+
+
+def _in_chunks(store: SnapshotStore, reason: str,
+               limit: Callable[[], dict[str, Any] | None]) -> list[int]:
+    """Evict for ``reason`` in transactions of at most SWEEP_CHUNK snapshots while
+    ``limit()`` gives the evict_lru arguments still needed (None: done)."""
+    out: list[int] = []
+    while (kwargs := limit()) is not None:
+        ids = store._evict(count=SWEEP_CHUNK, reason=reason, **kwargs)
+        out += ids
+        if len(ids) < SWEEP_CHUNK:
+            break
+    return out
 
 
 class Sweeper:

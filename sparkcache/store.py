@@ -173,12 +173,16 @@ class SnapshotStore:
 
     @contextmanager
     def _write(self) -> Iterator[Any]:
-        with self._lock, self.db.write() as conn:
+        after: list[Callable[[], object]] = []
+        with self._lock, self.db.write(after) as conn:
             if self._unsaved:
                 for (model_id, name), value in self._unsaved.items():
                     conn.execute(q.BUMP_COUNTER, (model_id, name, value))
                 self._unsaved.clear()
             yield conn
+        # The files the transaction stopped naming go once both locks are free:
+        # lookups in other threads need not wait for the unlinks.
+        self.db._run_callbacks(after)
 
     @contextmanager
     def _read(self) -> Iterator[Any]:

@@ -165,7 +165,8 @@ class Database:
                 yield conn
 
     @contextmanager
-    def write(self) -> Iterator[apsw.Connection]:
+    def write(self, after: list[Callable[[], object]] | None = None
+              ) -> Iterator[apsw.Connection]:
         """A write transaction; yields the connection.
 
         The outermost call runs ``BEGIN IMMEDIATE`` (waiting up to the busy timeout
@@ -173,7 +174,9 @@ class Database:
         runs the on_commit callbacks.  A nested call is a SAVEPOINT: its exception
         rolls back only its own changes and callbacks, then propagates.  Calling
         write() inside read() raises RuntimeError (a read snapshot cannot be
-        upgraded safely under WAL).
+        upgraded safely under WAL).  With ``after``, the outermost call appends the
+        on_commit callbacks to that list instead of running them, for a caller that
+        holds a lock of its own around write() and runs them once it let go.
         """
         conn = self._connection()
         self._lock.acquire()
@@ -191,7 +194,10 @@ class Database:
         finally:
             self._lock.release()
         # Outside the lock: other threads may use the index while files are deleted.
-        self._run_callbacks(callbacks)
+        if after is not None:
+            after.extend(callbacks)
+        else:
+            self._run_callbacks(callbacks)
 
     def on_commit(self, callback: Callable[[], object]) -> None:
         """Run ``callback()`` after the enclosing write() commits; never on rollback.
