@@ -1,8 +1,8 @@
 """Benchmark the snapshot store against the raw work it wraps, in one run.
 
-    .venv/bin/python bench/store_bench.py [--quick] [--json] [--plans] [--dir FOLDER]
+    .venv/bin/python bench/store_bench.py [--quick] [--json] [--plans] [--dir FOLDER] [--only PART]
 
-Four measurements, each a median (or a percentile) of several repetitions and
+Five measurements, each a median (or a percentile) of several repetitions and
 each compared with a baseline or a budget *measured in the same run* (STYLE
 habit 10: this machine is noisy, a number from another run means little):
 
@@ -12,9 +12,12 @@ habit 10: this machine is noisy, a number from another run means little):
    bytes from the same file, both warm in the page cache;
 3. lookup latency of a 128k-token prompt (block_size 16) against an index of
    >= 1M boundary rows, with and without precomputed hashes, hit and miss;
-4. evicting 100 snapshots from a 10k-snapshot and from a 100k-snapshot store.
+4. evicting 100 snapshots from a 10k-snapshot and from a 100k-snapshot store;
+5. ``Retention.sweep`` over the same two kinds of store (``--only sweep``): 100
+   and 1000 snapshots due by age, 100 over ``total_mb``, and nothing due, each
+   100k-store sweep against the same sweep of the 10k store.
 
-The stores of (3) and (4) are filled partly with bulk SQL through
+The stores of (3), (4) and (5) are filled partly with bulk SQL through
 ``store.db.write()`` (publishing a million boundary rows one at a time would
 take an hour): rows shaped exactly like the ones ``publish`` writes.  What is
 real and what is bulk-inserted is printed in the table and described in
@@ -48,13 +51,14 @@ import xxhash
 import sparkcache
 from sparkcache import ModelIdentity, SnapshotStore, prefix_hashes, prefix_seed
 from sparkcache import segment as seg
+from sparkcache.retention import MB, DiskUsage, Retention, RetentionSettings
 
 # -- sizes ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Everything that scales the run.  ``FULL`` takes ~1.5 min here, ``QUICK`` ~25 s."""
+    """Everything that scales the run.  ``FULL`` takes ~3 min here, ``QUICK`` ~1 min."""
 
     layers: int = 12
     blocks: int = 128  # per publish: 12 layers x 128 blocks x 64 KiB pages = 100.7 MB
@@ -68,12 +72,20 @@ class Sizes:
     evict_sizes: tuple[int, int] = (10_000, 100_000)
     evict_count: int = 100
     evict_reps: int = 8
+    # The sweep runs on stores of evict_sizes (plus what it deletes): snapshots due
+    # by age per sweep and the repetitions of each, then the total, then no-ops.
+    sweep_age: tuple[int, ...] = (100, 1000)
+    sweep_age_reps: tuple[int, ...] = (6, 2)
+    sweep_total: int = 100
+    sweep_total_reps: int = 6
+    sweep_noop_reps: int = 20  # before the other sweeps, and as many again after
 
 
 FULL = Sizes()
 QUICK = replace(
     FULL, blocks=64, publish_reps=4, restore_reps=6, boundary_rows=200_000, lookup_reps=150,
-    hash_reps=15, evict_sizes=(2_000, 20_000), evict_reps=4,
+    hash_reps=15, evict_sizes=(2_000, 20_000), evict_reps=4, sweep_age=(100, 500),
+    sweep_age_reps=(4, 2), sweep_total_reps=4, sweep_noop_reps=10,
 )
 
 # One block of one layer for the publish/restore identity: (kv heads, 2 * block_size
@@ -746,6 +758,189 @@ def bench_evict(root: Path, sz: Sizes, rng: np.random.Generator) -> list[Row]:
     ]
 
 
+# -- 5: the retention sweep ---------------------------------------------------------------
+
+
+def _fake_disk(_path: Path) -> DiskUsage:
+    """A disk that is never short of space: the margin step never evicts."""
+    return DiskUsage(total=10**13, free=5 * 10**12)
+
+
+def _sweep_plan(sz: Sizes) -> list[tuple[str, int, int]]:
+    """(kind, snapshots it must delete, repetitions) in the order they run."""
+    return [("noop", 0, sz.sweep_noop_reps),
+            *(("age", n, r) for n, r in zip(sz.sweep_age, sz.sweep_age_reps, strict=True)),
+            ("total", sz.sweep_total, sz.sweep_total_reps),
+            ("noop", 0, sz.sweep_noop_reps)]
+
+
+@dataclass
+class _SweepStore:
+    """An eviction store reopened with a Retention, an injected clock and a ballast."""
+
+    store: SnapshotStore
+    now: list[float]  # the injected clock reads now[0]
+    ballast: int  # a pinned snapshot whose nbytes tunes the total exactly
+    built: int  # snapshots when the sweeps started
+
+
+def _age_cutoff(store: SnapshotStore, due: int) -> float:
+    """A ``last_used`` cutoff below which exactly ``due`` snapshots can go.
+
+    A snapshot goes by age when it and every descendant were last used before
+    the cutoff (a parent waits for its children) and none of them is pinned:
+    the subtree's latest use, computed deepest first, is the key."""
+    with store.db.read() as conn:
+        rows = conn.execute(
+            "SELECT id, parent_id, depth, last_used, pinned FROM snapshots "
+            "WHERE state = 'ready' ORDER BY depth DESC").fetchall()
+    latest: dict[int, float] = {}
+    for sid, pid, _depth, used, pinned in rows:
+        mine = max(latest.get(sid, float("-inf")), float("inf") if pinned else used)
+        latest[sid] = mine
+        if pid is not None:
+            latest[pid] = max(latest.get(pid, float("-inf")), mine)
+    keys = sorted(latest.values())
+    if len(keys) <= due or keys[due - 1] == keys[due]:
+        raise SystemExit(f"cannot make exactly {due} snapshots due by age")
+    return (keys[due - 1] + keys[due]) / 2
+
+
+def _set_total(sw: _SweepStore, over: int) -> int:
+    """Resize the pinned ballast so that the store's total is a whole number of MB
+    plus ``over`` bytes; returns that number of MB (the total_mb to set)."""
+    store = sw.store
+    with store.db.write() as conn:
+        ((total,),) = conn.execute("SELECT coalesce(sum(nbytes), 0) FROM model_usage").fetchall()
+        ((mine,),) = conn.execute("SELECT nbytes FROM snapshots WHERE id = ?",
+                                  (sw.ballast,)).fetchall()
+        rest = int(total) - int(mine)
+        total_mb = -(-(rest - over) // MB)
+        conn.execute("UPDATE snapshots SET nbytes = ? WHERE id = ?",
+                     (total_mb * MB + over - rest, sw.ballast))
+    return total_mb
+
+
+def sweep_fixture(root: Path, n_snapshots: int, n_files: int,
+                  rng: np.random.Generator) -> tuple[_SweepStore, int]:
+    """The eviction store of (4), closed and reopened with a Retention whose disk
+    probe is a fake with room to spare and whose clock is injected; the one
+    published snapshot (the newest) is pinned and serves as the ballast."""
+    built, made = evict_fixture(root, n_snapshots, n_files, rng)
+    with built.db.read() as conn:
+        ((ballast,),) = conn.execute(
+            "SELECT id FROM snapshots ORDER BY last_used DESC LIMIT 1").fetchall()
+    built.pin(int(ballast))
+    count = _count(built, "snapshots")
+    built.close()
+    now = [time.time()]
+    settings = RetentionSettings(folder=root, max_age_hours=168.0, total_mb=0, min_free_mb=0)
+    retention = Retention(settings, disk_usage=_fake_disk, ram_bytes=lambda: 64 * 2**30)
+    store = SnapshotStore(root, retention=retention, clock=lambda: now[0])
+    return _SweepStore(store, now, int(ballast), count), made
+
+
+def _prepare_sweep(sw: _SweepStore, kind: str, due: int) -> None:
+    """Settings and clock so that the next sweep deletes exactly ``due`` snapshots."""
+    store = sw.store
+    assert store.retention is not None
+    hours = 168.0
+    if kind == "age":
+        sw.now[0] = _age_cutoff(store, due) + hours * 3600
+        store.retention = store.retention.with_settings(max_age_hours=hours, total_mb=0)
+    elif kind == "total":
+        total_mb = _set_total(sw, due * 4096)  # every bulk snapshot is 4096 bytes
+        store.retention = store.retention.with_settings(max_age_hours=0.0, total_mb=total_mb)
+    else:  # nothing due: every rule runs, none finds anything
+        with store.db.read() as conn:
+            ((oldest,),) = conn.execute("SELECT min(last_used) FROM snapshots").fetchall()
+        sw.now[0] = float(oldest) + hours * 3600 - 3600
+        total_mb = _set_total(sw, 0) + 1
+        store.retention = store.retention.with_settings(max_age_hours=hours, total_mb=total_mb)
+
+
+def bench_sweep(root: Path, sz: Sizes, rng: np.random.Generator) -> list[Row]:
+    plan = _sweep_plan(sz)
+    deletes = sum(due * reps for _kind, due, reps in plan)
+    # Files for the least recently used: what age and the total take, plus the
+    # parents that wait for a younger child (hence the margin).
+    n_files = deletes + deletes // 4 + 500
+    stores: dict[int, _SweepStore] = {}
+    for n in sz.evict_sizes:
+        # n + what the sweeps delete: the store never holds fewer than n snapshots.
+        stores[n], made = sweep_fixture(root / f"sweep-{n}", n + deletes, n_files, rng)
+        _log(f"sweep store: {stores[n].built:,} snapshots, "
+             f"{_count(stores[n].store, 'boundaries'):,} boundary rows, {made} files")
+    small, large = sz.evict_sizes
+    times: dict[tuple[str, int, int], list[float]] = {}
+    unlinked: dict[tuple[str, int, int], int] = {}
+    plans: dict[str, str] = {}
+    for kind, due, reps in plan:
+        for rep in range(reps):
+            for n in sz.evict_sizes if rep % 2 == 0 else sz.evict_sizes[::-1]:
+                sw = stores[n]
+                store = sw.store
+                assert store.retention is not None
+                _prepare_sweep(sw, kind, due)
+                before = sum(1 for _ in store.root.rglob("*-bulk.r0.safetensors"))
+                tracing = n == large and kind == "age" and not plans
+                with (_trace_sql(store) if tracing else nullcontext([])) as statements, \
+                        _timer() as t:
+                    report = store.retention.sweep(store)
+                want = {kind: due} if due else {}
+                if report.counts() != want or report.folders_removed:
+                    raise SystemExit(f"{kind} sweep of the {n:,} store deleted "
+                                     f"{report.counts()} (and folders {report.folders_removed})"
+                                     f", expected {want}")
+                key = (kind, due, n)
+                times.setdefault(key, []).extend(t)
+                after = sum(1 for _ in store.root.rglob("*-bulk.r0.safetensors"))
+                unlinked[key] = unlinked.get(key, 0) + before - after
+                if tracing:
+                    plans = _plans(store, statements)
+    left = {n: _count(sw.store, "snapshots") for n, sw in stores.items()}
+    for sw in stores.values():
+        sw.store.close()
+
+    rows: list[Row] = []
+    seen_noop = 0
+    for kind, due, reps in plan:
+        if kind == "noop":
+            seen_noop += 1
+            if seen_noop == 2:  # the two no-op passes (before and after) make one row
+                continue
+            a = times[(kind, due, large)]
+            b = times[(kind, due, small)]
+            name = "5d. sweep, nothing due (no-op)"
+            note = (f"{2 * reps} sweeps each (before and after the others); every rule runs "
+                    "and finds nothing")
+        else:
+            a, b = times[(kind, due, large)], times[(kind, due, small)]
+            done = reps * due
+            what = ("due by age (max_age_hours)" if kind == "age"
+                    else "over total_mb (LRU)")
+            letter = {"age": "5a" if due == sz.sweep_age[0] else "5b", "total": "5c"}[kind]
+            name = f"{letter}. sweep, {due} {what}"
+            note = (f"{reps} sweeps each, alternated; {_ms(_median(a) / due)} vs "
+                    f"{_ms(_median(b) / due)} per deleted snapshot; files unlinked: "
+                    f"{unlinked[(kind, due, large)]}/{done} and "
+                    f"{unlinked[(kind, due, small)]}/{done}")
+        ratio = _median(a) / _median(b)
+        raw: dict[str, Any] = {"large_s": a, "small_s": b}
+        if kind == "age" and due == sz.sweep_age[0]:
+            raw["plans"] = plans  # of the first age sweep of the large store
+        rows.append(Row(f"{name}: {large:,} store", _ms(_median(a)),
+                        f"{_ms(_median(b))} of {small:,}", f"{ratio:.2f}x", "<= 2.00x",
+                        ratio <= 2.0, note, raw))
+    per = max(sz.sweep_age)
+    a = times[("age", per, large)]
+    rows.append(Row(
+        "   sweep: per deleted snapshot", _ms(_median(a) / per),
+        note=(f"{per} by age from the {large:,} store; stores held {stores[large].built:,} -> "
+              f"{left[large]:,} and {stores[small].built:,} -> {left[small]:,} snapshots")))
+    return rows
+
+
 # -- driver -------------------------------------------------------------------------------
 
 
@@ -813,12 +1008,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None,
                         help="parent of the scratch folder (default: the temp folder); put "
                         "it on the disk you mean to measure")
-    parser.add_argument("--only", choices=["publish", "lookup", "evict"], action="append",
+    parser.add_argument("--only", choices=["publish", "lookup", "evict", "sweep"],
+                        action="append",
                         help="run only this part (repeatable)")
     parser.add_argument("--seed", type=int, default=1234, help="random seed (default 1234)")
     args = parser.parse_args(argv)
     sz = QUICK if args.quick else FULL
-    parts = args.only or ["publish", "lookup", "evict"]
+    parts = args.only or ["publish", "lookup", "evict", "sweep"]
     rng = np.random.default_rng(args.seed)
     scratch = Path(tempfile.mkdtemp(prefix="sparkcache-bench-", dir=args.dir))
     load_before = os.getloadavg()
@@ -834,6 +1030,9 @@ def main(argv: list[str] | None = None) -> int:
         if "evict" in parts:
             _log("eviction")
             rows += bench_evict(scratch, sz, rng)
+        if "sweep" in parts:
+            _log("retention sweep")
+            rows += bench_sweep(scratch, sz, rng)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - started
