@@ -1,29 +1,26 @@
 """SparkCacheConnector: vLLM's ``KVConnectorBase_V1`` over a :class:`SnapshotStore`.
 
 Loaded by vLLM from ``kv_connector_module_path="sparkcache.connector"``; see
-docs/connector-notes.md for the vLLM API this follows and what is missing.
+docs/connector.md for users and docs/connector-notes.md for the vLLM API.
+This module is the glue: the decisions live in
+:mod:`sparkcache.connector.scheduler` (scheduler process) and the disk I/O in
+:mod:`sparkcache.connector.worker` (each worker process), both testable
+without vLLM.
 
-Scheduler side (one per engine, in the engine-core process):
+Scheduler side (one per engine, in the engine-core process): looks prompts up,
+offers the restorable tokens as an asynchronous load (or a synchronous one
+with ``load_async: false``), coalesces concurrent requests for one base, plans
+saves when requests finish and holds their blocks until every worker copied
+them out.  It also runs the retention sweeper.
 
-* ``get_num_new_matched_tokens`` looks the prompt up in the index and offers
-  the tokens of the longest restorable snapshot beyond vLLM's own prefix hit
-  (never the last prompt token: vLLM must compute at least one).
-* ``update_state_after_alloc`` turns that offer into a *load job* naming the
-  blocks vLLM allocated for it; ``request_finished`` turns a finished request
-  into a *save job* and keeps its blocks (returns True) until the workers have
-  copied them out.  ``build_connector_meta`` ships both to the workers.
+Worker side (one per rank): loads and saves on background threads with
+bounded queues; finished loads and saves reported through ``get_finished``,
+failed loads through ``get_block_ids_with_load_errors`` (vLLM recomputes,
+``kv_load_failure_policy=recompute``, which this connector sets).
 
-Worker side (one per rank):
-
-* loads: verified read into a staging buffer, then scattered into the KV
-  tensors - synchronously in ``start_load_kv`` (default: the request's first
-  forward needs them) or on a thread with ``load_async`` (the request waits in
-  WAITING_FOR_REMOTE_KVS).  A failed load reports its blocks through
-  ``get_block_ids_with_load_errors``; vLLM recomputes them
-  (``kv_load_failure_policy=recompute``, which this connector sets).
-* saves: ``wait_for_save`` gathers the blocks into host memory and reports the
-  request finished (vLLM frees the blocks); a background thread publishes from
-  host memory.  The pending bytes are bounded; over the bound saves are dropped.
+Stats (hits, misses, restored / written tokens and bytes, load and save time,
+dropped work) go through vLLM's ``KVConnectorStats``; log lines through the
+``vllm.sparkcache`` logger (vLLM's handler and format).
 
 vLLM and torch are imported through ``importlib`` (types are ``Any``): mypy then
 never follows into them, and this package imports without them.
@@ -33,24 +30,21 @@ from __future__ import annotations
 
 import importlib
 import logging
-import queue
-import threading
-import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sparkcache.connector.layout import check_tensors, model_identity, rank_of
 from sparkcache.connector.pages import LayerPages
+from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
-from sparkcache.errors import NotFound, SparkCacheError
-from sparkcache.identity import ModelIdentity, RequestScope
-from sparkcache.store import Match, SnapshotStore
+from sparkcache.connector.worker import Counters, LoadJob, SaveJob, WorkerIO
+from sparkcache.errors import SparkCacheError
+from sparkcache.identity import ModelIdentity
+from sparkcache.retention import Retention, RetentionSettings, Sweeper
+from sparkcache.store import SnapshotStore
 
-__all__ = ["SparkCacheConnector", "SparkCacheMetadata", "SparkCacheStats"]
+__all__ = ["SparkCacheConnector", "SparkCacheMetadata", "SparkCachePromMetrics", "SparkCacheStats"]
 
 _base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
 _metrics = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
@@ -59,6 +53,7 @@ KVConnectorBase_V1: Any = _base.KVConnectorBase_V1
 KVConnectorMetadata: Any = _base.KVConnectorMetadata
 KVConnectorRole: Any = _base.KVConnectorRole
 KVConnectorStats: Any = _metrics.KVConnectorStats
+KVConnectorPromMetrics: Any = _metrics.KVConnectorPromMetrics
 CacheHitSource: Any = _hit_source.CacheHitSource
 
 # A child of vLLM's logger: our lines get vLLM's handler and format.
@@ -66,30 +61,6 @@ logger = logging.getLogger("vllm.sparkcache")
 
 
 # -- metadata (scheduler -> workers, pickled every step) ---------------------------------
-
-
-@dataclass(frozen=True)
-class LoadJob:
-    """Restore blocks ``[start_block, start_block + len(block_ids))`` of a snapshot."""
-
-    req_id: str
-    snapshot_id: int
-    n_tokens: int  # the match: tokens [0, n_tokens) are read and verified
-    token_ids: np.ndarray  # uint32, the prompt's first n_tokens
-    start_block: int  # blocks below it are vLLM's own prefix hit
-    block_ids: list[int]
-
-
-@dataclass(frozen=True)
-class SaveJob:
-    """Publish tokens ``[0, len(token_ids))``; the blocks hold ``[parent_tokens, end)``."""
-
-    req_id: str
-    token_ids: np.ndarray  # uint32, whole blocks
-    block_ids: list[int]
-    parent: int | None
-    scope: RequestScope | None
-    prompt_tokens: int  # an alias boundary: the same prompt sent again restores it all
 
 
 @dataclass
@@ -103,7 +74,14 @@ class SparkCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
-    """Counters summed over an interval: ``data`` maps name -> number."""
+    """Counters summed over an interval: ``data`` maps name -> number.
+
+    Scheduler: lookups, hits, misses, hit_tokens, coalesced, saves_planned,
+    saves_known, lookup_seconds.  Workers: loads, loaded_tokens, loaded_bytes,
+    load_seconds, load_failures, loads_dropped, saves, saved_tokens,
+    saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
+    saves_skipped, save_failures, saves_lost_parent.
+    """
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -116,37 +94,52 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: value for key, value in sorted(self.data.items())}
+        out = {key: round(value, 4) if isinstance(value, float) else value
+               for key, value in sorted(self.data.items())}
+        lookups = self.data.get("lookups", 0)
+        if lookups:
+            out["hit_rate"] = round(self.data.get("hits", 0) / lookups, 4)
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
 
-class _Counters:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data: dict[str, float] = {}
+#: Counters exported to Prometheus as ``vllm:sparkcache_<name>`` (``_total``).
+PROM_COUNTERS = {
+    "lookups": "Prompts looked up in the sparkcache index.",
+    "hits": "Requests that restored a prefix from sparkcache.",
+    "misses": "Lookups that found nothing restorable beyond vLLM's own prefix hit.",
+    "hit_tokens": "Tokens restored from sparkcache (offered and accepted).",
+    "coalesced": "Requests that waited for another request's restore of their prefix.",
+    "loaded_bytes": "KV bytes copied from sparkcache into the KV cache.",
+    "load_failures": "Restores that failed verification or were dropped (recomputed).",
+    "load_seconds": "Seconds spent restoring (read, verify, copy).",
+    "saved_tokens": "Tokens written to sparkcache (copy-on-write tails).",
+    "saved_bytes": "Bytes written to sparkcache.",
+    "saves_dropped": "Saves dropped because a queue or the memory bound was full.",
+    "save_seconds": "Seconds spent publishing snapshots.",
+}
 
-    def add(self, name: str, value: float = 1) -> None:
-        with self._lock:
-            self._data[name] = self._data.get(name, 0) + value
 
-    def take(self) -> SparkCacheStats | None:
-        with self._lock:
-            data: dict[str, float] = self._data
-            self._data = {}
-        return SparkCacheStats(data=data) if data else None
+class SparkCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """Per-engine Prometheus counters of :data:`PROM_COUNTERS`."""
 
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        per_engine = importlib.import_module("vllm.v1.metrics.utils").create_metric_per_engine
+        self.counters = {
+            name: per_engine(self._counter_cls(name=f"vllm:sparkcache_{name}",
+                                               documentation=doc, labelnames=labelnames),
+                             per_engine_labelvalues)
+            for name, doc in PROM_COUNTERS.items()
+        }
 
-def _scope_of(request: Any) -> RequestScope | None:
-    lora = getattr(request, "lora_request", None)
-    mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or [])]
-    scope = RequestScope(
-        cache_salt=getattr(request, "cache_salt", None),
-        lora=None if lora is None else f"{lora.lora_name}:{lora.lora_int_id}",
-        mm_hashes=tuple(mm),
-    )
-    return None if scope.is_default else scope
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in (transfer_stats_data or {}).items():
+            if name in self.counters and value > 0:
+                self.counters[name][engine_idx].inc(value)
 
 
 class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -163,14 +156,19 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             vllm_config, kv_cache_config, revision=self.settings.revision
         )
         self.block_size = self.identity.block_size
-        self.store = SnapshotStore(self.settings.folder)
-        self.counters = _Counters()
-        if role == KVConnectorRole.SCHEDULER:
+        self.counters = Counters()
+        self.active = self.settings.mode != "off"
+        self.retention = Retention(RetentionSettings.from_env(folder=self.settings.folder))
+        self.store: SnapshotStore | None = (
+            SnapshotStore(self.settings.folder, retention=self.retention) if self.active else None
+        )
+        self.is_scheduler = role == KVConnectorRole.SCHEDULER
+        if self.is_scheduler:
             self._init_scheduler()
         else:
             self._init_worker()
-        logger.info("sparkcache %s connector on %s (model %s, identity %s)",
-                    "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+        logger.info("sparkcache %s connector, mode %s, on %s (model %s, identity %s)",
+                    "scheduler" if self.is_scheduler else "worker", self.settings.mode,
                     self.settings.folder, self.identity.model, self.identity.digest())
 
     @property
@@ -183,10 +181,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==============================================================================
 
     def _init_scheduler(self) -> None:
-        self._offers: dict[str, tuple[Match, int]] = {}
-        self._async_loading: set[str] = set()  # until a worker reports finished_recving
-        self._loads: list[LoadJob] = []
-        self._saves: list[SaveJob] = []
+        self.sweeper: Sweeper | None = None
+        self.sched: SchedulerSide | None = None
         config = self._kv_transfer_config
         if config.kv_load_failure_policy != "recompute":
             # Invariant: a failed restore is a miss.  The scheduler reads the policy
@@ -195,63 +191,35 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                            "snapshot that fails verification is recomputed, not an error",
                            config.kv_load_failure_policy)
             config.kv_load_failure_policy = "recompute"
+        if self.store is None:
+            return
+        min_tokens = self.settings.min_tokens
+        self.sched = SchedulerSide(
+            self.store, self.identity, self.counters,
+            restore=self.settings.restore, publish=self.settings.publish,
+            load_async=self.settings.load_async,
+            min_tokens=self.retention.settings.min_tokens if min_tokens is None else min_tokens,
+        )
+        if self.settings.sweep:
+            # Its own store (own index connection): a long sweep never holds the
+            # lock that the scheduler's lookups take.
+            sweep_store = SnapshotStore(self.settings.folder, retention=self.retention)
+            self.sweeper = Sweeper(sweep_store, self.retention).start()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` a stored snapshot can restore.
-
-        Side-effect free for vLLM (it may call again): the offer is remembered
-        per request and replaced by the next call.
-        """
-        self._offers.pop(request.request_id, None)
-        if not self.settings.restore or request.prompt_token_ids is None:
+        if self.sched is None:
             return 0, False
-        tokens = request.all_token_ids
-        # vLLM must compute at least one token itself to sample the next one.
-        limit = (len(tokens) - 1) // self.block_size * self.block_size
-        if limit <= num_computed_tokens:
-            return 0, False
-        started = time.perf_counter()
-        try:
-            match = self.store.lookup(
-                self.identity, np.asarray(tokens[:limit], dtype=np.uint32),
-                scope=_scope_of(request),
-            )
-        except SparkCacheError as exc:
-            logger.warning("sparkcache lookup failed (a miss): %s", exc)
-            self.counters.add("lookup_errors")
-            return 0, False
-        finally:
-            self.counters.add("lookup_seconds", time.perf_counter() - started)
-        self.counters.add("lookups")
-        if match is None or match.n_tokens <= num_computed_tokens:
-            return 0, False
-        self._offers[request.request_id] = (match, num_computed_tokens)
-        return match.n_tokens - num_computed_tokens, self.settings.load_async
+        return self.sched.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
-        offer = self._offers.pop(request.request_id, None)
-        if num_external_tokens == 0 or offer is None:
+        if self.sched is None:
             return
-        match, local = offer
-        if local + num_external_tokens != match.n_tokens or local % self.block_size:
-            # vLLM trimmed the offer in a way this skeleton does not plan for.
-            logger.warning("sparkcache: unexpected external token count %d (offered %d from "
-                           "%d); not loading", num_external_tokens, match.n_tokens - local, local)
-            return
-        (block_ids, *_rest) = blocks.get_block_ids()
-        start, end = local // self.block_size, match.n_tokens // self.block_size
-        self._loads.append(LoadJob(
-            req_id=request.request_id, snapshot_id=match.snapshot_id, n_tokens=match.n_tokens,
-            token_ids=match.token_ids, start_block=start, block_ids=list(block_ids[start:end]),
-        ))
-        if self.settings.load_async:
-            self._async_loading.add(request.request_id)
-        self.counters.add("hits")
-        self.counters.add("hit_tokens", num_external_tokens)
+        block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
+        self.sched.after_alloc(request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
@@ -259,124 +227,74 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return {CacheHitSource.DISK: num_external_tokens} if num_external_tokens else {}
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
-        meta = SparkCacheMetadata(loads=self._loads, saves=self._saves)
-        self._loads, self._saves = [], []
-        return meta
+        if self.sched is None:
+            return SparkCacheMetadata()
+        loads, saves = self.sched.take_jobs()
+        return SparkCacheMetadata(loads=loads, saves=saves)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._async_loading.difference_update(connector_output.finished_recving or ())
+        if self.sched is not None:
+            self.sched.on_output(connector_output.finished_recving or (),
+                                 connector_output.finished_sending or ())
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Plan a save of the request's computed whole blocks; hold them until copied."""
-        self._offers.pop(request.request_id, None)
-        if request.request_id in self._async_loading:
-            # Aborted while its restore is in flight: the blocks are still being
-            # written (vLLM holds them until the load reports); nothing to save.
-            self._async_loading.discard(request.request_id)
+        if self.sched is None:
             return False, None
-        if not self.settings.publish or request.prompt_token_ids is None:
-            return False, None
-        tokens = request.all_token_ids
-        n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.block_size)
-        n = n // self.block_size * self.block_size
-        if n < max(self.settings.min_tokens, self.block_size):
-            return False, None
-        token_ids = np.asarray(tokens[:n], dtype=np.uint32)
-        scope = _scope_of(request)
-        parent_id, parent_tokens = None, 0
-        try:
-            known = self.store.lookup(self.identity, token_ids, scope=scope)
-            if known is not None:
-                if known.n_tokens == n:
-                    self.counters.add("saves_known")
-                    return False, None  # already stored (perhaps restored from it)
-                if self.store.snapshot(known.snapshot_id).n_tokens == known.n_tokens:
-                    # A whole stored snapshot is our prefix: write only the tail.
-                    parent_id, parent_tokens = known.snapshot_id, known.n_tokens
-        except SparkCacheError as exc:
-            logger.warning("sparkcache lookup before save failed; saving in full: %s", exc)
-        first = parent_tokens // self.block_size
-        self._saves.append(SaveJob(
-            req_id=request.request_id, token_ids=token_ids,
-            block_ids=list(block_ids[first:n // self.block_size]),
-            parent=parent_id, scope=scope, prompt_tokens=int(request.num_prompt_tokens),
-        ))
-        return True, None
+        return self.sched.finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.sched is not None and self.sched.pending_block_frees
+
+    def reset_cache(self) -> bool | None:
+        # The store is persistent and shared with other engines: a reset of vLLM's
+        # prefix cache must not delete snapshots (use `sparkcache clear` for that).
+        return True
 
     # ==============================================================================
     # Worker side
     # ==============================================================================
 
     def _init_worker(self) -> None:
-        self.pages: LayerPages | None = None
-        self.rank = 0
-        self._failed_blocks: set[int] = set()
-        self._sent: set[str] = set()
-        self._loading: dict[str, tuple[Future[None], LoadJob]] = {}
-        self._recved: set[str] = set()
-        self._loader: ThreadPoolExecutor | None = None
-        self._pending_bytes = 0
-        self._pending_lock = threading.Lock()
-        self._publish_queue: queue.Queue[tuple[SaveJob, list[np.ndarray]] | None] = queue.Queue()
-        self._publisher = threading.Thread(
-            target=self._publish_loop, name="sparkcache-publish", daemon=True
-        )
-        self._publisher.start()
+        self.io: WorkerIO | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.store is None:
+            return
         parallel = importlib.import_module("vllm.distributed.parallel_state")
+        pages: LayerPages | None = None
+        rank = 0
         try:
             pages = LayerPages(kv_caches)
             check_tensors(self.identity, pages.tensors)
-            self.rank = rank_of(
-                self.identity, parallel.get_tensor_model_parallel_rank(),
-                parallel.get_pipeline_model_parallel_rank(),
-            )
+            rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
+                           parallel.get_pipeline_model_parallel_rank())
         except SparkCacheError as exc:
-            # Loads will fail (and be recomputed), saves are skipped: misses only.
+            # Loads fail (and are recomputed), saves are skipped: misses only.
             logger.error("sparkcache is off on this worker: %s", exc)
-            return
-        self.pages = pages
-        logger.info("sparkcache worker rank %d: %d layers of %d blocks, %d-byte pages %s",
-                    self.rank, len(pages), pages.num_blocks, pages.page_nbytes,
-                    self.identity.page_shape)
-
-    # -- loads -----------------------------------------------------------------------
-
-    def _load(self, job: LoadJob) -> None:
-        """Verified read of the match, then scatter of the blocks vLLM wants."""
-        if self.pages is None:
-            raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
-        started = time.perf_counter()
-        n_blocks = job.n_tokens // self.block_size
-        staging = np.empty((len(self.pages), n_blocks, self.pages.page_nbytes), np.uint8)
-        match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids)
-        self.store.read_into(match, self.rank, list(staging), n_tokens=job.n_tokens)
-        self.pages.scatter(job.block_ids, list(staging[:, job.start_block:]))
-        self.counters.add("loads")
-        self.counters.add("loaded_tokens", len(job.block_ids) * self.block_size)
-        self.counters.add("load_seconds", time.perf_counter() - started)
-
-    def _load_failed(self, job: LoadJob, exc: BaseException) -> None:
-        logger.warning("sparkcache restore of snapshot %d for %s failed (recomputed): %s",
-                       job.snapshot_id, job.req_id, exc)
-        self.counters.add("load_failures")
-        self._failed_blocks.update(job.block_ids)
+            pages = None
+        self.io = WorkerIO(
+            self.store, self.identity, rank, pages, self.counters,
+            max_queued_loads=self.settings.max_queued_loads,
+            max_queued_saves=self.settings.max_queued_saves,
+            max_pending_bytes=self.settings.max_pending_mb << 20,
+        )
+        if pages is not None:
+            logger.info("sparkcache worker rank %d: %d layers of %d blocks, %d-byte pages %s",
+                        rank, len(pages), pages.num_blocks, pages.page_nbytes,
+                        self.identity.page_shape)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        if self.io is None:
+            return
         for job in meta.loads:
             if self.settings.load_async:
-                if self._loader is None:
-                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-load")
-                self._loading[job.req_id] = (self._loader.submit(self._load, job), job)
-                continue
-            try:
-                self._load(job)
-            except (SparkCacheError, ValueError, OSError) as exc:
-                self._load_failed(job, exc)
+                self.io.submit_load(job)
+            else:
+                self.io.load_now(job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole requests are loaded before (sync) or between (async) steps
@@ -384,103 +302,58 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # saves copy whole blocks when the request finishes (wait_for_save)
-
-    # -- saves -----------------------------------------------------------------------
+        return  # saves copy whole blocks after the request finished (wait_for_save)
 
     def wait_for_save(self) -> None:
+        """Hand this step's saves to the saver thread; nothing waits for the disk."""
         meta = self._get_connector_metadata()
+        if self.io is None:
+            return
         for job in meta.saves:
-            self._sent.add(job.req_id)  # always reported, or vLLM never frees the blocks
-            if self.pages is None:
-                continue
-            nbytes = len(job.block_ids) * self.pages.page_nbytes * len(self.pages)
-            with self._pending_lock:
-                if self._pending_bytes + nbytes > self.settings.max_pending_mb << 20:
-                    self.counters.add("saves_dropped")
-                    continue
-                self._pending_bytes += nbytes
-            started = time.perf_counter()
-            pages = self.pages.gather(job.block_ids)
-            self.counters.add("save_copy_seconds", time.perf_counter() - started)
-            self._publish_queue.put((job, pages))
-
-    def _publish_loop(self) -> None:
-        while True:
-            item = self._publish_queue.get()
-            if item is None:
-                return
-            job, pages = item
-            started = time.perf_counter()
-            try:
-                # The snapshot holds the output too; a breakpoint at the prompt's end
-                # lets a resend of the same prompt (which must leave its last token
-                # to vLLM) match more than the last stride alias below it.
-                self.store.publish(self.identity, self.rank, job.token_ids, pages,
-                                   parent=job.parent, scope=job.scope,
-                                   breakpoints=[job.prompt_tokens - 1])
-                self.counters.add("saves")
-                self.counters.add("saved_tokens", len(job.block_ids) * self.block_size)
-            except NotFound:
-                # The parent was evicted meanwhile: these pages alone cannot stand.
-                self.counters.add("saves_lost_parent")
-            except (SparkCacheError, OSError) as exc:
-                logger.warning("sparkcache publish for %s failed: %s", job.req_id, exc)
-                self.counters.add("save_failures")
-            finally:
-                self.counters.add("publish_seconds", time.perf_counter() - started)
-                nbytes = sum(p.nbytes for p in pages)
-                with self._pending_lock:
-                    self._pending_bytes -= nbytes
-                self._publish_queue.task_done()
-
-    # -- completion reporting ------------------------------------------------------------
+            self.io.submit_save(job)
 
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        sent, self._sent = self._sent, set()
-        done = [rid for rid, (fut, _job) in self._loading.items() if fut.done()]
-        recved: set[str] = set()
-        for rid in done:
-            fut, job = self._loading.pop(rid)
-            exc = fut.exception()
-            if exc is not None:
-                self._load_failed(job, exc)
-            recved.add(rid)  # failed loads are finished too; their blocks are reported
+        if self.io is None:  # mode off: nothing is ever planned
+            return None, None
+        sent, recved = self.io.poll()
         return (sent or None), (recved or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+        return set() if self.io is None else self.io.take_failed_blocks()
+
+    # ==============================================================================
+    # Both sides
+    # ==============================================================================
 
     def get_kv_connector_stats(self) -> SparkCacheStats | None:
-        return self.counters.take()
+        data = self.counters.take()
+        return SparkCacheStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparkCacheStats:
         return SparkCacheStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return SparkCachePromMetrics(vllm_config, metric_types, labelnames,
+                                     per_engine_labelvalues)
+
     def flush(self, timeout: float = 60.0) -> bool:
-        """Wait until every queued save is on disk (worker side); False on timeout."""
-        if self.role == KVConnectorRole.SCHEDULER:
-            return True
-        deadline = time.monotonic() + timeout
-        while self._publish_queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        """Wait until every queued load and save of this worker is done; False on timeout."""
+        return True if self.io is None else self.io.flush(timeout)
 
     def shutdown(self) -> None:
-        if self.role != KVConnectorRole.SCHEDULER:
-            if not self.flush():
-                logger.warning("sparkcache: shutting down with saves still queued (dropped)")
-            self._publish_queue.put(None)
-            self._publisher.join(timeout=5)
-            if self._loader is not None:
-                self._loader.shutdown(wait=True)
-        self.store.close()
+        if self.is_scheduler:
+            if self.sweeper is not None:
+                self.sweeper.stop()
+                self.sweeper.store.close()
+        elif self.io is not None:
+            self.io.close()
+        if self.store is not None:
+            self.store.close()
 
     def take_events(self) -> Iterable[Any]:
         return ()

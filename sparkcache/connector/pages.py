@@ -113,6 +113,18 @@ class LayerPages:
             raise InvalidArgument(f"block ids out of range [0, {self.num_blocks})")
         return idx
 
+    def run_views(self, first: int, count: int) -> list[np.ndarray] | None:
+        """Flat writable views of blocks ``[first, first + count)`` of every layer,
+        or None when a layer's blocks are not one dense run of bytes (then pages
+        go through a staging buffer).  A restore into a fresh run of blocks reads
+        straight into the KV cache this way: no staging copy, no scatter."""
+        if first < 0 or count <= 0 or first + count > self.num_blocks:
+            return None
+        runs = [view[first:first + count] for view in self.views]
+        if not all(run.flags.c_contiguous for run in runs):
+            return None
+        return [run.reshape(-1) for run in runs]
+
     def gather(self, block_ids: Sequence[int]) -> list[np.ndarray]:
         """Copies of the given blocks, one ``[n, page_nbytes]`` array per layer."""
         idx = self._index(block_ids)

@@ -7,6 +7,9 @@ Pure Python (no vLLM, no torch) so it is tested without either installed::
                            "kv_role": "kv_both",
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"folder": "/var/cache/kv"}}'
+
+Every key is documented in docs/connector.md; unknown keys are an error (a
+typo must not silently turn a feature off).
 """
 
 from __future__ import annotations
@@ -18,13 +21,27 @@ from typing import Any
 
 from sparkcache.errors import InvalidArgument
 
-__all__ = ["DEFAULT_MIN_TOKENS", "ConnectorSettings", "default_folder"]
+__all__ = [
+    "DEFAULT_MAX_PENDING_MB",
+    "DEFAULT_MAX_QUEUED",
+    "MODES",
+    "ConnectorSettings",
+    "default_folder",
+]
 
-#: Shorter contexts are not stored (SPARK_KV_CACHE_MIN_TOKENS).
-DEFAULT_MIN_TOKENS = 64
 #: Host bytes of copied-out pages waiting for their disk write, per worker; past
 #: it new saves are dropped (counted), never queued behind the forward pass.
 DEFAULT_MAX_PENDING_MB = 1024
+#: Loads (and saves) that may wait for a worker's I/O thread; past it a load is
+#: reported failed (vLLM recomputes) and a save is dropped, both counted.
+DEFAULT_MAX_QUEUED = 64
+#: mode -> (restore, publish).
+MODES: dict[str, tuple[bool, bool]] = {
+    "read-write": (True, True),
+    "restore-only": (True, False),
+    "store-only": (False, True),
+    "off": (False, False),
+}
 
 
 def default_folder() -> str | None:
@@ -66,22 +83,36 @@ class ConnectorSettings:
     """What the connector does; every field is a ``kv_connector_extra_config`` key.
 
     ``folder``: the store root (default SPARK_KV_CACHE_FOLDER or
-    $SPARK_STORAGE/kvcache).  ``publish`` / ``restore`` switch saving and
-    loading independently.  ``min_tokens``: shorter contexts are not saved.
-    ``load_async``: restore between scheduler steps (the request waits in
-    WAITING_FOR_REMOTE_KVS) instead of inside the step that prefills it.
+    $SPARK_STORAGE/kvcache).  ``mode``: ``read-write`` (default),
+    ``restore-only``, ``store-only`` or ``off``.  ``min_tokens``: shorter
+    contexts are not saved (default SPARK_KV_CACHE_MIN_TOKENS, 64).
+    ``load_async``: restore on a worker thread between scheduler steps (the
+    request waits in WAITING_FOR_REMOTE_KVS; default) instead of inside the
+    step that prefills it (``false``: the read is on the forward path).
     ``revision``: names the weights when vLLM's model revision cannot (a local
     folder whose files may change); it is part of the identity.
     ``max_pending_mb``: host memory a worker may hold for saves not yet on disk.
+    ``max_queued_loads`` / ``max_queued_saves``: bounds of the worker queues.
+    ``sweep``: run the retention sweeper thread in the scheduler process.
     """
 
     folder: str
-    publish: bool = True
-    restore: bool = True
-    min_tokens: int = DEFAULT_MIN_TOKENS
-    load_async: bool = False
+    mode: str = "read-write"
+    min_tokens: int | None = None
+    load_async: bool = True
     revision: str | None = None
     max_pending_mb: int = DEFAULT_MAX_PENDING_MB
+    max_queued_loads: int = DEFAULT_MAX_QUEUED
+    max_queued_saves: int = DEFAULT_MAX_QUEUED
+    sweep: bool = True
+
+    @property
+    def restore(self) -> bool:
+        return MODES[self.mode][0]
+
+    @property
+    def publish(self) -> bool:
+        return MODES[self.mode][1]
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -99,17 +130,28 @@ class ConnectorSettings:
                 "sparkcache needs a store folder: set kv_connector_extra_config "
                 '{"folder": "/path/to/kvcache"} or SPARK_KV_CACHE_FOLDER'
             )
+        mode = str(extra.get("mode", "read-write")).lower().replace("_", "-")
+        if mode not in MODES:
+            raise InvalidArgument(f"kv_connector_extra_config['mode'] must be one of "
+                                  f"{sorted(MODES)}, got {extra.get('mode')!r}")
         revision = extra.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise InvalidArgument("kv_connector_extra_config['revision'] must be a string")
+        min_tokens = extra.get("min_tokens")
         return cls(
             folder=folder,
-            publish=_as_bool("publish", extra.get("publish", True)),
-            restore=_as_bool("restore", extra.get("restore", True)),
-            min_tokens=_as_int("min_tokens", extra.get("min_tokens", DEFAULT_MIN_TOKENS), 1),
-            load_async=_as_bool("load_async", extra.get("load_async", False)),
+            mode=mode,
+            min_tokens=None if min_tokens is None else _as_int("min_tokens", min_tokens, 1),
+            load_async=_as_bool("load_async", extra.get("load_async", True)),
             revision=revision,
             max_pending_mb=_as_int(
                 "max_pending_mb", extra.get("max_pending_mb", DEFAULT_MAX_PENDING_MB), 0
             ),
+            max_queued_loads=_as_int(
+                "max_queued_loads", extra.get("max_queued_loads", DEFAULT_MAX_QUEUED), 1
+            ),
+            max_queued_saves=_as_int(
+                "max_queued_saves", extra.get("max_queued_saves", DEFAULT_MAX_QUEUED), 1
+            ),
+            sweep=_as_bool("sweep", extra.get("sweep", True)),
         )

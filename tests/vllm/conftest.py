@@ -1,4 +1,4 @@
-"""Fixtures for the vLLM tests: the tiny model, built once per session.
+"""Fixtures for the vLLM tests: the tiny model and plain vLLM's answers, once per session.
 
 This folder has no ``__init__.py`` on purpose: pytest's default (prepend)
 import mode would import a package ``tests/vllm`` as top-level ``vllm`` and
@@ -14,7 +14,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_model import MAX_TOKENS, MISSING, build_model, run_engine_script
+from tiny_model import (
+    CHAT_TURNS,
+    CONCURRENT_PROMPTS,
+    EVICT_A,
+    EVICT_A_NEXT,
+    EVICT_B,
+    LONG_PROMPT,
+    MAX_TOKENS,
+    MISSING,
+    OTHER_PROMPT,
+    SHARED_PREFIX_PROMPT,
+    build_model,
+    run_scenario,
+)
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "river 42 mountain cloud window"]
 
 
 @pytest.fixture(scope="session")
@@ -25,37 +40,53 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-#: Run inside the engine process (see tiny_model.run_engine_script): one engine,
-#: no connector, greedy outputs and prefix-cache counters for every test prompt.
-BASELINE = """
-from vllm import SamplingParams
-from tiny_model import LONG_PROMPT, SHARED_PREFIX_PROMPT, metrics_of
+@pytest.fixture(scope="session")
+def baseline(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What plain vLLM (no connector, one engine) answers: the reference of every
+    connector test.  Prompts are separated by prefix-cache resets where a
+    connector test restores them, so nothing here reads another prompt's KV."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    ops: list[dict[str, Any]] = [
+        {"op": "text", "name": "texts", "prompts": TEXTS},
+        {"op": "gen", "name": "long", "prompts": [LONG_PROMPT], "logprobs": True},
+        {"op": "gen", "name": "long_again", "prompts": [LONG_PROMPT]},
+        {"op": "gen", "name": "shared", "prompts": [SHARED_PREFIX_PROMPT]},
+        {"op": "template", "name": "template", "content": TEXTS[0]},
+        {"op": "reset"},
+        {"op": "gen", "name": "concurrent", "prompts": CONCURRENT_PROMPTS},
+        {"op": "reset"},
+        {"op": "chat", "name": "chat", "turns": CHAT_TURNS, "reset": True},
+        {"op": "chat", "name": "evict", "turns": [EVICT_A, EVICT_A_NEXT], "reset": True},
+        {"op": "gen", "name": "evict_b", "prompts": [EVICT_B]},
+        {"op": "gen", "name": "other", "prompts": [OTHER_PROMPT]},
+    ]
+    result = run_scenario(tiny_model_dir, tmp, ops)
+    ref = {name: rec.get("outs") for name, rec in result.items() if name != "_log"}
+    ref["metrics"] = result["texts"]["metrics"]
+    ref["metrics_long_again"] = result["long_again"]["metrics"]
+    ref["_log"] = result["_log"]
+    assert len(ref["long"][0]["tokens"]) == MAX_TOKENS
+    return ref
 
-llm = make_llm(args["model"])
-sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True)
-texts = llm.generate(args["texts"], sp)
-first = llm.generate([{"prompt_token_ids": LONG_PROMPT}], sp)[0]
-again = llm.generate([{"prompt_token_ids": LONG_PROMPT}], sp)[0]
-shared = llm.generate([{"prompt_token_ids": SHARED_PREFIX_PROMPT}], sp)[0]
-chat = llm.chat([{"role": "user", "content": args["texts"][0]}], sp)[0]
-report({
-    "texts": [list(o.outputs[0].token_ids) for o in texts],
-    "long": [list(o.outputs[0].token_ids) for o in (first, again)],
-    "long_cached": [first.num_cached_tokens, again.num_cached_tokens],
-    "shared": list(shared.outputs[0].token_ids),
-    "shared_cached": shared.num_cached_tokens,
-    "chat_prompt": list(chat.prompt_token_ids),
-    "chat": list(chat.outputs[0].token_ids),
-    "metrics": metrics_of(llm),
-})
-"""
+
+#: Every connector engine prefills in chunks of 128 tokens (chunked prefill).
+CHUNK = {"max_num_batched_tokens": 128}
 
 
 @pytest.fixture(scope="session")
-def baseline(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """What plain vLLM (no connector) answers; the reference for every connector test."""
-    tmp = tmp_path_factory.mktemp("baseline")
-    texts = ["the quick brown fox jumps over the lazy dog", "river 42 mountain cloud window"]
-    return run_engine_script(BASELINE, args={
-        "model": str(tiny_model_dir), "tmp": str(tmp), "texts": texts, "max_tokens": MAX_TOKENS,
-    })
+def published(
+    tiny_model_dir: Path, baseline: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Engine 1: a cold answer to LONG_PROMPT with the connector, published on finish.
+
+    Returns its record (``outs``, ``snapshots``, ...) plus ``folder``: the store,
+    which tests copy before they use it.
+    """
+    tmp = tmp_path_factory.mktemp("engine1")
+    folder = tmp / "store"
+    ops = [{"op": "gen", "name": "long", "prompts": [LONG_PROMPT], "logprobs": True, "ready": 1}]
+    result = run_scenario(tiny_model_dir, tmp, ops, folder=folder, engine=CHUNK)
+    record: dict[str, Any] = result["long"]
+    record["folder"] = folder
+    record["_log"] = result["_log"]
+    return record

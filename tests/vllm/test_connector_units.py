@@ -17,10 +17,22 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(bool(MISSING), reason=SKIP_RE
 
 def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
     s = ConnectorSettings.from_extra_config(
-        {"folder": "/x", "publish": "false", "min_tokens": "32", "load_async": True}
+        {"folder": "/x", "mode": "restore-only", "min_tokens": "32", "load_async": "false"}
     )
     assert (s.folder, s.publish, s.restore, s.min_tokens, s.load_async) == (
-        "/x", False, True, 32, True)
+        "/x", False, True, 32, False)
+    default = ConnectorSettings.from_extra_config({"folder": "/x"})
+    assert (default.mode, default.publish, default.restore, default.load_async) == (
+        "read-write", True, True, True)
+    assert default.min_tokens is None  # SPARK_KV_CACHE_MIN_TOKENS decides
+    for mode, expect in (("store-only", (False, True)), ("off", (False, False)),
+                         ("read_write", (True, True))):
+        got = ConnectorSettings.from_extra_config({"folder": "/x", "mode": mode})
+        assert (got.restore, got.publish) == expect
+    with pytest.raises(InvalidArgument, match="mode"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "mode": "write-only"})
+    with pytest.raises(InvalidArgument, match="unknown sparkcache settings"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "publish": False})
     monkeypatch.delenv("SPARK_KV_CACHE_FOLDER", raising=False)
     monkeypatch.setenv("SPARK_STORAGE", "/data")
     assert ConnectorSettings.from_extra_config({}).folder == "/data/kvcache"
@@ -69,6 +81,15 @@ def test_pages_round_trip_on_a_strided_layer_view() -> None:
     assert not raw[1].any() and not raw[3].any() and not raw[5].any()
     with pytest.raises(InvalidArgument, match="out of range"):
         pages.gather([blocks])
+    # Block-outermost: a layer's blocks are not one run of bytes (restores stage).
+    assert pages.run_views(0, 2) is None
+    # Layer-outermost (vLLM's CPU layout): runs of blocks are read into directly.
+    dense = LayerPages({f"model.layers.{i}.self_attn.attn": t for i, t in
+                        enumerate(torch.zeros(layers, blocks, *page, dtype=torch.bfloat16))})
+    runs = dense.run_views(2, 3)
+    assert runs is not None and runs[1].size == 3 * dense.page_nbytes
+    runs[1][:] = 7
+    assert dense.gather([2, 3, 4])[1].min() == 7 and not dense.gather([1, 5])[1].any()
 
 
 def test_identity_from_a_vllm_spec() -> None:

@@ -10,23 +10,24 @@ pytestmark = NEEDS_VLLM
 
 
 def test_greedy_output_depends_on_the_prompt(baseline: dict[str, Any]) -> None:
-    a, b = baseline["texts"]
+    a, b = (o["tokens"] for o in baseline["texts"])
     assert len(a) == len(b) == MAX_TOKENS
     assert a != b
 
 
 def test_chat_template_renders(baseline: dict[str, Any]) -> None:
-    prompt = baseline["chat_prompt"]
-    assert prompt[0] == 0  # <|begin|>: the template starts with bos_token
-    assert len(baseline["chat"]) == MAX_TOKENS
+    (out,) = baseline["template"]
+    assert out["prompt"][0] == 0  # <|begin|>: the template starts with bos_token
+    assert len(out["tokens"]) == MAX_TOKENS
 
 
 def test_prefix_cache_hit_for_a_repeated_prompt(baseline: dict[str, Any]) -> None:
-    first, again = baseline["long"]
-    assert first == again, "greedy decoding of the same prompt must repeat"
-    cold, warm = baseline["long_cached"]
-    assert cold == 0
+    (first,), (again,) = baseline["long"], baseline["long_again"]
+    assert first["tokens"] == again["tokens"], "greedy decoding of the same prompt must repeat"
+    assert first["cached"] == 0
     # Whole blocks only, and vLLM recomputes at least the last prompt token.
-    assert warm == (len(LONG_PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert baseline["metrics"]["vllm:prefix_cache_hits"] >= warm
-    assert baseline["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    warm = (len(LONG_PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert again["cached"] == warm
+    metrics = baseline["metrics_long_again"]
+    assert metrics["vllm:prefix_cache_hits"] >= warm
+    assert metrics["vllm:external_prefix_cache_hits"] == 0

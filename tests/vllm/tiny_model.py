@@ -180,6 +180,26 @@ MAX_TOKENS = 16
 #: A ~500-token prompt (token ids) and one sharing only its first 300 tokens.
 LONG_PROMPT = token_prompt(500, seed=7)
 SHARED_PREFIX_PROMPT = LONG_PROMPT[:300] + token_prompt(200, seed=8)
+#: Three prompts sharing LONG_PROMPT's first 480 tokens (its stored prompt-end
+#: boundary), sent at once: the base must be read from disk once.
+CONCURRENT_PROMPTS = [LONG_PROMPT[:480] + token_prompt(40, seed=20 + i) for i in range(3)]
+#: A chat as token ids: turn i's prompt is turn i-1's prompt + its answer + these
+#: tokens.  Lengths make every turn's prompt + answer end on a block boundary
+#: (305 + 15 computed = 320; + 1 + 48 + 15 = 384; + 1 + 48 + 15 = 448).
+CHAT_TURNS = [token_prompt(305, seed=30), token_prompt(48, seed=31), token_prompt(48, seed=32)]
+#: Live-cache eviction: conversation A, then B (60 blocks: long enough to push A
+#: out of a 64-block KV cache), then A's next turn (A + its answer + these tokens).
+EVICT_A = token_prompt(400, seed=40)
+EVICT_B = token_prompt(1900, seed=41)
+EVICT_A_NEXT = token_prompt(40, seed=42)
+#: A prompt only an engine of another identity (block size 64) publishes.
+OTHER_PROMPT = token_prompt(400, seed=50)
+#: KV blocks of the engine that runs the eviction scenario: 64 usable (vLLM
+#: keeps one as its null block), exactly MAX_MODEL_LEN tokens.
+SMALL_CACHE_BLOCKS = 65
+#: Logprobs of restored and recomputed answers agree to this (float32; prefill
+#: chunking differs between engines, so bit equality is not promised).
+LOGPROB_TOL = 1e-3
 
 # -- engines ---------------------------------------------------------------------------
 
@@ -242,15 +262,136 @@ def metrics_of(llm: Any) -> dict[str, float]:
     return out
 
 
+def same_answer(out: dict[str, Any], ref: dict[str, Any], tol: float = LOGPROB_TOL) -> str:
+    """'' when ``out`` has ``ref``'s greedy tokens (and logprobs within ``tol``), else why not."""
+    if out["tokens"] != ref["tokens"]:
+        return f"tokens differ: {out['tokens']} != {ref['tokens']}"
+    if out.get("logprobs") is not None and ref.get("logprobs") is not None:
+        worst = max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"], strict=True))
+        if worst > tol:
+            return f"logprobs differ by up to {worst:.3g} (> {tol})"
+    return ""
+
+
+#: An engine script (see run_engine_script) that runs ``args["ops"]`` in order on
+#: one engine and reports what each did.  Ops:
+#:   {"op": "gen", "name", "prompts", "logprobs"?}: one generate call (prompts
+#:       run concurrently); records tokens, logprobs, num_cached_tokens per prompt;
+#:   {"op": "chat", "name", "turns", "reset"?}: turn i = previous prompt +
+#:       previous answer + turns[i]; after each turn waits for its save (when the
+#:       engine has a store), resets vLLM's prefix cache if asked and runs the
+#:       "between" prompts (another conversation) before the next turn;
+#:   {"op": "text", "prompts"}: string prompts; {"op": "template", "content"}: llm.chat;
+#:   {"op": "reset"}: llm.reset_prefix_cache();
+#:   {"op": "delete_newest"}: delete the payload file of the newest ready snapshot;
+#:   every op may carry "ready": wait until the store has that many ready snapshots.
+#: After every op: vLLM's metrics and, with a store, its snapshots and counters.
+SCENARIO = """
+import time
+from pathlib import Path
+from vllm import SamplingParams
+from tiny_model import connector_config, metrics_of
+
+folder = args.get("folder")
+kwargs = dict(args.get("engine", {}))
+if folder:
+    kwargs["kv_transfer_config"] = connector_config(folder, **args.get("extra", {}))
+llm = make_llm(args["model"], **kwargs)
+store = None
+if folder:
+    from sparkcache import SnapshotStore
+    store = SnapshotStore(folder)
+
+def ready():
+    snaps = store.snapshots() if store else []
+    return sorted((s for s in snaps if s.state == "ready"), key=lambda s: s.id)
+
+def wait_ready(n):
+    deadline = time.monotonic() + 60
+    while store and len(ready()) < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+def gen(prompts, logprobs):
+    sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True,
+                        logprobs=1 if logprobs else None)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        lp = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] if logprobs else None
+        res.append({"tokens": list(c.token_ids), "cached": o.num_cached_tokens,
+                    "logprobs": lp, "prompt_len": len(o.prompt_token_ids)})
+    return res
+
+results = {}
+for op in args["ops"]:
+    kind, rec = op["op"], {}
+    if kind == "gen":
+        rec["outs"] = gen(op["prompts"], op.get("logprobs", False))
+    elif kind == "chat":
+        prompt, turns = [], []
+        for i, extra in enumerate(op["turns"]):
+            prompt = prompt + (turns[-1]["tokens"] if turns else []) + extra
+            (out,) = gen([prompt], False)
+            turns.append(out)
+            if store:
+                wait_ready(op["ready"] + i + (len(op.get("between") or []) if i else 0))
+                out["snapshots"] = [[s.id, s.n_tokens, s.parent_id, s.nbytes] for s in ready()]
+            if op.get("reset"):
+                llm.reset_prefix_cache()
+            if op.get("between") and i + 1 < len(op["turns"]):
+                rec["between"] = gen(op["between"], False)
+                if store:
+                    wait_ready(op["ready"] + i + len(op["between"]))
+        rec["outs"] = turns
+    elif kind == "text":
+        sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True)
+        rec["outs"] = [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+                       for o in llm.generate(op["prompts"], sp)]
+    elif kind == "template":
+        sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True)
+        o = llm.chat([{"role": "user", "content": op["content"]}], sp)[0]
+        rec["outs"] = [{"tokens": list(o.outputs[0].token_ids),
+                        "prompt": list(o.prompt_token_ids)}]
+    elif kind == "reset":
+        llm.reset_prefix_cache()
+    elif kind == "delete_newest":
+        newest = max(ready(), key=lambda s: s.id)
+        for f in Path(folder).glob(f"objects/*/*/{newest.snap_key}-*.safetensors"):
+            f.unlink()
+        rec["deleted"] = newest.id
+    if "ready" in op and kind != "chat":
+        wait_ready(op["ready"])
+    rec["metrics"] = metrics_of(llm)
+    if store:
+        rec["snapshots"] = [[s.id, s.n_tokens, s.state, s.parent_id, s.nbytes]
+                            for s in store.snapshots()]
+        rec["stats"] = store.stats()
+    results[op.get("name", kind + str(len(results)))] = rec
+report(results)
+"""
+
+
+def run_scenario(model: Path, tmp: Path, ops: list[dict[str, Any]], *,
+                 folder: Path | None = None, env: dict[str, str] | None = None,
+                 **kwargs: Any) -> dict[str, Any]:
+    """Run :data:`SCENARIO` on one engine (with the connector when ``folder``)."""
+    return run_engine_script(SCENARIO, args={
+        "model": str(model), "tmp": str(tmp), "folder": str(folder) if folder else None,
+        "max_tokens": MAX_TOKENS, "ops": ops, **kwargs,
+    }, env=env)
+
+
 def run_engine_script(
-    body: str, *, args: dict[str, Any], timeout: float = 600, cwd: Path | None = None
+    body: str, *, args: dict[str, Any], timeout: float = 600, cwd: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``body`` in a fresh Python process and return the JSON it reports.
 
     ``body`` is the inside of ``main(args)``: it sees ``args`` (a dict, passed as
     JSON), ``make_llm`` and ``report(obj)``, which writes the result.  The
     script has the ``__main__`` guard that vLLM's spawned processes need.  A
-    failure raises with the tail of the child's output.
+    failure raises with the tail of the child's output.  ``env`` adds variables.
     """
     here = Path(__file__).resolve().parent
     out_file = Path(args["tmp"]) / f"result-{os.getpid()}-{random.randrange(1 << 30)}.json"
@@ -270,7 +411,7 @@ def run_engine_script(
     )
     script_file = out_file.with_suffix(".py")
     script_file.write_text(script)
-    env = apply_cpu_env(dict(os.environ))
+    env = apply_cpu_env({**os.environ, **(env or {})})
     done = subprocess.run(
         [sys.executable, str(script_file), json.dumps(args)],
         cwd=cwd or here.parents[1], env=env, capture_output=True, text=True, timeout=timeout,

@@ -1,0 +1,194 @@
+"""Time to first token: recompute vs sparkcache restore vs vLLM's ExampleConnector.
+
+    .venv/bin/python bench/connector_bench.py [--tokens 4000] [--reps 3] [--dir DIR] [--json]
+
+A random-weight Llama (hidden 1024, 12 layers, 16 heads over 8 KV heads,
+fp32) and a prompt of ``--tokens`` random token ids.  Six engines, each a
+fresh process (vLLM on CPU, enforce eager, block size 32):
+
+1. recompute: no connector, prefix caching off: the prompt is prefilled;
+2. sparkcache publish: answers the prompt once, its snapshot is saved;
+3. sparkcache restore: a new engine on that store; vLLM's prefix cache is
+   reset before every repetition, so each one restores from the store (the
+   default asynchronous load, then again with ``load_async: false``);
+4. ExampleConnector publish (vLLM's reference disk connector; it crashes on
+   chunked prefill, so max_num_batched_tokens is set above the prompt);
+5. ExampleConnector restore: a new engine on its folder, same repetitions.
+
+Every engine is warmed up first (two short requests with logprobs: the first
+one compiles a helper).  TTFT is the wall time of ``generate`` with
+``max_tokens=1``; the table shows the median and min over ``--reps`` and the
+ratio to recompute measured in the same run (STYLE habit 10).  The first
+token and its logprob are compared with recompute's.  Targets: sparkcache
+<= 0.2x recompute and faster than ExampleConnector; exit status 1 if missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+
+from tiny_model import (
+    MISSING,
+    SKIP_REASON,
+    VOCAB_SIZE,
+    build_tokenizer,
+    connector_config,
+    run_engine_script,
+    token_prompt,
+)
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 1024, 12, 16, 8, 2816
+MAX_MODEL_LEN = 8192
+
+#: One engine: warm up, then time ``reps`` answers of the prompt (max_tokens=1).
+PHASE = """
+import time
+from vllm import SamplingParams
+llm = make_llm(args["model"], **args["engine"])
+sp = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
+for seed in (1, 2):
+    llm.generate([{"prompt_token_ids": [seed] * 40 + list(range(100, 140))}], sp)
+times, firsts = [], []
+for _ in range(args["reps"]):
+    llm.reset_prefix_cache()
+    started = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": args["prompt"]}], sp)[0]
+    times.append(time.perf_counter() - started)
+    c = out.outputs[0]
+    firsts.append([c.token_ids[0], c.logprobs[0][c.token_ids[0]].logprob, out.num_cached_tokens])
+if args.get("store"):
+    from sparkcache import SnapshotStore
+    deadline = time.monotonic() + 120
+    with SnapshotStore(args["store"]) as store:
+        while time.monotonic() < deadline and not any(
+                s.state == "ready" for s in store.snapshots()):
+            time.sleep(0.2)
+        stats = store.stats()
+else:
+    stats = {}
+ours = {m.name: m.value for m in llm.get_metrics()
+        if "sparkcache" in m.name and isinstance(getattr(m, "value", None), (int, float))}
+report({"times": times, "firsts": firsts, "stats": stats, "connector": ours})  # in --json
+"""
+
+
+def build_model(folder: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if (folder / "config.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(folder)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HIDDEN // HEADS, max_position_embeddings=MAX_MODEL_LEN, initializer_range=0.5,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(
+        str(folder), safe_serialization=True)
+    return folder
+
+
+def phase(name: str, model: Path, tmp: Path, prompt: list[int], reps: int,
+          engine: dict[str, Any], store: Path | None = None) -> dict[str, Any]:
+    base = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4}
+    started = time.perf_counter()
+    result = run_engine_script(PHASE, args={
+        "model": str(model), "tmp": str(tmp), "prompt": prompt, "reps": reps,
+        "engine": {**base, **engine}, "store": str(store) if store else None,
+    }, timeout=1800)
+    result["wall"] = time.perf_counter() - started
+    print(f"  {name}: {[round(t, 3) for t in result['times']]} s "
+          f"(process {result['wall']:.0f} s)", file=sys.stderr)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", type=Path, help="work folder (default: a temp folder)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    opts = parser.parse_args()
+    if MISSING:
+        print(SKIP_REASON, file=sys.stderr)
+        return 2
+    work = opts.dir or Path(tempfile.mkdtemp(prefix="sparkcache-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        model = build_model(work / "model")
+        prompt = token_prompt(opts.tokens, seed=11)
+        store, example = work / "store", work / "example"
+        for folder in (store, example):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+        spark = {"kv_transfer_config": connector_config(store)}
+        spark_sync = {"kv_transfer_config": connector_config(store, load_async=False)}
+        ex = {"kv_transfer_config": {
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(example)}},
+            "max_num_batched_tokens": opts.tokens + 512}
+        runs = {
+            "recompute": phase("recompute", model, work, prompt, opts.reps,
+                               {"enable_prefix_caching": False}),
+            "sparkcache publish": phase("sparkcache publish", model, work, prompt, 1, spark,
+                                        store=store),
+            "sparkcache restore": phase("sparkcache restore", model, work, prompt, opts.reps,
+                                        spark, store=store),
+            "sparkcache restore, sync": phase("sparkcache restore, sync", model, work, prompt,
+                                              opts.reps, spark_sync, store=store),
+            "ExampleConnector publish": phase("ExampleConnector publish", model, work, prompt,
+                                              1, ex),
+            "ExampleConnector restore": phase("ExampleConnector restore", model, work, prompt,
+                                              opts.reps, ex),
+        }
+    finally:
+        if opts.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    base = statistics.median(runs["recompute"]["times"])
+    ref_token, ref_lp, _ = runs["recompute"]["firsts"][0]
+    rows = []
+    for name, run in runs.items():
+        med = statistics.median(run["times"])
+        token, lp, cached = run["firsts"][-1]
+        rows.append({"phase": name, "median_s": round(med, 3), "min_s": round(min(run["times"]), 3),
+                     "ratio": round(med / base, 3), "cached": cached,
+                     "same_token": token == ref_token, "logprob_diff": abs(lp - ref_lp),
+                     "engine_process_s": round(run["wall"], 1)})
+    ratio = {r["phase"]: r["ratio"] for r in rows}
+    ok = (ratio["sparkcache restore"] <= 0.2
+          and ratio["sparkcache restore"] < ratio["ExampleConnector restore"])
+    if opts.json:
+        print(json.dumps({"rows": rows, "stats": runs["sparkcache restore"]["stats"],
+                          "connector": runs["sparkcache restore"]["connector"], "ok": ok},
+                         indent=2))
+    else:
+        print(f"prompt {opts.tokens} tokens; Llama hidden {HIDDEN}, {LAYERS} layers, fp32; "
+              f"TTFT over {opts.reps} reps (publish: 1)")
+        print(f"{'phase':<28}{'median s':>10}{'min s':>9}{'x recompute':>13}{'cached':>8}"
+              f"{'same token':>12}{'|dlogprob|':>12}")
+        for r in rows:
+            print(f"{r['phase']:<28}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['ratio']:>13.3f}"
+                  f"{r['cached']:>8}{r['same_token']!s:>12}{r['logprob_diff']:>12.2e}")
+        print("targets: sparkcache restore <= 0.2x recompute and faster than ExampleConnector: "
+              + ("met" if ok else "MISSED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The scheduler side's decisions: what to restore, what to save, who waits.
+
+Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
+``prompt_token_ids``, ``all_token_ids``, ``num_computed_tokens``,
+``num_prompt_tokens``, ``kv_transfer_params``, ``cache_salt``,
+``lora_request``, ``mm_features``), so it is unit-tested without vLLM.
+
+* **restore**: the prompt's block-boundary hashes are computed once per
+  request; the index returns the longest snapshot every rank of this topology
+  can restore; the tokens beyond vLLM's own prefix hit are offered, never the
+  last prompt token (vLLM must compute one to sample).
+* **coalescing**: while an asynchronous load is in flight, a request sharing
+  a prefix with it that its own local hit does not cover waits ("ask again":
+  ``None``); when the load is done vLLM caches the blocks and the follower
+  hits vLLM's own prefix cache.  One base is read from disk once.
+* **save**: a finished request's whole computed blocks (prompt and output) are
+  published, with alias boundaries at the prompt's end and at the request's
+  breakpoints (``kv_transfer_params={"sparkcache": {"breakpoints": [n, ...]}}``);
+  when a stored snapshot is a whole prefix, only the tail is written (the
+  snapshot becomes its copy-on-write parent).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sparkcache.connector.worker import Counters, LoadJob, SaveJob
+from sparkcache.errors import SparkCacheError
+from sparkcache.hashing import prefix_hashes, prefix_seed
+from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.store import Match, SnapshotStore
+
+__all__ = ["SchedulerSide", "breakpoints_of", "scope_of"]
+
+logger = logging.getLogger("vllm.sparkcache")
+
+
+def scope_of(request: Any) -> RequestScope | None:
+    """The request's partition of the prefix space (cache salt, LoRA, multimodal)."""
+    lora = getattr(request, "lora_request", None)
+    mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or [])]
+    scope = RequestScope(
+        cache_salt=getattr(request, "cache_salt", None),
+        lora=None if lora is None else f"{lora.lora_name}:{lora.lora_int_id}",
+        mm_hashes=tuple(mm),
+    )
+    return None if scope.is_default else scope
+
+
+def breakpoints_of(request: Any) -> tuple[int, ...]:
+    """``kv_transfer_params["sparkcache"]["breakpoints"]``: token positions to alias."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    ours = params.get("sparkcache") if isinstance(params, dict) else None
+    if not isinstance(ours, dict):
+        return ()
+    marks = ours.get("breakpoints") or ()
+    if not isinstance(marks, (list, tuple)) or not all(
+        isinstance(m, int) and not isinstance(m, bool) and m >= 0 for m in marks
+    ):
+        logger.warning("sparkcache: ignoring breakpoints %r of %s (want a list of token "
+                       "positions)", marks, getattr(request, "request_id", "?"))
+        return ()
+    return tuple(int(m) for m in marks)
+
+
+@dataclass
+class _ReqState:
+    scope: RequestScope | None
+    seed: bytes
+    hashes: list[bytes] = field(default_factory=list)  # of tokens [0, len * block_size)
+    waited: bool = False
+
+
+def _shared_blocks(a: list[bytes], b: list[bytes]) -> int:
+    """Whole blocks two chained-hash lists share (equality is monotone: bisect)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class SchedulerSide:
+    """Per-engine scheduler state; every method runs on vLLM's scheduler thread."""
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        identity: ModelIdentity,
+        counters: Counters,
+        *,
+        restore: bool = True,
+        publish: bool = True,
+        load_async: bool = True,
+        min_tokens: int = 64,
+    ) -> None:
+        self.store = store
+        self.identity = identity
+        self.counters = counters
+        self.restore, self.publish, self.load_async = restore, publish, load_async
+        self.min_tokens = min_tokens
+        self.bs = identity.block_size
+        self._reqs: dict[str, _ReqState] = {}
+        self._offers: dict[str, tuple[Match, int]] = {}
+        self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
+        self._saving: set[str] = set()  # blocks held until the workers copied them
+        self._loads: list[LoadJob] = []
+        self._saves: list[SaveJob] = []
+
+    # -- hashing -----------------------------------------------------------------------
+
+    def _state(self, request: Any) -> _ReqState:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            scope = scope_of(request)
+            state = _ReqState(scope, prefix_seed(self.identity, scope))
+            self._reqs[request.request_id] = state
+        return state
+
+    def _hashes(self, request: Any, n_tokens: int) -> list[bytes]:
+        """Chained hashes of the first ``n_tokens`` (whole blocks), extended as needed."""
+        state = self._state(request)
+        have = len(state.hashes)
+        want = n_tokens // self.bs
+        if want > have:
+            tokens = np.asarray(request.all_token_ids[have * self.bs:want * self.bs], np.uint32)
+            state.hashes.extend(prefix_hashes(state.hashes[-1] if have else state.seed,
+                                              tokens, self.bs))
+        return state.hashes[:want]
+
+    # -- restore -----------------------------------------------------------------------
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: side-effect free for vLLM."""
+        self._offers.pop(request.request_id, None)
+        if not self.restore or request.prompt_token_ids is None:
+            return 0, False
+        tokens = request.all_token_ids
+        limit = (len(tokens) - 1) // self.bs * self.bs
+        if limit <= num_computed:
+            return 0, False
+        hashes = self._hashes(request, limit)
+        for other_id, loading in self._inflight.items():
+            if other_id != request.request_id and \
+                    _shared_blocks(hashes, loading) * self.bs > num_computed:
+                state = self._state(request)
+                if not state.waited:
+                    state.waited = True
+                    self.counters.add("coalesced")
+                return None, False  # ask again once that load has landed
+        started = time.perf_counter()
+        try:
+            match = self.store.lookup(self.identity, np.asarray(tokens[:limit], np.uint32),
+                                      scope=self._state(request).scope, hashes=hashes)
+        except SparkCacheError as exc:
+            logger.warning("sparkcache lookup failed (a miss): %s", exc)
+            self.counters.add("lookup_errors")
+            return 0, False
+        finally:
+            self.counters.add("lookup_seconds", time.perf_counter() - started)
+        self.counters.add("lookups")
+        if match is None or match.n_tokens <= num_computed:
+            self.counters.add("misses")
+            return 0, False
+        self._offers[request.request_id] = (match, num_computed)
+        return match.n_tokens - num_computed, self.load_async
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
+        """vLLM's ``update_state_after_alloc`` (``block_ids``: the request's group-0 blocks)."""
+        offer = self._offers.pop(request.request_id, None)
+        if num_external == 0 or offer is None:
+            return
+        match, local = offer
+        if local + num_external != match.n_tokens or local % self.bs:
+            logger.warning("sparkcache: unexpected external token count %d (offered %d from "
+                           "%d); not loading", num_external, match.n_tokens - local, local)
+            return
+        start, end = local // self.bs, match.n_tokens // self.bs
+        self._loads.append(LoadJob(
+            req_id=request.request_id, snapshot_id=match.snapshot_id, n_tokens=match.n_tokens,
+            token_ids=match.token_ids, start_block=start, block_ids=list(block_ids[start:end]),
+        ))
+        if self.load_async:
+            self._inflight[request.request_id] = self._hashes(request, match.n_tokens)
+        self.counters.add("hits")
+        self.counters.add("hit_tokens", num_external)
+
+    def take_jobs(self) -> tuple[list[LoadJob], list[SaveJob]]:
+        """The loads and saves planned since the last step (``build_connector_meta``)."""
+        loads, saves = self._loads, self._saves
+        self._loads, self._saves = [], []
+        return loads, saves
+
+    def on_output(self, finished_recving: Iterable[str], finished_sending: Iterable[str]) -> None:
+        """``update_connector_output``: loads landed (followers may go), saves copied."""
+        for req_id in finished_recving:
+            self._inflight.pop(req_id, None)
+        self._saving.difference_update(finished_sending)
+
+    @property
+    def pending_block_frees(self) -> bool:
+        return bool(self._saving)
+
+    # -- save --------------------------------------------------------------------------
+
+    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: plan a save; True holds the blocks until copied."""
+        req_id = request.request_id
+        self._offers.pop(req_id, None)
+        try:
+            if self._inflight.pop(req_id, None) is not None:
+                # Aborted while its restore is in flight: the blocks are still being
+                # written (vLLM holds them until the load reports); nothing to save.
+                return False, None
+            return self._plan_save(request, block_ids)
+        finally:
+            self._reqs.pop(req_id, None)
+
+    def _plan_save(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if not self.publish or request.prompt_token_ids is None:
+            return False, None
+        tokens = request.all_token_ids
+        n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs)
+        n = n // self.bs * self.bs
+        if n < max(self.min_tokens, self.bs):
+            return False, None
+        token_ids = np.asarray(tokens[:n], dtype=np.uint32)
+        hashes = self._hashes(request, n)
+        scope = self._state(request).scope
+        parent_id, parent_tokens = None, 0
+        try:
+            known = self.store.lookup(self.identity, token_ids, scope=scope, hashes=hashes)
+            if known is not None:
+                if known.n_tokens == n:
+                    self.counters.add("saves_known")
+                    return False, None  # already stored (perhaps restored from it)
+                if self.store.snapshot(known.snapshot_id).n_tokens == known.n_tokens:
+                    # A whole stored snapshot is our prefix: write only the tail.
+                    parent_id, parent_tokens = known.snapshot_id, known.n_tokens
+        except SparkCacheError as exc:
+            logger.warning("sparkcache lookup before save failed; saving in full: %s", exc)
+        marks = (int(request.num_prompt_tokens) - 1, *breakpoints_of(request))
+        self._saves.append(SaveJob(
+            req_id=request.request_id, token_ids=token_ids,
+            block_ids=list(block_ids[parent_tokens // self.bs:n // self.bs]),
+            parent=parent_id, scope=scope, breakpoints=marks,
+        ))
+        self._saving.add(request.request_id)
+        self.counters.add("saves_planned")
+        return True, None

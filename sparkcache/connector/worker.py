@@ -1,0 +1,351 @@
+"""The worker side's disk I/O: bounded queues and background threads.
+
+Pure Python over numpy (no vLLM import), so it is tested with simulated
+workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
+
+* **loads** (scheduler planned a restore): a verified ``read_into`` a staging
+  buffer, then a scatter into the request's blocks.  With ``load_async`` a
+  loader thread does both while the request waits in WAITING_FOR_REMOTE_KVS;
+  the id is reported in ``finished_recving`` once done, failed or not.
+* **saves** (a request finished; vLLM holds its blocks): a saver thread copies
+  the blocks out into host memory, reports the id in ``finished_sending`` (vLLM
+  frees the blocks on the next step) and publishes from host memory.
+
+Nothing of this runs in the forward path (except sync loads, which the user
+asked for).  Both queues are bounded, and so are the host bytes held by saves:
+when a bound is hit the work is dropped and counted - a dropped load is
+reported failed (vLLM recomputes its blocks), a dropped save is reported sent
+at once (a future miss).  Serving never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from sparkcache.errors import NotFound, SparkCacheError
+from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.store import Match, SnapshotStore
+
+__all__ = ["FAULT_ENV", "Counters", "LoadJob", "SaveJob", "WorkerIO"]
+
+logger = logging.getLogger("vllm.sparkcache")
+
+#: Test hook: ``flip-restored`` scrambles restored pages *after* verification
+#: (every layer gets another layer's pages).  The vLLM tests use it as a
+#: negative control: a wrong restore must change the tokens or logprobs they
+#: compare.  Never set it in production.
+FAULT_ENV = "SPARKCACHE_TEST_FAULT"
+
+
+class Pages(Protocol):
+    """What the I/O needs of a worker's KV cache (``LayerPages`` or a test double)."""
+
+    num_blocks: int
+    page_nbytes: int
+
+    def __len__(self) -> int: ...
+    def run_views(self, first: int, count: int) -> list[np.ndarray] | None: ...
+    def gather(self, block_ids: Sequence[int]) -> list[np.ndarray]: ...
+    def scatter(self, block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Restore blocks ``[start_block, start_block + len(block_ids))`` of a snapshot."""
+
+    req_id: str
+    snapshot_id: int
+    n_tokens: int  # the match: tokens [0, n_tokens) are read and verified
+    token_ids: np.ndarray  # uint32, the prompt's first n_tokens
+    start_block: int  # blocks below it are vLLM's own prefix hit
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Publish tokens ``[0, len(token_ids))``; the blocks hold ``[parent_tokens, end)``."""
+
+    req_id: str
+    token_ids: np.ndarray  # uint32, whole blocks
+    block_ids: list[int]
+    parent: int | None
+    scope: RequestScope | None
+    breakpoints: tuple[int, ...]  # alias boundaries (the prompt's end, API breakpoints)
+
+
+class Counters:
+    """Thread-safe named counters, taken (and reset) by the stats report."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, float] = {}
+
+    def add(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._data[name] = self._data.get(name, 0) + value
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            data, self._data = self._data, {}
+        return data
+
+
+class WorkerIO:
+    """Loads and saves of one rank, off the forward path (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        identity: ModelIdentity,
+        rank: int,
+        pages: Pages | None,
+        counters: Counters,
+        *,
+        max_queued_loads: int = 64,
+        max_queued_saves: int = 64,
+        max_pending_bytes: int = 1 << 30,
+    ) -> None:
+        self.store = store
+        self.identity = identity
+        self.rank = rank
+        self.pages = pages
+        self.counters = counters
+        self.max_pending_bytes = max_pending_bytes
+        self.fault = os.environ.get(FAULT_ENV, "")
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._recved: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._pending_bytes = 0
+        self._staging = np.empty(0, np.uint8)  # reused: fresh memory costs page faults
+        self._loads: queue.Queue[LoadJob | None] = queue.Queue(max_queued_loads)
+        self._saves: queue.Queue[tuple[SaveJob, int] | None] = queue.Queue(max_queued_saves)
+        self._threads = [
+            threading.Thread(target=self._load_loop, name="sparkcache-load", daemon=True),
+            threading.Thread(target=self._save_loop, name="sparkcache-save", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def bs(self) -> int:
+        return self.identity.block_size
+
+    # -- loads -----------------------------------------------------------------------
+
+    def load_now(self, job: LoadJob) -> bool:
+        """Synchronous load (on the caller's thread); failures are recorded."""
+        return self._run_load(job, report=False)
+
+    def submit_load(self, job: LoadJob) -> None:
+        """Queue an asynchronous load; when the queue is full it fails at once."""
+        try:
+            self._loads.put_nowait(job)
+        except queue.Full:
+            self.counters.add("loads_dropped")
+            self._finish_load(job, ok=False, report=True)
+
+    def _load_loop(self) -> None:
+        while (job := self._loads.get()) is not None:
+            try:
+                self._run_load(job, report=True)
+            finally:
+                self._loads.task_done()
+        self._loads.task_done()
+
+    def _run_load(self, job: LoadJob, *, report: bool) -> bool:
+        started = time.perf_counter()
+        try:
+            self._load(job)
+        except (SparkCacheError, ValueError, OSError) as exc:
+            logger.warning("sparkcache restore of snapshot %d for %s failed (recomputed): %s",
+                           job.snapshot_id, job.req_id, exc)
+            self._finish_load(job, ok=False, report=report)
+            return False
+        except Exception as exc:  # never kill the thread; vLLM recomputes
+            logger.exception("sparkcache restore for %s crashed (recomputed): %s", job.req_id, exc)
+            self._finish_load(job, ok=False, report=report)
+            return False
+        n_bytes = len(job.block_ids) * self.identity.page_nbytes * self.identity.num_layers
+        self.counters.add("loads")
+        self.counters.add("loaded_tokens", len(job.block_ids) * self.bs)
+        self.counters.add("loaded_bytes", n_bytes)
+        self.counters.add("load_seconds", time.perf_counter() - started)
+        self._finish_load(job, ok=True, report=report)
+        return True
+
+    def _load(self, job: LoadJob) -> None:
+        """Verified read of the match into the blocks vLLM allocated for it.
+
+        When the whole match is restored (no local prefix hit) into one run of
+        consecutive blocks - the usual case after a restart - it is read straight
+        into the KV cache.  Otherwise through a staging buffer, then scattered.
+        """
+        if self.pages is None:
+            raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
+        match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids)
+        ids = job.block_ids
+        direct = None
+        if job.start_block == 0 and ids and ids == list(range(ids[0], ids[0] + len(ids))):
+            direct = self.pages.run_views(ids[0], len(ids))
+        if direct is not None:
+            # A failure may leave verified bytes in these blocks: they are the
+            # request's own, reported failed and recomputed.
+            self.store.read_into(match, self.rank, direct, n_tokens=job.n_tokens)
+            self.counters.add("loads_direct")
+            if self.fault == "flip-restored":
+                scrambled = self._scramble([d.reshape(len(ids), -1) for d in direct])
+                for dest, src in zip(direct, scrambled, strict=True):
+                    dest[:] = src.reshape(-1)
+            return
+        # TODO(store): a ranged read_into(start_tokens=) would skip the blocks below
+        # start_block (vLLM's own prefix hit); today the whole match is read.
+        n_blocks = job.n_tokens // self.bs
+        staging = self._staging_for(len(self.pages), n_blocks, self.pages.page_nbytes)
+        self.store.read_into(match, self.rank, list(staging), n_tokens=job.n_tokens)
+        wanted = staging[:, job.start_block:job.start_block + len(ids)]
+        if self.fault == "flip-restored":
+            wanted = np.stack(self._scramble(list(wanted)))
+        self.pages.scatter(ids, list(wanted))
+
+    def _staging_for(self, layers: int, blocks: int, page: int) -> np.ndarray:
+        need = layers * blocks * page
+        if self._staging.size < need:
+            self._staging = np.empty(need, np.uint8)
+        return self._staging[:need].reshape(layers, blocks, page)
+
+    @staticmethod
+    def _scramble(layers: list[np.ndarray]) -> list[np.ndarray]:
+        """The FAULT_ENV hook: each layer gets the next layer's pages (one layer:
+        zeros).  Not a permutation of blocks: attention sums over (K, V) pairs,
+        so moving whole blocks around would leave every answer unchanged."""
+        if len(layers) == 1:
+            return [np.zeros_like(layers[0])]
+        return [layers[i - 1].copy() for i in range(len(layers))]
+
+    def _finish_load(self, job: LoadJob, *, ok: bool, report: bool) -> None:
+        with self._lock:
+            if not ok:
+                self.counters.add("load_failures")
+                self._failed_blocks.update(job.block_ids)
+            if report:
+                self._recved.add(job.req_id)
+
+    # -- saves -----------------------------------------------------------------------
+
+    def submit_save(self, job: SaveJob) -> None:
+        """Queue a save; the blocks are reported sent once copied out (or dropped)."""
+        if self.pages is None:
+            self._mark_sent(job.req_id)
+            return
+        nbytes = len(job.block_ids) * self.pages.page_nbytes * len(self.pages)
+        with self._lock:
+            over = self._pending_bytes + nbytes > self.max_pending_bytes
+            if not over:
+                self._pending_bytes += nbytes
+        if not over:
+            try:
+                self._saves.put_nowait((job, nbytes))
+                return
+            except queue.Full:
+                with self._lock:
+                    self._pending_bytes -= nbytes
+        self.counters.add("saves_dropped")
+        self._mark_sent(job.req_id)
+
+    def _mark_sent(self, req_id: str) -> None:
+        with self._lock:
+            self._sent.add(req_id)
+
+    def _save_loop(self) -> None:
+        while (item := self._saves.get()) is not None:
+            job, nbytes = item
+            pages: list[np.ndarray] | None = None
+            try:
+                assert self.pages is not None
+                started = time.perf_counter()
+                pages = self.pages.gather(job.block_ids)
+                self.counters.add("save_copy_seconds", time.perf_counter() - started)
+            except Exception as exc:  # never kill the thread
+                logger.exception("sparkcache copy-out for %s failed: %s", job.req_id, exc)
+                self.counters.add("save_failures")
+            # Copied out (or failed): vLLM may free the blocks.  Reported exactly
+            # once: vLLM asserts on an id it no longer knows.
+            self._mark_sent(job.req_id)
+            try:
+                if pages is not None:
+                    self._publish(job, pages)
+            except Exception as exc:  # never kill the thread
+                logger.exception("sparkcache save for %s crashed: %s", job.req_id, exc)
+                self.counters.add("save_failures")
+            finally:
+                del pages
+                with self._lock:
+                    self._pending_bytes -= nbytes
+                self._saves.task_done()
+        self._saves.task_done()
+
+    def _publish(self, job: SaveJob, pages: list[np.ndarray]) -> None:
+        started = time.perf_counter()
+        try:
+            result = self.store.publish(self.identity, self.rank, job.token_ids, pages,
+                                        parent=job.parent, scope=job.scope,
+                                        breakpoints=job.breakpoints)
+        except NotFound:
+            # The parent was evicted meanwhile: these pages alone cannot stand.
+            self.counters.add("saves_lost_parent")
+            return
+        except (SparkCacheError, OSError) as exc:
+            logger.warning("sparkcache publish for %s failed: %s", job.req_id, exc)
+            self.counters.add("save_failures")
+            return
+        finally:
+            self.counters.add("save_seconds", time.perf_counter() - started)
+        if result.state == "skipped":
+            logger.info("sparkcache did not save %s: %s", job.req_id, result.skipped)
+            self.counters.add("saves_skipped")
+            return
+        self.counters.add("saves")
+        self.counters.add("saved_tokens", len(job.block_ids) * self.bs)
+        self.counters.add("saved_bytes", result.bytes_written)
+
+    # -- reporting -------------------------------------------------------------------
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        """(ids whose blocks were copied out, ids whose async load finished)."""
+        with self._lock:
+            sent, self._sent = self._sent, set()
+            recved, self._recved = self._recved, set()
+        return sent, recved
+
+    def take_failed_blocks(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued load and save is done; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._loads.unfinished_tasks or self._saves.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout: float = 60.0) -> None:
+        if not self.flush(timeout):
+            logger.warning("sparkcache: shutting down with loads or saves still queued")
+        self._loads.put(None)
+        self._saves.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+

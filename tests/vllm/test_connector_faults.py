@@ -1,0 +1,81 @@
+"""Damaged snapshots are recomputed; a wrong restore is caught (negative control).
+
+* corrupt: one payload byte of engine 1's snapshot flipped.  It is offered,
+  fails verification on the worker (synchronous loads here, the other path),
+  is quarantined, its blocks are reported through
+  get_block_ids_with_load_errors and vLLM recomputes them: same answer.
+* deleted: the payload file of a ready snapshot removed: the same.
+* negative control: with SPARKCACHE_TEST_FAULT=flip-restored the worker
+  scrambles restored pages *after* verification; the restore tests'
+  comparison (tokens and logprobs) must then fail - proof that it would catch
+  a wrong restore.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from conftest import CHUNK
+from tiny_model import LONG_PROMPT, NEEDS_VLLM, SHARED_PREFIX_PROMPT, run_scenario, same_answer
+
+from sparkcache.connector.worker import FAULT_ENV
+
+pytestmark = NEEDS_VLLM
+
+
+def test_corrupt_and_deleted_snapshots_are_recomputed(
+    tiny_model_dir: Path, baseline: dict[str, Any], published: dict[str, Any], tmp_path: Path
+) -> None:
+    folder = tmp_path / "store"
+    shutil.copytree(published["folder"], folder)
+    (segment,) = folder.glob("objects/*/*/*.safetensors")
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside layer payload, past the JSON header
+    segment.write_bytes(bytes(data))
+
+    ops: list[dict[str, Any]] = [
+        {"op": "gen", "name": "shared", "prompts": [SHARED_PREFIX_PROMPT], "ready": 1},
+        {"op": "gen", "name": "long", "prompts": [LONG_PROMPT], "ready": 2},
+        {"op": "reset"},
+        {"op": "delete_newest", "name": "delete"},
+        {"op": "gen", "name": "deleted", "prompts": [LONG_PROMPT], "ready": 2},
+    ]
+    run = run_scenario(tiny_model_dir, tmp_path, ops, folder=folder, engine=CHUNK,
+                       extra={"load_async": False})
+    (shared,), (long,), (again,) = (run[k]["outs"] for k in ("shared", "long", "deleted"))
+    assert same_answer(shared, baseline["shared"][0]) == "", run["_log"]
+    assert same_answer(long, baseline["long"][0]) == ""
+    assert same_answer(again, baseline["long"][0]) == ""
+    # Corrupt: offered at admission (counted by vLLM), failed on the worker,
+    # quarantined, recomputed; vLLM's cache then served LONG_PROMPT's first 288.
+    assert run["shared"]["metrics"]["vllm:external_prefix_cache_hits"] == 256
+    assert any(k.startswith("quarantined.") for k in run["shared"]["stats"]), run["shared"]
+    assert "hits" not in run["long"]["stats"]
+    assert long["cached"] == 288
+    # Deleted: the answer recomputed anew was stored, its file removed, offered
+    # again (480 tokens), missing on the worker: quarantined, recomputed.
+    stats = run["deleted"]["stats"]
+    assert stats.get("quarantined.missing") == 1, stats
+    assert "hits" not in stats
+    external = run["deleted"]["metrics"]["vllm:external_prefix_cache_hits"]
+    assert external - run["long"]["metrics"]["vllm:external_prefix_cache_hits"] == 480
+    states = sorted(s[2] for s in run["deleted"]["snapshots"])
+    assert states == ["quarantined", "quarantined", "ready", "ready"], run["deleted"]["snapshots"]
+
+
+def test_negative_control_a_scrambled_restore_is_caught(
+    tiny_model_dir: Path, baseline: dict[str, Any], published: dict[str, Any], tmp_path: Path
+) -> None:
+    folder = tmp_path / "store"
+    shutil.copytree(published["folder"], folder)
+    ops = [{"op": "gen", "name": "long", "prompts": [LONG_PROMPT], "logprobs": True}]
+    run = run_scenario(tiny_model_dir, tmp_path, ops, folder=folder, engine=CHUNK,
+                       env={FAULT_ENV: "flip-restored"})
+    (out,) = run["long"]["outs"]
+    assert out["cached"] == 480, run["_log"]  # restored (and verified) ...
+    assert run["long"]["stats"]["hits"] == 1
+    # ... then scrambled: the comparison the restore tests use must fail.
+    assert same_answer(out, baseline["long"][0]) != ""
+    assert same_answer(out, published["outs"][0]) != ""

@@ -1,0 +1,273 @@
+"""The connector's scheduler and worker sides without vLLM: simulated requests,
+simulated KV caches (numpy pages), a real store.
+
+Two ranks (5f): tensor parallelism 2 on this 2-core CPU machine would need two
+vLLM CPU workers bound to one core each besides the engine core and the test
+process, and TP on vLLM's CPU backend is not part of this project's supported
+set yet; the rank logic - every rank publishes its own segment, the scheduler
+offers only snapshots that every rank of the topology can restore, each rank
+restores its own bytes - lives in the store and in WorkerIO/SchedulerSide,
+which run here exactly as in vLLM's processes, with two WorkerIO instances
+standing in for the two workers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sparkcache.connector.scheduler import SchedulerSide, breakpoints_of
+from sparkcache.connector.worker import Counters, LoadJob, WorkerIO
+from sparkcache.identity import ModelIdentity
+from sparkcache.store import SnapshotStore
+
+BS = 16
+LAYERS = 2
+PAGE_SHAPE = (1, BS, 8)  # one KV head per rank, K and V of head size 4
+PAGE_NBYTES = 1 * BS * 8 * 4
+
+
+def identity(tp_size: int = 1) -> ModelIdentity:
+    return ModelIdentity(model="sim", revision="r1", num_layers=LAYERS, num_kv_heads=1,
+                         head_size=4, dtype="float32", kv_cache_dtype="float32",
+                         block_size=BS, page_shape=PAGE_SHAPE, tp_size=tp_size)
+
+
+class FakePages:
+    """A worker's KV cache: ``[layers, blocks, page bytes]`` of random bytes."""
+
+    def __init__(self, blocks: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.arr = rng.integers(0, 255, (LAYERS, blocks, PAGE_NBYTES), dtype=np.uint8)
+        self.num_blocks, self.page_nbytes = blocks, PAGE_NBYTES
+
+    def __len__(self) -> int:
+        return LAYERS
+
+    def run_views(self, first: int, count: int) -> list[np.ndarray] | None:
+        return [self.arr[i, first:first + count].reshape(-1) for i in range(LAYERS)]
+
+    def gather(self, block_ids: Any) -> list[np.ndarray]:
+        return [self.arr[i, list(block_ids)].copy() for i in range(LAYERS)]
+
+    def scatter(self, block_ids: Any, pages: Any) -> None:
+        for i in range(LAYERS):
+            self.arr[i, list(block_ids)] = np.asarray(pages[i]).reshape(-1, PAGE_NBYTES)
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    output: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 30000, n)]
+
+
+def finished(req: Req, n_out: int = 16) -> Req:
+    """The request after generating ``n_out`` tokens (the last one's KV not computed)."""
+    req.output = prompt(n_out, 999)
+    req.num_computed_tokens = len(req.all_token_ids) - 1
+    return req
+
+
+def blocks_of(req: Req) -> list[int]:
+    return list(range(len(req.all_token_ids) // BS + 1))
+
+
+def test_two_ranks_publish_restore_and_availability(tmp_path: Path) -> None:
+    ident = identity(tp_size=2)
+    store = SnapshotStore(tmp_path / "s")
+    sched = SchedulerSide(store, ident, Counters(), min_tokens=BS)
+    kv = [FakePages(16, seed=rank) for rank in (0, 1)]
+    workers = [WorkerIO(store, ident, rank, kv[rank], Counters()) for rank in (0, 1)]
+    p = prompt(100, 1)
+    try:
+        held, _ = sched.finished(finished(Req("a", p)), blocks_of(Req("a", p, prompt(16, 999))))
+        assert held  # blocks kept until every worker copied them out
+        _loads, (save,) = sched.take_jobs()
+        assert len(save.token_ids) == 112 and save.block_ids == list(range(7))
+        workers[0].submit_save(save)
+        assert workers[0].flush()
+        assert workers[0].poll()[0] == {"a"}
+        # Rank 1 has not published: the snapshot is not offered to anyone.
+        assert sched.matched_tokens(Req("b", p), 0) == (0, False)
+        workers[1].submit_save(save)
+        assert workers[1].flush()
+        # Every rank ready: the prompt-end alias (99 -> 96 tokens) is offered, async.
+        req = Req("c", p)
+        assert sched.matched_tokens(req, 0) == (96, True)
+        sched.after_alloc(req, [10, 11, 12, 13, 14, 15], 96)
+        (load,), _ = sched.take_jobs()
+        fresh = [FakePages(16, seed=7 + rank) for rank in (0, 1)]
+        for rank in (0, 1):
+            io = WorkerIO(store, ident, rank, fresh[rank], Counters())
+            io.submit_load(load)
+            assert io.flush()
+            assert io.poll()[1] == {"c"} and not io.take_failed_blocks()
+            # Each rank restored its own bytes into the blocks vLLM allocated.
+            np.testing.assert_array_equal(fresh[rank].arr[:, 10:16], kv[rank].arr[:, 0:6])
+            io.close()
+    finally:
+        for w in workers:
+            w.close()
+        store.close()
+
+
+def test_a_snapshot_missing_one_rank_is_not_offered_after_a_restart(tmp_path: Path) -> None:
+    """Only rank 0 ever published (rank 1 crashed): a new scheduler offers nothing."""
+    ident = identity(tp_size=2)
+    p = prompt(64, 2)
+    with SnapshotStore(tmp_path / "s") as store:
+        store.publish(ident, 0, p, [np.zeros(4 * PAGE_NBYTES, np.uint8)] * LAYERS)
+        sched = SchedulerSide(store, ident, Counters())
+        assert sched.matched_tokens(Req("x", [*p, 5]), 0) == (0, False)
+        store.publish(ident, 1, p, [np.ones(4 * PAGE_NBYTES, np.uint8)] * LAYERS)
+        assert sched.matched_tokens(Req("y", [*p, 5]), 0) == (64, True)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Any:
+    ident = identity()
+    store = SnapshotStore(tmp_path / "s")
+    counters = Counters()
+    sched = SchedulerSide(store, ident, counters, min_tokens=BS)
+    pages = FakePages(64, seed=3)
+    io = WorkerIO(store, ident, 0, pages, counters)
+    yield store, sched, io, counters
+    io.close()
+    store.close()
+
+
+def _save(sched: SchedulerSide, io: WorkerIO, req: Req) -> Any:
+    held, _ = sched.finished(finished(req), blocks_of(req))
+    assert held
+    _, (job,) = sched.take_jobs()
+    io.submit_save(job)
+    assert io.flush()
+    sent, _ = io.poll()
+    assert req.request_id in sent
+    assert io.poll() == (set(), set())  # reported exactly once (vLLM asserts otherwise)
+    sched.on_output((), sent)
+    return job
+
+
+def test_concurrent_requests_wait_for_one_load(one_rank: Any) -> None:
+    _store, sched, io, counters = one_rank
+    p = prompt(100, 4)
+    _save(sched, io, Req("a", p))
+    leader, follower = Req("b", [*p, 1, 2]), Req("c", [*p, 3, 4])
+    assert sched.matched_tokens(leader, 0) == (96, True)
+    sched.after_alloc(leader, list(range(7)), 96)
+    # The follower shares the base being loaded: "ask again" (None), no lookup.
+    lookups = counters.take().get("lookups", 0)
+    assert sched.matched_tokens(follower, 0) == (None, False)
+    assert sched.matched_tokens(follower, 0) == (None, False)
+    assert counters.take().get("lookups", 0) == 0
+    sched.on_output({"b"}, ())
+    # Landed: vLLM's own prefix cache now covers the follower's 96 tokens.
+    assert sched.matched_tokens(follower, 96) == (0, False)
+    # A request not sharing the base is never held back.
+    assert sched.matched_tokens(Req("d", prompt(100, 5)), 0) == (0, False)
+    assert lookups == 1
+
+
+def test_a_grown_context_publishes_only_its_tail(one_rank: Any) -> None:
+    store, sched, io, _counters = one_rank
+    p = prompt(95, 6)
+    first = _save(sched, io, Req("a", p))
+    assert len(first.token_ids) == 96  # 95 + 15 computed tokens, whole blocks
+    (snap,) = store.snapshots()
+    turn2 = Req("b", list(first.token_ids) + prompt(40, 7))
+    second = _save(sched, io, turn2)
+    assert second.parent == snap.id
+    assert second.block_ids[0] == snap.n_tokens // BS  # only the tail's blocks
+    tail = store.snapshot(max(s.id for s in store.snapshots()))
+    assert tail.parent_id == snap.id and tail.start_token == snap.n_tokens
+
+
+def test_breakpoints_from_kv_transfer_params(one_rank: Any) -> None:
+    _store, sched, io, _counters = one_rank
+    p = prompt(120, 8)
+    req = Req("a", p, kv_transfer_params={"sparkcache": {"breakpoints": [40, 70]}})
+    assert breakpoints_of(req) == (40, 70)
+    assert breakpoints_of(Req("z", p, kv_transfer_params={"sparkcache": {"breakpoints": "x"}}))\
+        == ()
+    job = _save(sched, io, req)
+    assert job.breakpoints == (119, 40, 70)
+    # A prompt sharing 70 tokens restores the 64-token breakpoint alias (the
+    # stride alias would give 0: the store's stride is 256 tokens).
+    assert sched.matched_tokens(Req("b", p[:70] + prompt(30, 9)), 0) == (64, True)
+
+
+def test_dropped_work_is_counted_and_never_blocks(tmp_path: Path) -> None:
+    ident = identity()
+    with SnapshotStore(tmp_path / "s") as store:
+        counters = Counters()
+        io = WorkerIO(store, ident, 0, FakePages(8, 1), counters, max_queued_loads=1,
+                      max_pending_bytes=0)
+        started, release = threading.Event(), threading.Event()
+
+        def slow(job: LoadJob) -> None:
+            started.set()
+            release.wait(10)
+
+        io._load = slow  # type: ignore[method-assign]
+        tokens = np.zeros(BS, np.uint32)
+        jobs = [LoadJob(f"r{i}", 1, BS, tokens, 0, [i]) for i in range(3)]
+        io.submit_load(jobs[0])
+        assert started.wait(10)
+        io.submit_load(jobs[1])  # queued
+        io.submit_load(jobs[2])  # queue full: failed at once, its block reported
+        assert io.poll()[1] == {"r2"} and io.take_failed_blocks() == {2}
+        release.set()
+        assert io.flush()
+        assert io.poll()[1] == {"r0", "r1"}
+        # Saves over the pending-bytes bound are dropped and reported sent at once.
+        from sparkcache.connector.worker import SaveJob
+
+        io.submit_save(SaveJob("s", np.zeros(BS, np.uint32), [0], None, None, ()))
+        assert io.poll()[0] == {"s"}
+        data = counters.take()
+        assert data["loads_dropped"] == 1 and data["saves_dropped"] == 1
+        io.close()
+
+
+def test_a_corrupt_snapshot_reports_its_blocks(one_rank: Any, tmp_path: Path) -> None:
+    _store, sched, io, counters = one_rank
+    p = prompt(100, 10)
+    _save(sched, io, Req("a", p))
+    (segment,) = (tmp_path / "s").glob("objects/*/*/*.safetensors")
+    data = bytearray(segment.read_bytes())
+    data[-200] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    req = Req("b", p)
+    assert sched.matched_tokens(req, 32) == (64, True)  # 32 tokens are a local hit
+    sched.after_alloc(req, [20, 21, 22, 23, 24, 25], 64)
+    (load,), _ = sched.take_jobs()
+    assert load.start_block == 2 and load.block_ids == [22, 23, 24, 25]
+    io.submit_load(load)
+    assert io.flush()
+    assert io.poll()[1] == {"b"}
+    assert io.take_failed_blocks() == {22, 23, 24, 25}
+    assert counters.take()["load_failures"] == 1
+    assert sched.matched_tokens(Req("c", p), 0) == (None, False)  # b's load in flight
+    sched.on_output({"b"}, ())
+    assert sched.matched_tokens(Req("c", p), 0) == (0, False)  # quarantined: a miss
