@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -374,10 +373,3 @@ class Sweeper:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def wait_for_passes(sweeper: Sweeper, n: int, timeout: float = 10.0) -> bool:
-    """Test helper: wait until the sweeper finished ``n`` passes."""
-    deadline = time.monotonic() + timeout
-    while sweeper.passes < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return sweeper.passes >= n

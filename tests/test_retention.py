@@ -5,6 +5,7 @@ Every limit is driven by an injected clock and an injected disk-usage source.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +21,17 @@ from sparkcache.retention import (
     RetentionSettings,
     Sweeper,
     default_folder,
-    wait_for_passes,
 )
 
 from .store.helpers import identity, pages_for, tokens
+
+
+def wait_for_passes(sweeper: Sweeper, n: int, timeout: float = 10.0) -> bool:
+    """Wait until the sweeper finished ``n`` passes."""
+    deadline = time.monotonic() + timeout
+    while sweeper.passes < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sweeper.passes >= n
 
 
 class FakeDisk:

@@ -12,9 +12,6 @@ INSERT_MODEL = (
     "INSERT INTO models (digest, name, folder, identity_json, created_at) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (digest) DO UPDATE SET deleted_at = NULL RETURNING id"
 )
-LIST_MODELS = (
-    "SELECT id, digest, name, folder, identity_json, created_at, deleted_at FROM models"
-)
 MODEL_BY_ID = "SELECT id, name, folder, deleted_at FROM models WHERE id = ?"
 MARK_MODEL_DELETED = "UPDATE models SET deleted_at = ? WHERE id = ? AND deleted_at IS NULL"
 DELETE_MODEL = "DELETE FROM models WHERE id = ?"
@@ -73,7 +70,6 @@ QUARANTINE = (
 TOUCH = "UPDATE snapshots SET last_used = ?, use_count = use_count + 1 WHERE id = ?"
 SET_PINNED = "UPDATE snapshots SET pinned = ? WHERE id = ?"
 DELETE_SNAPSHOT = "DELETE FROM snapshots WHERE id = ?"
-HAS_CHILDREN = "SELECT 1 FROM snapshots WHERE parent_id = ? LIMIT 1"
 LIST_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots"
 PENDING_SNAPSHOTS = "SELECT id, created_at FROM snapshots WHERE state = 'pending'"
 # Eviction candidates of one state, least recently used first: leaves only (a
@@ -146,7 +142,6 @@ DELETE_LEASE = "DELETE FROM leases WHERE id = ?"
 RENEW_LEASE = "UPDATE leases SET expires_at = ? WHERE id = ? AND expires_at > ?"
 LIVE_LEASES_OF = "SELECT holder FROM leases WHERE snapshot_id = ? AND expires_at > ?"
 LEASE_OF_KIND = "SELECT id, holder, expires_at FROM leases WHERE snapshot_id = ? AND kind = ?"
-EXPIRED_LEASES = "SELECT id FROM leases WHERE expires_at <= ?"
 ALL_LEASES = "SELECT id, snapshot_id, holder, kind, expires_at FROM leases"
 
 # -- counters and settings ----------------------------------------------------
