@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["holder_alive", "this_holder"]
+__all__ = ["holder_alive", "pid_alive", "this_holder"]
 
 
 def _stat(pid: int) -> tuple[str, str]:
@@ -36,6 +36,17 @@ def this_holder(tag: str = "") -> str:
     return f"{base}/{tag}" if tag else base
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host runs (a zombie does not: it never acts again)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return _stat(pid)[0] not in ("Z", "X")
+
+
 def holder_alive(holder: str) -> bool | None:
     """True/False for a holder on this host; None when it lives elsewhere (unknown)."""
     parts = holder.split("/")
@@ -45,13 +56,7 @@ def holder_alive(holder: str) -> bool | None:
         pid = int(parts[1])
     except ValueError:
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):  # dead, or killed and not yet reaped
         return False
-    except PermissionError:
-        pass
-    state, started = _stat(pid)
-    if state in ("Z", "X"):  # killed, not yet reaped: it will never release anything
-        return False
+    started = _start_time(pid)
     return not (started and parts[2] and started != parts[2])

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sparkcache.backends import is_temp_key
 from sparkcache.backends.keys import temp_key_pid
 from sparkcache.errors import LeaseError, NotFound
-from sparkcache.holders import holder_alive
+from sparkcache.holders import holder_alive, pid_alive
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
 
@@ -171,18 +171,6 @@ class CheckReport:
                     or self.missing_files or self.orphan_files)
 
 
-def _pid_alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def check(store: SnapshotStore, *, fix: bool = False) -> CheckReport:
     """Compare the index with the files and with the living processes.
 
@@ -236,7 +224,8 @@ def check(store: SnapshotStore, *, fix: bool = False) -> CheckReport:
     for key in files:
         if is_temp_key(key):
             base = key.rsplit(".tmp.", 1)[0]
-            if base in referenced and _pid_alive(temp_key_pid(key)):
+            pid = temp_key_pid(key)
+            if base in referenced and pid is not None and pid_alive(pid):
                 continue  # a live writer's temp file
         elif key in referenced:
             continue
