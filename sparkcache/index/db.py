@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 import warnings
@@ -255,7 +256,7 @@ class Database:
             conn.set_busy_timeout(self._busy_timeout_ms)
             for name, value in schema.PRAGMAS:
                 conn.pragma(name, value)
-            mode = str(conn.pragma("journal_mode", schema.JOURNAL_MODE)).lower()
+            mode = self._switch_to_wal(conn)
             if mode != schema.JOURNAL_MODE:
                 raise BackendError(
                     f"the index {self._path} could not switch to WAL (journal_mode is "
@@ -271,6 +272,25 @@ class Database:
             conn.close()
             raise
         return conn
+
+    def _switch_to_wal(self, conn: apsw.Connection) -> str:
+        """Set journal_mode=WAL, retrying while other processes hold the database.
+
+        Switching a fresh database to WAL needs an exclusive lock.  When several
+        processes open it at once each holds a shared lock and wants to upgrade;
+        SQLite then answers SQLITE_BUSY at once, without calling the busy handler
+        (waiting could deadlock), so the retry up to the busy timeout is ours.
+        """
+        deadline = time.monotonic() + self._busy_timeout_ms / 1000
+        delay = 0.001
+        while True:
+            try:
+                return str(conn.pragma("journal_mode", schema.JOURNAL_MODE)).lower()
+            except _LOCKED:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay * (0.5 + random.random()))  # noqa: S311 (jitter, not a secret)
+                delay = min(delay * 2, 0.05)
 
     def _record_sqlite_version(self, conn: apsw.Connection) -> None:
         key = schema.SETTING_SQLITE_VERSION
