@@ -3,9 +3,11 @@
 For each link of the chain (root first) the segment is opened (mmap where the
 backend allows), its header checked against the index digest and the expected
 identity, its token ids compared with the prompt's, and every chunk verified
-*before* it is copied into the destination.  Any failure quarantines the link
-(and so its descendants) and raises :class:`CorruptSnapshot`; a snapshot that
-vanished raises :class:`NotFound`.  Both are misses for the caller.
+*before* it is copied into the destination.  A ranged read (``start_tokens``)
+still checks every link's header, identity and token ids, but never reads the
+payload below its start.  Any failure quarantines the link (and so its
+descendants) and raises :class:`CorruptSnapshot`; a snapshot that vanished
+raises :class:`NotFound`.  Both are misses for the caller.
 """
 
 from __future__ import annotations
@@ -55,23 +57,30 @@ def read_pages(
 
 def read_into(
     store: SnapshotStore, match: Match, rank: int, out: Sequence[Any], *,
-    n_tokens: int | None = None,
+    n_tokens: int | None = None, start_tokens: int = 0,
 ) -> int:
-    """Verify and copy the first ``n_tokens`` into ``out`` (one writable buffer
-    per layer, at least ``n_blocks * page_nbytes`` bytes each).  Returns the
-    number of blocks copied.  A failure may leave ``out`` partly written with
-    *verified* bytes only; treat it as a miss."""
+    """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
+
+    ``out`` holds one writable buffer per layer, at least
+    ``(n_tokens - start_tokens) // block_size * page_nbytes`` bytes each; its
+    page 0 receives block ``start_tokens // block_size``.  Returns the number of
+    blocks copied.  A failure may leave ``out`` partly written with *verified*
+    bytes only; treat it as a miss."""
     dests = [seg.as_byte_view(o, writable=True) for o in out]
+    page = match.identity.page_nbytes
 
     def check(n_layers: int, n_blocks: int) -> list[np.ndarray]:
         if n_layers != len(dests):
             raise InvalidArgument(f"the snapshot has {n_layers} layers, out has {len(dests)}")
-        need = n_blocks * match.identity.page_nbytes
+        need = n_blocks * page
         if any(d.size < need for d in dests):
-            raise InvalidArgument(f"each destination needs at least {need} bytes")
+            raise InvalidArgument(
+                f"each destination needs at least {need} bytes ({n_blocks} pages of {page} "
+                f"bytes, from token {start_tokens}); got {min(d.size for d in dests)}"
+            )
         return dests
 
-    return _read_chain(store, match, rank, n_tokens, check)
+    return _read_chain(store, match, rank, n_tokens, check, skip_tokens=start_tokens)
 
 def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[_Link]:
     links: list[_Link] = []
@@ -91,7 +100,15 @@ def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[
 def _read_chain(
     store: SnapshotStore, match: Match, rank: int, n_tokens: int | None,
     dest_for: Callable[[int, int], list[np.ndarray]], *, touch: bool = True,
+    skip_tokens: int = 0,
 ) -> int:
+    """Verify the chain's tokens ``[0, n)`` and copy the pages of ``[skip_tokens, n)``.
+
+    ``dest_for(n_layers, n_blocks)`` returns one flat destination per layer for
+    the ``n_blocks`` copied pages (page 0 = block ``skip_tokens // block_size``).
+    Every link is opened and its header, identity and token ids checked, so the
+    whole prefix is proven; payload below ``skip_tokens`` is never read.
+    """
     identity = match.identity
     identity.check_rank(rank)
     bs = identity.block_size
@@ -100,8 +117,14 @@ def _read_chain(
         raise InvalidArgument(
             f"n_tokens must be a positive multiple of {bs} up to {match.n_tokens}, got {n}"
         )
+    if not 0 <= skip_tokens < n or skip_tokens % bs:
+        raise InvalidArgument(
+            f"start_tokens must be a multiple of the block size {bs} in [0, {n}) "
+            f"(below n_tokens), got {skip_tokens}"
+        )
     links = _chain_links(store, match, rank, n)
     page = identity.page_nbytes
+    skip_blocks = skip_tokens // bs
     dests: list[np.ndarray] | None = None
     for link in links:
         stop = min(link.end, n)
@@ -112,19 +135,26 @@ def _read_chain(
                     raise CorruptSnapshot("stored token ids differ from the prompt", "tokens")
                 del stored
                 if dests is None:
-                    dests = dest_for(header.n_layers, n // bs)
+                    dests = dest_for(header.n_layers, n // bs - skip_blocks)
                 elif header.n_layers != len(dests):
                     raise CorruptSnapshot("chain links disagree on the layer count", "shape")
-                lo, nbytes = link.start // bs * page, (stop - link.start) // bs * page
+                if stop <= skip_tokens:
+                    continue  # wholly below the range: token ids proven, payload unread
+                first = max(link.start, skip_tokens) // bs  # first block copied from here
+                skip = (first - link.start // bs) * page
+                nbytes = (stop - link.start) // bs * page
+                lo = (first - skip_blocks) * page
                 for i, dest in enumerate(dests):
-                    seg.copy_verified(buf, header, f"layer.{i}", nbytes, dest[lo:lo + nbytes])
+                    seg.copy_verified(buf, header, f"layer.{i}", nbytes,
+                                      dest[lo:lo + nbytes - skip], skip=skip)
         except CorruptSnapshot as exc:
             store.quarantine(link.id, exc.reason)
             raise
     assert dests is not None
+    n_blocks = n // bs - skip_blocks
     if touch:
-        _touch(store, match, links, n, n // bs * page * len(dests))
-    return n // bs
+        _touch(store, match, links, n - skip_tokens, n_blocks * page * len(dests))
+    return n_blocks
 
 @contextmanager
 def _open_verified(

@@ -15,8 +15,9 @@ The index records the xxh3_128 of the whole header (the *segment digest*).  A
 read checks the header against that digest, then each chunk against its
 digest *before* copying it out, so no unverified byte reaches the caller and
 the data is touched once from memory while it is still in cache.  A prefix
-read verifies only the chunks it copies.  Nothing here unpickles anything:
-the header is JSON and the payload raw bytes.
+or ranged read verifies only the chunks it copies from (a chunk straddling the
+start of the range is verified whole) and never reads the chunks below it.
+Nothing here unpickles anything: the header is JSON and the payload raw bytes.
 """
 
 from __future__ import annotations
@@ -222,19 +223,27 @@ def _check_chunks(view: np.ndarray, header: SegmentHeader, name: str, nbytes: in
 
 
 def copy_verified(
-    buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray
+    buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray,
+    *, skip: int = 0,
 ) -> None:
-    """Verify each chunk of the first ``nbytes`` of ``name``, then copy it into ``dest``.
+    """Verify and copy bytes ``[skip, nbytes)`` of tensor ``name`` into ``dest``.
 
-    A chunk is copied only after its digest matched, while it is still in cache.
+    ``dest`` receives byte ``skip`` at its index 0 and needs ``nbytes - skip``
+    bytes.  Chunks are verified whole, each just before it is copied, while it is
+    still in cache: a chunk lying wholly below ``skip`` is neither read nor
+    verified, one straddling ``skip`` is verified in full and only its part at
+    or after ``skip`` copied.  No unverified byte ever reaches ``dest``.
     """
     offset, total = header.tensors[name]
     if nbytes > total:
         raise _fail(f"{name} holds {total} bytes, {nbytes} requested", "shape")
+    if not 0 <= skip <= nbytes:
+        raise InvalidArgument(f"skip must be within [0, {nbytes}] bytes, got {skip}")
     view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
-    for index, start in enumerate(range(0, nbytes, CHUNK_BYTES)):
+    first = skip // CHUNK_BYTES
+    for index, start in enumerate(range(first * CHUNK_BYTES, nbytes, CHUNK_BYTES), first):
         chunk = view[start : start + CHUNK_BYTES]
         if _hexdigest(chunk) != header.chunk_digest(name, index):
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
-        stop = min(start + CHUNK_BYTES, nbytes)
-        dest[start:stop] = chunk[: stop - start]
+        lo, stop = max(start, skip), min(start + CHUNK_BYTES, nbytes)
+        dest[lo - skip : stop - skip] = chunk[lo - start : stop - start]

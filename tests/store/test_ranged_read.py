@@ -1,0 +1,357 @@
+"""``read_into(start_tokens=)``: a ranged verified read.
+
+Tokens ``[start_tokens, n_tokens)`` are copied to page 0 onwards; payload below
+the range is never read (a damaged byte there is no failure), while a chunk
+straddling the start is verified whole and every link's token ids are still
+checked.  Every expectation is compared with the bytes that were published.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparkcache import CorruptSnapshot, InvalidArgument, ModelIdentity, SnapshotStore
+from sparkcache import segment as seg
+from sparkcache.store import Match
+
+from .helpers import LAYERS, identity, pages_for, tokens
+
+#: Small verification chunks, so that a few pages span several chunks; 1000 is
+#: not a multiple of the 256-byte page, so chunks straddle page boundaries.
+SMALL_CHUNK = 1000
+
+
+@pytest.fixture(params=["1MiB", "small"])
+def chunk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The verification chunk size, set before anything is published."""
+    if request.param == "small":
+        monkeypatch.setattr(seg, "CHUNK_BYTES", SMALL_CHUNK)
+    return seg.CHUNK_BYTES
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(seg, "CHUNK_BYTES", SMALL_CHUNK)
+    return SMALL_CHUNK
+
+
+@dataclass
+class Chain:
+    ident: ModelIdentity
+    toks: np.ndarray
+    match: Match
+    files: list[Path]  # one segment file per link, root first
+
+
+def _publish_chain(store: SnapshotStore, ends: tuple[int, ...], ident: ModelIdentity | None = None,
+                   ) -> Chain:
+    """Publish a copy-on-write chain whose links end at ``ends`` (tokens)."""
+    ident = ident or identity()
+    toks = tokens(ends[-1])
+    files: list[Path] = []
+    parent: int | None = None
+    start = 0
+    for end in ends:
+        before = set(store.backend.list("objects"))
+        parent = store.publish(ident, 0, toks[:end], pages_for(ident, toks[:end], start=start),
+                               parent=parent).snapshot_id
+        (key,) = set(store.backend.list("objects")) - before
+        files.append(store.root / key)
+        start = end
+    m = store.lookup(ident, toks)
+    assert m is not None and m.n_tokens == ends[-1] and m.snapshot_id == parent
+    assert [s.depth for s in store.snapshots()] == list(range(len(ends)))  # not compacted
+    return Chain(ident, toks, m, files)
+
+
+def _ranged(store: SnapshotStore, c: Chain, start: int, n: int | None = None,
+            ) -> tuple[int, list[np.ndarray]]:
+    n_blocks = ((n or c.match.n_tokens) - start) // c.ident.block_size
+    out = [np.zeros((n_blocks, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    return store.read_into(c.match, 0, out, n_tokens=n, start_tokens=start), out
+
+
+def _want(c: Chain, start: int, n: int | None = None) -> list[np.ndarray]:
+    n = n or c.match.n_tokens
+    return pages_for(c.ident, c.toks[:n], start=start)
+
+
+def _flip(path: Path, tensor: str, offset: int) -> None:
+    """Flip one bit of byte ``offset`` of ``tensor`` in a segment file."""
+    data = bytearray(path.read_bytes())
+    hlen = int.from_bytes(data[:8], "little")
+    lo, hi = json.loads(bytes(data[8 : 8 + hlen]))[tensor]["data_offsets"]
+    assert 0 <= offset < hi - lo
+    data[8 + hlen + lo + offset] ^= 0x10
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+
+
+def _flip_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x10
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+
+
+def _assert_quarantined(store: SnapshotStore, c: Chain, reason: str, link: int = 0,
+                        before: dict[str, int] | None = None) -> None:
+    """As for a full read: a miss from now on, the failing link quarantined with
+    ``reason`` (its descendants with ``parent``), the reason counted once, no hit."""
+    snaps = sorted(store.snapshots(), key=lambda s: s.depth)
+    m = store.lookup(c.ident, c.toks)  # at most a sound ancestor is offered again
+    assert m is None if link == 0 else m is not None and m.snapshot_id == snaps[link - 1].id
+    assert (snaps[link].state, snaps[link].reason) == ("quarantined", reason)
+    assert all(s.reason == "parent" for s in snaps[link + 1 :])
+    assert all(s.state == "ready" for s in snaps[:link])
+    stats = store.stats()
+    assert stats[f"quarantined.{reason}"] == 1
+    if before is not None:
+        for key in ("hits", "restored_tokens", "restored_bytes"):
+            assert stats.get(key, 0) == before.get(key, 0)
+
+
+# -- equal to the slice of a full read ------------------------------------------------
+
+CASES = [
+    # (link ends, start_tokens, n_tokens)
+    ((64,), 0, None), ((64,), 4, None), ((64,), 28, None), ((64,), 60, None),
+    ((64,), 8, 40),
+    ((32, 64), 0, None), ((32, 64), 8, None), ((32, 64), 32, None), ((32, 64), 44, None),
+    ((32, 64), 60, None), ((32, 64), 20, 48),
+    ((16, 40, 64), 0, None), ((16, 40, 64), 4, None), ((16, 40, 64), 16, None),
+    ((16, 40, 64), 28, None), ((16, 40, 64), 40, None), ((16, 40, 64), 52, None),
+    ((16, 40, 64), 60, None), ((16, 40, 64), 16, 48), ((16, 40, 64), 40, 48),
+    ((16, 40, 64), 44, 48), ((16, 40, 64), 4, 16),
+]
+
+
+@pytest.mark.parametrize(("ends", "start", "n"), CASES)
+def test_ranged_read_equals_slice_of_full_read(
+    store: SnapshotStore, chunk: int, ends: tuple[int, ...], start: int, n: int | None
+) -> None:
+    c = _publish_chain(store, ends)
+    bs = c.ident.block_size
+    full = store.read(c.match, 0, n_tokens=n)
+    count, got = _ranged(store, c, start, n)
+    assert count == ((n or ends[-1]) - start) // bs
+    for g, f, w in zip(got, full, _want(c, start, n), strict=True):
+        assert g.shape == w.shape
+        assert np.array_equal(g, f[start // bs :])
+        assert np.array_equal(g, w)
+
+
+def test_start_zero_is_the_plain_read(store: SnapshotStore) -> None:
+    c = _publish_chain(store, (16, 40))
+    plain = [np.zeros((10, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    assert store.read_into(c.match, 0, plain) == 10
+    count, ranged = _ranged(store, c, 0)
+    assert count == 10
+    for p, r, w in zip(plain, ranged, _want(c, 0), strict=True):
+        assert p.tobytes() == r.tobytes() == w.tobytes()
+
+
+def test_larger_destination_keeps_its_tail(store: SnapshotStore) -> None:
+    c = _publish_chain(store, (16, 40))
+    out = [np.full((10, c.ident.page_nbytes), 7, np.uint8) for _ in range(LAYERS)]
+    assert store.read_into(c.match, 0, out, start_tokens=24) == 4
+    for o, w in zip(out, _want(c, 24), strict=True):
+        assert np.array_equal(o[:4], w)
+        assert (o[4:] == 7).all()
+
+
+def test_counters_count_the_copied_range(store: SnapshotStore) -> None:
+    c = _publish_chain(store, (16, 40))
+    before = store.stats()
+    _ranged(store, c, 24)
+    after = store.stats()
+    assert after["hits"] - before.get("hits", 0) == 1
+    assert after["restored_tokens"] - before.get("restored_tokens", 0) == 16
+    assert after["restored_bytes"] - before.get("restored_bytes", 0) == (
+        4 * c.ident.page_nbytes * LAYERS)
+
+
+# -- what is read and verified ------------------------------------------------------
+
+# One 64-token segment, 16 pages of 256 bytes = 4096 bytes per layer in chunks
+# [0, 1000) [1000, 2000) [2000, 3000) [3000, 4000) [4000, 4096); start_tokens=32
+# is byte 2048, inside chunk 2.
+START = 32
+DAMAGE = {
+    "first_chunk": (500, True),
+    "last_chunk_below": (1999, True),
+    "straddling_below_start": (2010, False),  # the chunk is verified whole
+    "straddling_at_start": (2048, False),
+    "after_start": (3500, False),
+    "last_byte": (4095, False),
+}
+
+
+@pytest.mark.parametrize("where", list(DAMAGE))
+def test_damage_below_the_range_is_never_read(
+    store: SnapshotStore, small_chunks: int, where: str
+) -> None:
+    offset, unread = DAMAGE[where]
+    c = _publish_chain(store, (64,))
+    assert c.ident.page_nbytes * 16 == 4096 and START * 256 // c.ident.block_size == 2048
+    for layer in range(LAYERS):
+        _flip(c.files[0], f"layer.{layer}", offset)
+    before = store.stats()
+    if unread:
+        count, got = _ranged(store, c, START)
+        assert count == 8
+        assert all(np.array_equal(g, w) for g, w in zip(got, _want(c, START), strict=True))
+        assert store.lookup(c.ident, c.toks) is not None  # nothing was quarantined
+        with pytest.raises(CorruptSnapshot) as full:  # the damage is real
+            store.read(c.match, 0)
+        assert full.value.reason == "digest"
+    else:
+        with pytest.raises(CorruptSnapshot) as exc:
+            _ranged(store, c, START)
+        assert exc.value.reason == "digest"
+        _assert_quarantined(store, c, "digest", before=before)
+
+
+def test_a_failed_ranged_read_copies_only_verified_bytes(
+    store: SnapshotStore, small_chunks: int
+) -> None:
+    c = _publish_chain(store, (64,))
+    _flip(c.files[0], "layer.0", 3500)  # chunk 3 of layer 0
+    out = [np.zeros((8, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    with pytest.raises(CorruptSnapshot):
+        store.read_into(c.match, 0, out, start_tokens=START)
+    flat = out[0].reshape(-1)
+    want = _want(c, START)[0].reshape(-1)
+    # bytes 2048..3000 (the straddling chunk, verified) were copied; chunk 3 was not
+    assert np.array_equal(flat[: 3000 - 2048], want[: 3000 - 2048])
+    assert not flat[3000 - 2048 :].any()
+    assert not out[1].any()
+
+
+def test_real_chunk_size_straddling(tmp_path: Path) -> None:
+    # 4 KiB pages: 256 pages per 1 MiB chunk; 300 pages span two chunks per layer.
+    ident = identity(block_size=64)
+    assert ident.page_nbytes == 4096 and seg.CHUNK_BYTES == 1 << 20
+    start = 260 * 64  # page 260, inside chunk 1 (pages 256..511)
+    for offset, unread in ((10 * 4096, True), (257 * 4096, False), (290 * 4096, False)):
+        with SnapshotStore(tmp_path / str(offset), alias_stride=4096) as store:
+            c = _publish_chain(store, (300 * 64,), ident)
+            _flip(c.files[0], "layer.1", offset)
+            if unread:
+                count, got = _ranged(store, c, start)
+                assert count == 40
+                assert all(np.array_equal(g, w) for g, w in zip(got, _want(c, start),
+                                                                strict=True))
+            else:
+                with pytest.raises(CorruptSnapshot):
+                    _ranged(store, c, start)
+                _assert_quarantined(store, c, "digest")
+
+
+@pytest.mark.parametrize("start", [16, 24])
+def test_skipped_link_payload_is_not_read(
+    store: SnapshotStore, chunk: int, start: int
+) -> None:
+    c = _publish_chain(store, (16, 40, 64))
+    for layer in range(LAYERS):
+        _flip(c.files[0], f"layer.{layer}", 0)
+        _flip(c.files[0], f"layer.{layer}", 16 // 4 * c.ident.page_nbytes - 1)
+    count, got = _ranged(store, c, start)
+    assert count == (64 - start) // 4
+    assert all(np.array_equal(g, w) for g, w in zip(got, _want(c, start), strict=True))
+    with pytest.raises(CorruptSnapshot):  # the damage is real: the root goes
+        _ranged(store, c, 12)
+    _assert_quarantined(store, c, "digest", link=0)
+
+
+@pytest.mark.parametrize("damage", ["tokens", "header"])
+def test_skipped_links_are_still_checked(store: SnapshotStore, damage: str) -> None:
+    c = _publish_chain(store, (16, 40, 64))
+    if damage == "tokens":
+        _flip(c.files[1], "tokens", 5)
+    else:
+        _flip_header(c.files[1])
+    before = store.stats()
+    with pytest.raises(CorruptSnapshot) as exc:
+        _ranged(store, c, 40)
+    assert exc.value.reason == "digest"
+    _assert_quarantined(store, c, "digest", link=1, before=before)
+
+
+def test_token_ids_of_skipped_links_are_compared(store: SnapshotStore) -> None:
+    c = _publish_chain(store, (16, 40, 64))
+    other = c.toks.copy()
+    other[3] += 1  # a prompt that differs inside the skipped root link
+    m = Match(c.match.snapshot_id, c.match.n_tokens, c.ident, other)
+    out = [np.zeros((6, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    with pytest.raises(CorruptSnapshot) as exc:
+        store.read_into(m, 0, out, start_tokens=40)
+    assert exc.value.reason == "tokens"
+    assert not any(o.any() for o in out)
+    _assert_quarantined(store, c, "tokens", link=0)
+
+
+# -- arguments ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("start", "n"), [
+    (2, None), (1, None), (-4, None), (64, None), (68, None), (16, 16), (20, 16), (-1, 16),
+])
+def test_bad_start_tokens(store: SnapshotStore, start: int, n: int | None) -> None:
+    c = _publish_chain(store, (32, 64))
+    before = store.stats()
+    out = [np.zeros((16, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    with pytest.raises(InvalidArgument, match="start_tokens must be a multiple of"):
+        store.read_into(c.match, 0, out, n_tokens=n, start_tokens=start)
+    assert store.stats() == before
+    assert not any(o.any() for o in out)
+
+
+def test_destination_size_follows_the_range(store: SnapshotStore) -> None:
+    c = _publish_chain(store, (32, 64))
+    page = c.ident.page_nbytes
+    short = [np.zeros((11, page), np.uint8) for _ in range(LAYERS)]
+    with pytest.raises(InvalidArgument, match=r"needs at least 3072 bytes \(12 pages"):
+        store.read_into(c.match, 0, short, start_tokens=16)
+    mixed = [np.zeros((12, page), np.uint8), np.zeros((11, page), np.uint8)]
+    with pytest.raises(InvalidArgument, match="needs at least"):
+        store.read_into(c.match, 0, mixed, start_tokens=16)
+    with pytest.raises(InvalidArgument, match="layers"):
+        store.read_into(c.match, 0, short[:1], start_tokens=16)
+    assert not any(o.any() for o in short + mixed)
+    assert store.read_into(c.match, 0, short, start_tokens=20) == 11
+
+
+# -- segment.copy_verified ------------------------------------------------------------
+
+
+@pytest.fixture
+def one_tensor(small_chunks: int) -> Iterator[tuple[memoryview, seg.SegmentHeader, np.ndarray]]:
+    data = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8)
+    toks = np.arange(16, dtype="<u4")
+    meta = {"token_start": 0, "token_end": 64, "block_size": 4}
+    head, digest = seg.build_header(meta, [data], toks, (2, 8, 8), "F16")
+    buf = memoryview(head + data.tobytes() + toks.tobytes())
+    yield buf, seg.parse_header(buf, digest), data
+
+
+@pytest.mark.parametrize("skip", [0, 1, 999, 1000, 1001, 2048, 4000, 4095, 4096])
+@pytest.mark.parametrize("nbytes", [4096, 2500, 2000])
+def test_copy_verified_skip(
+    one_tensor: tuple[memoryview, seg.SegmentHeader, np.ndarray], skip: int, nbytes: int
+) -> None:
+    buf, header, data = one_tensor
+    if skip > nbytes:
+        with pytest.raises(InvalidArgument, match="skip"):
+            seg.copy_verified(buf, header, "layer.0", nbytes, np.zeros(0, np.uint8), skip=skip)
+        return
+    dest = np.zeros(nbytes - skip, np.uint8)
+    seg.copy_verified(buf, header, "layer.0", nbytes, dest, skip=skip)
+    assert np.array_equal(dest, data[skip:nbytes])
