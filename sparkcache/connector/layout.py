@@ -146,6 +146,6 @@ def check_tensors(identity: ModelIdentity, tensors: list[Any]) -> None:
         if _dtype_name(t.dtype) != identity.kv_cache_dtype:
             raise InvalidArgument(f"KV cache tensor of dtype {t.dtype}; the identity says "
                                   f"{identity.kv_cache_dtype}")
-        if t.device.type != "cpu":
-            raise InvalidArgument(f"KV cache on {t.device}: this connector copies CPU tensors "
-                                  "only (GPU pages need sparkcache.cuda)")
+        if t.device.type not in ("cpu", "cuda"):
+            raise InvalidArgument(f"KV cache on {t.device}: sparkcache moves pages of CPU and "
+                                  "CUDA tensors only")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from tiny_model import MISSING, SKIP_REASON
 
@@ -55,41 +54,6 @@ def test_package_imports_without_vllm() -> None:
         "assert 'vllm' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-
-
-def test_pages_round_trip_on_a_strided_layer_view() -> None:
-    """Layers are strided views into one allocation, as vLLM's allocate_kv_cache makes them."""
-    import torch
-
-    from sparkcache.connector.pages import LayerPages
-
-    layers, blocks, page = 2, 6, (2, 32, 64)
-    raw = torch.zeros(blocks, layers, *page, dtype=torch.bfloat16)  # block-outermost buffer
-    caches = {f"model.layers.{i}.self_attn.attn": raw[:, i] for i in (1, 0)}
-    pages = LayerPages(caches)
-    assert pages.names == ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-    assert (pages.num_blocks, pages.page_nbytes) == (blocks, 2 * 32 * 64 * 2)
-    src = [np.random.default_rng(i).integers(0, 255, (3, pages.page_nbytes), np.uint8)
-           for i in range(layers)]
-    pages.scatter([4, 0, 2], src)
-    back = pages.gather([4, 0, 2])
-    for a, b in zip(src, back, strict=True):
-        np.testing.assert_array_equal(a, b)
-    # The bytes landed in the tensor itself, in the right blocks and layers.
-    got = raw[0, 1].contiguous().view(torch.uint8).numpy().reshape(-1)
-    np.testing.assert_array_equal(got, src[1][1])
-    assert not raw[1].any() and not raw[3].any() and not raw[5].any()
-    with pytest.raises(InvalidArgument, match="out of range"):
-        pages.gather([blocks])
-    # Block-outermost: a layer's blocks are not one run of bytes (restores stage).
-    assert pages.run_views(0, 2) is None
-    # Layer-outermost (vLLM's CPU layout): runs of blocks are read into directly.
-    dense = LayerPages({f"model.layers.{i}.self_attn.attn": t for i, t in
-                        enumerate(torch.zeros(layers, blocks, *page, dtype=torch.bfloat16))})
-    runs = dense.run_views(2, 3)
-    assert runs is not None and runs[1].size == 3 * dense.page_nbytes
-    runs[1][:] = 7
-    assert dense.gather([2, 3, 4])[1].min() == 7 and not dense.gather([1, 5])[1].any()
 
 
 def test_identity_from_a_vllm_spec() -> None:
