@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache.connector.layout import check_tensors, model_identity, rank_of
-from sparkcache.connector.pages import LayerPages
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
 from sparkcache.connector.worker import Counters, LoadJob, SaveJob, WorkerIO
+from sparkcache.cuda import KVPages
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.retention import Retention, RetentionSettings, Sweeper
@@ -67,6 +67,8 @@ logger = logging.getLogger("vllm.sparkcache")
 class SparkCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    #: Preempted requests whose breakpoint saves may still read their blocks.
+    preempted: list[str] = field(default_factory=list)
 
 
 # -- stats (workers and scheduler -> the logger process) ---------------------------------
@@ -77,10 +79,11 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
     """Counters summed over an interval: ``data`` maps name -> number.
 
     Scheduler: lookups, hits, misses, hit_tokens, coalesced, saves_planned,
-    saves_known, lookup_seconds.  Workers: loads, loaded_tokens, loaded_bytes,
-    load_seconds, load_failures, loads_dropped, saves, saved_tokens,
-    saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
-    saves_skipped, save_failures, saves_lost_parent.
+    saves_known, breakpoint_saves_planned, lease_failures, lookup_seconds.  Workers: loads,
+    loaded_tokens, loaded_bytes, load_seconds, load_failures, loads_dropped,
+    saves, saved_tokens, saved_bytes, save_seconds, save_copy_seconds,
+    saves_dropped, saves_skipped, save_failures, saves_lost_parent,
+    saves_cancelled.
     """
 
     data: dict[str, Any] = field(default_factory=dict)
@@ -229,8 +232,22 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
         if self.sched is None:
             return SparkCacheMetadata()
+        self.sched.plan_breakpoints(scheduler_output.num_scheduled_tokens, self._block_ids_of)
+        preempted = self.sched.preempted(getattr(scheduler_output, "preempted_req_ids", None)
+                                         or ())
         loads, saves = self.sched.take_jobs()
-        return SparkCacheMetadata(loads=loads, saves=saves)
+        return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._kv_manager = kv_cache_manager
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        """A running request's blocks (group 0), for its breakpoint saves."""
+        manager = getattr(self, "_kv_manager", None)
+        if manager is None:
+            raise KeyError("vLLM did not bind its KV cache manager")
+        return list(manager.get_block_ids(req_id)[0])
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.sched is not None:
@@ -264,10 +281,10 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.store is None:
             return
         parallel = importlib.import_module("vllm.distributed.parallel_state")
-        pages: LayerPages | None = None
+        pages: KVPages | None = None
         rank = 0
         try:
-            pages = LayerPages(kv_caches)
+            pages = KVPages(kv_caches)
             check_tensors(self.identity, pages.tensors)
             rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
                            parallel.get_pipeline_model_parallel_rank())
@@ -282,9 +299,9 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             max_pending_bytes=self.settings.max_pending_mb << 20,
         )
         if pages is not None:
-            logger.info("sparkcache worker rank %d: %d layers of %d blocks, %d-byte pages %s",
-                        rank, len(pages), pages.num_blocks, pages.page_nbytes,
-                        self.identity.page_shape)
+            logger.info("sparkcache worker rank %d: %d layers of %d blocks, %d-byte pages %s "
+                        "on %s", rank, len(pages), pages.num_blocks, pages.page_nbytes,
+                        self.identity.page_shape, pages.where)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -303,6 +320,11 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
         return  # saves copy whole blocks after the request finished (wait_for_save)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before the forward that may overwrite preempted requests' freed blocks."""
+        if self.io is not None and kv_connector_metadata.preempted:
+            self.io.cancel_copies(kv_connector_metadata.preempted)
 
     def wait_for_save(self) -> None:
         """Hand this step's saves to the saver thread; nothing waits for the disk."""

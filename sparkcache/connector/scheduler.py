@@ -9,6 +9,9 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
   request; the index returns the longest snapshot every rank of this topology
   can restore; the tokens beyond vLLM's own prefix hit are offered, never the
   last prompt token (vLLM must compute one to sample).
+* **lease**: a planned restore leases its snapshot until the load has
+  landed (or the request is gone), so neither the sweeper nor another
+  process's eviction can delete it between the lookup and the read.
 * **coalescing**: while an asynchronous load is in flight, a request sharing
   a prefix with it that its own local hit does not cover waits ("ask again":
   ``None``); when the load is done vLLM caches the blocks and the follower
@@ -18,13 +21,19 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
   breakpoints (``kv_transfer_params={"sparkcache": {"breakpoints": [n, ...]}}``);
   when a stored snapshot is a whole prefix, only the tail is written (the
   snapshot becomes its copy-on-write parent).
+* **breakpoints mid-request**: once a step computes past a breakpoint, the
+  prefix up to it (whole blocks) is published at once, while the request
+  still runs - an agent's system prompt is restorable before its first answer
+  is finished, and survives an abort or a crash of the rest.  Such a save is
+  not reported back per request; the request's blocks are held at its finish
+  until every one of its saves was copied out (the workers see to that).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +48,10 @@ from sparkcache.store import Match, SnapshotStore
 __all__ = ["SchedulerSide", "breakpoints_of", "scope_of"]
 
 logger = logging.getLogger("vllm.sparkcache")
+
+#: How long a planned restore protects its snapshot from eviction at most; the
+#: lease is released as soon as the load landed (or the request is gone).
+LOAD_LEASE_SECONDS = 300.0
 
 
 def scope_of(request: Any) -> RequestScope | None:
@@ -75,6 +88,9 @@ class _ReqState:
     seed: bytes
     hashes: list[bytes] = field(default_factory=list)  # of tokens [0, len * block_size)
     waited: bool = False
+    request: Any = None  # kept while breakpoints are pending
+    marks: list[int] = field(default_factory=list)  # breakpoints not published yet
+    mid_saves: int = 0  # breakpoint saves planned while the request ran
 
 
 def _shared_blocks(a: list[bytes], b: list[bytes]) -> int:
@@ -113,6 +129,7 @@ class SchedulerSide:
         self._offers: dict[str, tuple[Match, int]] = {}
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._saving: set[str] = set()  # blocks held until the workers copied them
+        self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []
 
@@ -123,6 +140,11 @@ class SchedulerSide:
         if state is None:
             scope = scope_of(request)
             state = _ReqState(scope, prefix_seed(self.identity, scope))
+            if self.publish:
+                floor = max(self.min_tokens, self.bs)
+                state.marks = sorted(m for m in set(breakpoints_of(request))
+                                     if m // self.bs * self.bs >= floor)
+                state.request = request if state.marks else None
             self._reqs[request.request_id] = state
         return state
 
@@ -142,7 +164,10 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: side-effect free for vLLM."""
         self._offers.pop(request.request_id, None)
-        if not self.restore or request.prompt_token_ids is None:
+        if request.prompt_token_ids is None:
+            return 0, False
+        self._state(request)  # also notes the request's breakpoints
+        if not self.restore:
             return 0, False
         tokens = request.all_token_ids
         limit = (len(tokens) - 1) // self.bs * self.bs
@@ -191,8 +216,56 @@ class SchedulerSide:
         ))
         if self.load_async:
             self._inflight[request.request_id] = self._hashes(request, match.n_tokens)
+        try:
+            self._leases[request.request_id] = self.store.acquire_lease(
+                match.snapshot_id, kind="restore", ttl=LOAD_LEASE_SECONDS)
+        except SparkCacheError as exc:  # gone meanwhile: the load fails, vLLM recomputes
+            logger.warning("sparkcache: no lease on snapshot %d for %s: %s",
+                           match.snapshot_id, request.request_id, exc)
+            self.counters.add("lease_failures")
         self.counters.add("hits")
         self.counters.add("hit_tokens", num_external)
+
+    def plan_breakpoints(
+        self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], list[int]]
+    ) -> None:
+        """Plan saves of the prefixes whose breakpoint this step computes past.
+
+        ``scheduled``: tokens each request computes in this step (vLLM's
+        ``num_scheduled_tokens``, seen before vLLM advances ``num_computed_tokens``);
+        ``block_ids_of``: a request's KV blocks.  Workers copy the blocks out
+        after the step's forward, so the planned tokens are computed by then.
+        """
+        for req_id, state in self._reqs.items():
+            step = scheduled.get(req_id)
+            if not state.marks or step is None:
+                continue
+            request = state.request
+            # Only tokens already in the sequence: speculative drafts may be rejected.
+            done = min(int(request.num_computed_tokens) + int(step), len(request.all_token_ids))
+            reached = [m for m in state.marks if m <= done]
+            if not reached:
+                continue
+            state.marks = [m for m in state.marks if m > done]
+            if not state.marks:
+                state.request = None
+            n = reached[-1] // self.bs * self.bs
+            try:
+                job = self._save_job(request, n, block_ids_of(req_id), tuple(reached),
+                                     mid_request=True)
+            except (SparkCacheError, KeyError, IndexError) as exc:
+                logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
+                continue
+            if job is not None:
+                self._saves.append(job)
+                state.mid_saves += 1
+                self.counters.add("breakpoint_saves_planned")
+
+    def preempted(self, req_ids: Iterable[str]) -> list[str]:
+        """Of vLLM's preempted requests, those whose breakpoint saves may still be
+        copying: their workers wait for (or cancel) those copies before the
+        freed blocks are written again (``handle_preemptions``)."""
+        return [r for r in req_ids if (state := self._reqs.get(r)) and state.mid_saves]
 
     def take_jobs(self) -> tuple[list[LoadJob], list[SaveJob]]:
         """The loads and saves planned since the last step (``build_connector_meta``)."""
@@ -204,7 +277,17 @@ class SchedulerSide:
         """``update_connector_output``: loads landed (followers may go), saves copied."""
         for req_id in finished_recving:
             self._inflight.pop(req_id, None)
+            self._release_lease(req_id)
         self._saving.difference_update(finished_sending)
+
+    def _release_lease(self, req_id: str) -> None:
+        lease = self._leases.pop(req_id, None)
+        if lease is None:
+            return
+        try:
+            self.store.release_lease(lease)
+        except SparkCacheError as exc:  # it expires on its own
+            logger.warning("sparkcache: could not release lease %d: %s", lease, exc)
 
     @property
     def pending_block_frees(self) -> bool:
@@ -220,8 +303,21 @@ class SchedulerSide:
             if self._inflight.pop(req_id, None) is not None:
                 # Aborted while its restore is in flight: the blocks are still being
                 # written (vLLM holds them until the load reports); nothing to save.
+                # The lease goes when the load reports (on_output).
                 return False, None
-            return self._plan_save(request, block_ids)
+            self._release_lease(req_id)  # a sync load (never reported) or done
+            hold, params = self._plan_save(request, block_ids)
+            state = self._reqs.get(req_id)
+            if not hold and state is not None and state.mid_saves:
+                # Nothing more to save, but breakpoint saves may still be copying
+                # these blocks out: hold them until the workers say so.
+                self._saves.append(SaveJob(
+                    req_id=req_id, token_ids=np.empty(0, np.uint32), block_ids=[],
+                    parent=None, scope=None, breakpoints=(),
+                ))
+                self._saving.add(req_id)
+                hold = True
+            return hold, params
         finally:
             self._reqs.pop(req_id, None)
 
@@ -230,10 +326,25 @@ class SchedulerSide:
             return False, None
         tokens = request.all_token_ids
         n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs)
-        n = n // self.bs * self.bs
-        if n < max(self.min_tokens, self.bs):
+        marks = (int(request.num_prompt_tokens) - 1, *breakpoints_of(request))
+        job = self._save_job(request, n // self.bs * self.bs, block_ids, marks)
+        if job is None:
             return False, None
-        token_ids = np.asarray(tokens[:n], dtype=np.uint32)
+        self._saves.append(job)
+        self._saving.add(request.request_id)
+        self.counters.add("saves_planned")
+        return True, None
+
+    def _save_job(self, request: Any, n: int, block_ids: list[int], marks: tuple[int, ...],
+                  *, mid_request: bool = False) -> SaveJob | None:
+        """A save of the request's tokens ``[0, n)`` (whole blocks), or None when
+        too short or already stored; when a stored snapshot is a whole prefix,
+        only the tail is written (copy-on-write)."""
+        if n < max(self.min_tokens, self.bs):
+            return None
+        if len(block_ids) * self.bs < n:
+            raise SparkCacheError(f"{len(block_ids)} blocks cannot hold {n} tokens")
+        token_ids = np.asarray(request.all_token_ids[:n], dtype=np.uint32)
         hashes = self._hashes(request, n)
         scope = self._state(request).scope
         parent_id, parent_tokens = None, 0
@@ -242,18 +353,14 @@ class SchedulerSide:
             if known is not None:
                 if known.n_tokens == n:
                     self.counters.add("saves_known")
-                    return False, None  # already stored (perhaps restored from it)
+                    return None  # already stored (perhaps restored from it)
                 if self.store.snapshot(known.snapshot_id).n_tokens == known.n_tokens:
                     # A whole stored snapshot is our prefix: write only the tail.
                     parent_id, parent_tokens = known.snapshot_id, known.n_tokens
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup before save failed; saving in full: %s", exc)
-        marks = (int(request.num_prompt_tokens) - 1, *breakpoints_of(request))
-        self._saves.append(SaveJob(
+        return SaveJob(
             req_id=request.request_id, token_ids=token_ids,
             block_ids=list(block_ids[parent_tokens // self.bs:n // self.bs]),
-            parent=parent_id, scope=scope, breakpoints=marks,
-        ))
-        self._saving.add(request.request_id)
-        self.counters.add("saves_planned")
-        return True, None
+            parent=parent_id, scope=scope, breakpoints=marks, report=not mid_request,
+        )

@@ -47,14 +47,16 @@ FAULT_ENV = "SPARKCACHE_TEST_FAULT"
 
 
 class Pages(Protocol):
-    """What the I/O needs of a worker's KV cache (``LayerPages`` or a test double)."""
+    """What the I/O needs of a worker's KV cache (``KVPages`` or a test double)."""
 
     num_blocks: int
     page_nbytes: int
 
     def __len__(self) -> int: ...
+    def host_buffer(self, nbytes: int) -> np.ndarray: ...
     def run_views(self, first: int, count: int) -> list[np.ndarray] | None: ...
-    def gather(self, block_ids: Sequence[int]) -> list[np.ndarray]: ...
+    def fence(self) -> object: ...
+    def gather(self, block_ids: Sequence[int], after: object = None) -> list[np.ndarray]: ...
     def scatter(self, block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> None: ...
 
 
@@ -80,6 +82,10 @@ class SaveJob:
     parent: int | None
     scope: RequestScope | None
     breakpoints: tuple[int, ...]  # alias boundaries (the prompt's end, API breakpoints)
+    #: False for a breakpoint save of a running request: not reported in
+    #: finished_sending (vLLM knows nothing of it); the request's release at its
+    #: finish waits until it was copied out.  A job without blocks is such a release.
+    report: bool = True
 
 
 class Counters:
@@ -121,14 +127,23 @@ class WorkerIO:
         self.counters = counters
         self.max_pending_bytes = max_pending_bytes
         self.fault = os.environ.get(FAULT_ENV, "")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._sent: set[str] = set()
         self._recved: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pending_bytes = 0
+        # Breakpoint saves of running requests: copies not done yet, per request;
+        # requests whose release waits for them; cancellations at preemption.
+        self._copy_done = threading.Condition(self._lock)
+        self._copying: dict[str, set[int]] = {}  # request -> sequence numbers
+        self._release: set[str] = set()
+        self._cancelled: set[int] = set()  # queued jobs to skip
+        self._seq = 0  # save jobs submitted
+        self._active: tuple[str, int] | None = None  # the job being copied out
         self._staging = np.empty(0, np.uint8)  # reused: fresh memory costs page faults
         self._loads: queue.Queue[LoadJob | None] = queue.Queue(max_queued_loads)
-        self._saves: queue.Queue[tuple[SaveJob, int] | None] = queue.Queue(max_queued_saves)
+        self._saves: queue.Queue[tuple[SaveJob, int, int, object] | None] = queue.Queue(
+            max_queued_saves)
         self._threads = [
             threading.Thread(target=self._load_loop, name="sparkcache-load", daemon=True),
             threading.Thread(target=self._save_loop, name="sparkcache-save", daemon=True),
@@ -186,33 +201,35 @@ class WorkerIO:
     def _load(self, job: LoadJob) -> None:
         """Verified read of the match into the blocks vLLM allocated for it.
 
-        When the whole match is restored (no local prefix hit) into one run of
-        consecutive blocks - the usual case after a restart - it is read straight
-        into the KV cache.  Otherwise through a staging buffer, then scattered.
+        Blocks below ``start_block`` are vLLM's own prefix hit: their payload is
+        not read (a ranged read; their token ids are still compared).  When the
+        blocks to restore are one run of consecutive blocks - the usual case -
+        the pages are read straight into the KV cache.  Otherwise through a
+        staging buffer (pinned for a GPU cache), then scattered.
         """
         if self.pages is None:
             raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
         match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids)
         ids = job.block_ids
+        start_tokens = job.start_block * self.bs
         direct = None
-        if job.start_block == 0 and ids and ids == list(range(ids[0], ids[0] + len(ids))):
+        if ids and ids == list(range(ids[0], ids[0] + len(ids))):
             direct = self.pages.run_views(ids[0], len(ids))
         if direct is not None:
             # A failure may leave verified bytes in these blocks: they are the
             # request's own, reported failed and recomputed.
-            self.store.read_into(match, self.rank, direct, n_tokens=job.n_tokens)
+            self.store.read_into(match, self.rank, direct, n_tokens=job.n_tokens,
+                                 start_tokens=start_tokens)
             self.counters.add("loads_direct")
             if self.fault == "flip-restored":
                 scrambled = self._scramble([d.reshape(len(ids), -1) for d in direct])
                 for dest, src in zip(direct, scrambled, strict=True):
                     dest[:] = src.reshape(-1)
             return
-        # TODO(store): a ranged read_into(start_tokens=) would skip the blocks below
-        # start_block (vLLM's own prefix hit); today the whole match is read.
-        n_blocks = job.n_tokens // self.bs
-        staging = self._staging_for(len(self.pages), n_blocks, self.pages.page_nbytes)
-        self.store.read_into(match, self.rank, list(staging), n_tokens=job.n_tokens)
-        wanted = staging[:, job.start_block:job.start_block + len(ids)]
+        staging = self._staging_for(len(self.pages), len(ids), self.pages.page_nbytes)
+        self.store.read_into(match, self.rank, list(staging), n_tokens=job.n_tokens,
+                             start_tokens=start_tokens)
+        wanted = staging
         if self.fault == "flip-restored":
             wanted = np.stack(self._scramble(list(wanted)))
         self.pages.scatter(ids, list(wanted))
@@ -220,7 +237,8 @@ class WorkerIO:
     def _staging_for(self, layers: int, blocks: int, page: int) -> np.ndarray:
         need = layers * blocks * page
         if self._staging.size < need:
-            self._staging = np.empty(need, np.uint8)
+            assert self.pages is not None
+            self._staging = self.pages.host_buffer(need)  # pinned for a GPU cache
         return self._staging[:need].reshape(layers, blocks, page)
 
     @staticmethod
@@ -244,43 +262,101 @@ class WorkerIO:
 
     def submit_save(self, job: SaveJob) -> None:
         """Queue a save; the blocks are reported sent once copied out (or dropped)."""
-        if self.pages is None:
-            self._mark_sent(job.req_id)
+        if self.pages is None or not job.block_ids:
+            if job.report:
+                self._mark_sent(job.req_id)
             return
         nbytes = len(job.block_ids) * self.pages.page_nbytes * len(self.pages)
         with self._lock:
             over = self._pending_bytes + nbytes > self.max_pending_bytes
             if not over:
                 self._pending_bytes += nbytes
+                self._seq += 1
+                seq = self._seq
+                if not job.report:
+                    self._copying.setdefault(job.req_id, set()).add(seq)
         if not over:
             try:
-                self._saves.put_nowait((job, nbytes))
+                # On a GPU the copy waits for the forward that wrote the blocks.
+                self._saves.put_nowait((job, nbytes, seq, self.pages.fence()))
                 return
             except queue.Full:
                 with self._lock:
                     self._pending_bytes -= nbytes
+                if not job.report:
+                    self._copied(job.req_id, {seq})
         self.counters.add("saves_dropped")
-        self._mark_sent(job.req_id)
+        if job.report:
+            self._mark_sent(job.req_id)
 
     def _mark_sent(self, req_id: str) -> None:
+        """The request's blocks may be freed - once its breakpoint saves are copied."""
         with self._lock:
-            self._sent.add(req_id)
+            if self._copying.get(req_id):
+                self._release.add(req_id)
+            else:
+                self._sent.add(req_id)
+
+    def _copied(self, req_id: str, seqs: set[int]) -> None:
+        """Breakpoint saves ``seqs`` of ``req_id`` no longer read its blocks."""
+        with self._lock:
+            left = self._copying.get(req_id, set()) - seqs
+            if left:
+                self._copying[req_id] = left
+                return
+            self._copying.pop(req_id, None)
+            if req_id in self._release:
+                self._release.discard(req_id)
+                self._sent.add(req_id)
+            self._copy_done.notify_all()
+
+    def cancel_copies(self, req_ids: Sequence[str], timeout: float = 60.0) -> None:
+        """vLLM preempted these requests and frees their blocks before the next
+        forward writes them: breakpoint saves still queued are dropped, one being
+        copied right now is waited for (``handle_preemptions``)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            for req_id in req_ids:
+                queued = set(self._copying.get(req_id, ()))
+                if self._active is not None:
+                    queued.discard(self._active[1])
+                if queued:
+                    self._cancelled |= queued
+                    self.counters.add("saves_cancelled", len(queued))
+                    self._copied(req_id, queued)  # a re-entrant lock
+            for req_id in req_ids:
+                while self._copying.get(req_id):
+                    if not self._copy_done.wait(max(0.0, deadline - time.monotonic())):
+                        logger.error("sparkcache: a breakpoint save of preempted %s is still "
+                                     "copying after %.0f s", req_id, timeout)
+                        return
 
     def _save_loop(self) -> None:
         while (item := self._saves.get()) is not None:
-            job, nbytes = item
+            job, nbytes, seq, fence = item
             pages: list[np.ndarray] | None = None
+            with self._lock:
+                cancelled = seq in self._cancelled
+                self._cancelled.discard(seq)
+                if not cancelled:
+                    self._active = (job.req_id, seq)
             try:
                 assert self.pages is not None
-                started = time.perf_counter()
-                pages = self.pages.gather(job.block_ids)
-                self.counters.add("save_copy_seconds", time.perf_counter() - started)
+                if not cancelled:
+                    started = time.perf_counter()
+                    pages = self.pages.gather(job.block_ids, after=fence)
+                    self.counters.add("save_copy_seconds", time.perf_counter() - started)
             except Exception as exc:  # never kill the thread
                 logger.exception("sparkcache copy-out for %s failed: %s", job.req_id, exc)
                 self.counters.add("save_failures")
             # Copied out (or failed): vLLM may free the blocks.  Reported exactly
             # once: vLLM asserts on an id it no longer knows.
-            self._mark_sent(job.req_id)
+            with self._lock:
+                self._active = None
+                if job.report:
+                    self._mark_sent(job.req_id)
+                elif not cancelled:
+                    self._copied(job.req_id, {seq})
             try:
                 if pages is not None:
                     self._publish(job, pages)

@@ -14,6 +14,7 @@ standing in for the two workers.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from sparkcache.connector.scheduler import SchedulerSide, breakpoints_of
-from sparkcache.connector.worker import Counters, LoadJob, WorkerIO
+from sparkcache.connector.worker import Counters, LoadJob, SaveJob, WorkerIO
 from sparkcache.identity import ModelIdentity
 from sparkcache.store import SnapshotStore
 
@@ -49,10 +50,16 @@ class FakePages:
     def __len__(self) -> int:
         return LAYERS
 
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
     def run_views(self, first: int, count: int) -> list[np.ndarray] | None:
         return [self.arr[i, first:first + count].reshape(-1) for i in range(LAYERS)]
 
-    def gather(self, block_ids: Any) -> list[np.ndarray]:
+    def fence(self) -> object:
+        return None
+
+    def gather(self, block_ids: Any, after: object = None) -> list[np.ndarray]:
         return [self.arr[i, list(block_ids)].copy() for i in range(LAYERS)]
 
     def scatter(self, block_ids: Any, pages: Any) -> None:
@@ -271,3 +278,164 @@ def test_a_corrupt_snapshot_reports_its_blocks(one_rank: Any, tmp_path: Path) ->
     assert sched.matched_tokens(Req("c", p), 0) == (None, False)  # b's load in flight
     sched.on_output({"b"}, ())
     assert sched.matched_tokens(Req("c", p), 0) == (0, False)  # quarantined: a miss
+
+
+class GatedPages(FakePages):
+    """FakePages whose copy-outs wait for ``gate`` and are recorded in ``gathered``."""
+
+    def __init__(self, blocks: int, seed: int) -> None:
+        super().__init__(blocks, seed)
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gathered: list[list[int]] = []
+
+    def gather(self, block_ids: Any, after: object = None) -> list[np.ndarray]:
+        self.entered.set()
+        assert self.gate.wait(10)
+        self.gathered.append(list(block_ids))
+        return super().gather(block_ids, after)
+
+
+def _step(sched: SchedulerSide, req: Req, n: int, blocks: list[int]) -> list[Any]:
+    """One vLLM step computing ``n`` more tokens of ``req``: the saves it plans."""
+    sched.plan_breakpoints({req.request_id: n}, lambda _rid: blocks)
+    req.num_computed_tokens += n
+    return sched.take_jobs()[1]
+
+
+def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
+    store, sched, io, counters = one_rank
+    p = prompt(300, 11)
+    req = Req("a", p, kv_transfer_params={"sparkcache": {"breakpoints": [100, 200, 10]}})
+    blocks = list(range(20, 40))
+    assert sched.matched_tokens(req, 0) == (0, False)  # notes the breakpoints (10: no whole block)
+    assert _step(sched, req, 64, blocks) == []  # 64 computed: no breakpoint reached
+    (job,) = _step(sched, req, 64, blocks)  # 128 computed: past 100
+    assert (len(job.token_ids), job.block_ids, job.report) == (96, blocks[:6], False)
+    io.submit_save(job)
+    assert io.flush()
+    assert io.poll() == (set(), set())  # vLLM is never told of a breakpoint save
+    (snap,) = store.snapshots()
+    assert snap.n_tokens == 96  # published before the request finished
+    # The prompt restores from it in another engine; bytes are the blocks' own.
+    assert sched.matched_tokens(Req("b", p[:100] + prompt(50, 12)), 0) == (96, True)
+    (job2,) = _step(sched, req, 128, blocks)  # 256 computed: past 200
+    assert job2.parent == snap.id and job2.block_ids == blocks[6:12]  # the tail only
+    io.submit_save(job2)
+    assert io.flush()
+    assert _step(sched, req, 44, blocks) == []  # no breakpoint left
+    # Finished: the final save is another tail; the blocks are held until copied.
+    req.output = prompt(16, 999)
+    req.num_computed_tokens = len(req.all_token_ids) - 1
+    held, _ = sched.finished(req, blocks)
+    assert held
+    _, (final,) = sched.take_jobs()
+    assert final.report and final.parent == store.snapshots()[-1].id
+    io.submit_save(final)
+    assert io.flush()
+    assert io.poll()[0] == {"a"}
+    assert counters.take()["breakpoint_saves_planned"] == 2
+    np.testing.assert_array_equal(
+        store.read(store.lookup(identity(), p[:192]), 0)[1], io.pages.arr[1, 20:32])
+
+
+def test_a_release_waits_for_the_breakpoint_copies(tmp_path: Path) -> None:
+    """The request finishes while its breakpoint save is queued behind another
+    copy and its final save is dropped: its blocks stay held until the
+    breakpoint copy is done."""
+    ident = identity()
+    with SnapshotStore(tmp_path / "s") as store:
+        pages = GatedPages(32, 4)
+        io = WorkerIO(store, ident, 0, pages, Counters())
+        sched = SchedulerSide(store, ident, Counters(), min_tokens=BS)
+        other = SaveJob("x", np.asarray(prompt(32, 13), np.uint32), [0, 1], None, None, ())
+        io.submit_save(other)
+        assert pages.entered.wait(10)  # the saver is busy copying "x"
+        req = Req("a", prompt(80, 14), kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
+        sched.matched_tokens(req, 0)
+        (mid,) = _step(sched, req, 80, list(range(8, 14)))
+        assert mid.block_ids == [8, 9, 10, 11] and not mid.report
+        io.submit_save(mid)
+        held, _ = sched.finished(req, list(range(8, 14)))
+        assert held
+        _, (final,) = sched.take_jobs()
+        assert final.report and len(final.token_ids) == 80
+        io.max_pending_bytes = 0  # the final save is dropped: it reports at once...
+        io.submit_save(final)
+        assert "a" not in io.poll()[0]  # ...but not while "a"'s breakpoint copy is queued
+        pages.gate.set()
+        assert io.flush()
+        assert "a" in io.poll()[0]
+        assert pages.gathered == [[0, 1], [8, 9, 10, 11]]
+        # Finished with nothing more to save (the prefix is stored): a release
+        # job without blocks still holds the blocks until the copies are done.
+        again = Req("b", req.prompt_token_ids[:70],
+                    kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
+        sched.matched_tokens(again, 0)  # a hit on the stored 64 tokens
+        (mid,) = _step(sched, again, 70, list(range(16, 21))) or [None]
+        assert mid is None  # the breakpoint prefix is already stored: nothing planned
+        held, _ = sched.finished(again, list(range(16, 21)))
+        assert not held and sched.take_jobs() == ([], [])
+        io.close()
+
+
+def test_preemption_cancels_queued_breakpoint_copies(tmp_path: Path) -> None:
+    ident = identity()
+    with SnapshotStore(tmp_path / "s") as store:
+        counters = Counters()
+        pages = GatedPages(32, 5)
+        io = WorkerIO(store, ident, 0, pages, counters)
+        tokens = np.asarray(prompt(64, 15), np.uint32)
+        io.submit_save(SaveJob("x", tokens, [0, 1, 2, 3], None, None, ()))
+        assert pages.entered.wait(10)
+        io.submit_save(SaveJob("a", tokens, [4, 5, 6, 7], None, None, (), report=False))
+        started = time.monotonic()
+        io.cancel_copies(["a"])  # queued, not started: dropped without waiting
+        assert time.monotonic() - started < 1
+        assert counters.take()["saves_cancelled"] == 1
+        pages.gate.set()
+        assert io.flush()
+        assert pages.gathered == [[0, 1, 2, 3]]  # the freed blocks were never read
+        assert len(store.snapshots()) == 1
+        # A copy already running is waited for: the preempted blocks are read first.
+        pages.gate.clear()
+        pages.entered.clear()
+        io.submit_save(SaveJob("b", tokens, [8, 9, 10, 11], None, None, (), report=False))
+        assert pages.entered.wait(10)
+        threading.Timer(0.3, pages.gate.set).start()
+        io.cancel_copies(["b"])
+        assert pages.gathered[-1] == [8, 9, 10, 11]
+        assert io.flush()
+        io.close()
+
+
+def test_a_planned_restore_leases_its_snapshot(one_rank: Any) -> None:
+    """Between the lookup and the read nothing may evict the snapshot."""
+    store, sched, io, _counters = one_rank
+    p = prompt(100, 16)
+    _save(sched, io, Req("a", p))
+    (snap,) = store.snapshots()
+    req = Req("b", [*p, 1])
+    assert sched.matched_tokens(req, 0) == (96, True)
+    assert store.evict(count=None) == [snap.id]  # not yet planned: evictable
+    _save(sched, io, Req("a2", p))
+    (snap,) = store.snapshots()
+    assert sched.matched_tokens(req, 0) == (96, True)
+    sched.after_alloc(req, list(range(7)), 96)
+    assert store.evict(count=None) == []  # leased until the load lands
+    with pytest.raises(Exception, match="leased"):
+        store.delete(snap.id)
+    (load,), _ = sched.take_jobs()
+    io.submit_load(load)
+    assert io.flush()
+    sched.on_output(io.poll()[1], ())
+    assert store.evict(count=None) == [snap.id]
+    # A synchronous load (never reported) holds its lease until the request finishes.
+    sync = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=False,
+                         publish=False)
+    _save(sched, io, Req("a3", p))
+    req = Req("c", [*p, 2])
+    assert sync.matched_tokens(req, 0) == (96, False)
+    sync.after_alloc(req, list(range(7)), 96)
+    assert store.evict(count=None) == []
+    sync.finished(req, list(range(7)))
+    assert len(store.evict(count=None)) == 1
