@@ -59,6 +59,10 @@ CacheHitSource: Any = _hit_source.CacheHitSource
 # A child of vLLM's logger: our lines get vLLM's handler and format.
 logger = logging.getLogger("vllm.sparkcache")
 
+#: On a step that computes nothing while a restore is in flight, the worker
+#: waits this long for it to land instead of letting the engine spin.
+IDLE_WAIT_SECONDS = 0.02
+
 
 # -- metadata (scheduler -> workers, pickled every step) ---------------------------------
 
@@ -69,6 +73,8 @@ class SparkCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveJob] = field(default_factory=list)
     #: Preempted requests whose breakpoint saves may still read their blocks.
     preempted: list[str] = field(default_factory=list)
+    #: The step computes no token: workers may wait for a load to land.
+    idle: bool = False
 
 
 # -- stats (workers and scheduler -> the logger process) ---------------------------------
@@ -236,7 +242,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         preempted = self.sched.preempted(getattr(scheduler_output, "preempted_req_ids", None)
                                          or ())
         loads, saves = self.sched.take_jobs()
-        return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted)
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted, idle=idle)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -339,6 +346,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[set[str] | None, set[str] | None]:
         if self.io is None:  # mode off: nothing is ever planned
             return None, None
+        if self._connector_metadata is not None and self._connector_metadata.idle:
+            self.io.wait_for_loads(IDLE_WAIT_SECONDS)
         sent, recved = self.io.poll()
         return (sent or None), (recved or None)
 

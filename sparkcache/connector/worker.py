@@ -257,6 +257,7 @@ class WorkerIO:
                 self._failed_blocks.update(job.block_ids)
             if report:
                 self._recved.add(job.req_id)
+                self._copy_done.notify_all()  # wakes wait_for_loads too
 
     # -- saves -----------------------------------------------------------------------
 
@@ -402,6 +403,18 @@ class WorkerIO:
             sent, self._sent = self._sent, set()
             recved, self._recved = self._recved, set()
         return sent, recved
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block up to ``timeout`` s while async loads are in flight and none has
+        landed yet.  Called on steps that compute nothing: instead of vLLM
+        spinning through empty steps (which holds the GIL and a core the loader
+        needs) the engine sleeps until a load lands."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._recved and self._loads.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._copy_done.wait(left):
+                    return
 
     def take_failed_blocks(self) -> set[int]:
         with self._lock:

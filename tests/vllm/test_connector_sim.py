@@ -439,3 +439,24 @@ def test_a_planned_restore_leases_its_snapshot(one_rank: Any) -> None:
     assert store.evict(count=None) == []
     sync.finished(req, list(range(7)))
     assert len(store.evict(count=None)) == 1
+
+
+def test_idle_steps_wait_for_a_landing_load(tmp_path: Path) -> None:
+    """An engine step with nothing to compute sleeps until the load lands
+    (instead of spinning), and never longer than asked."""
+    with SnapshotStore(tmp_path / "s") as store:
+        io = WorkerIO(store, identity(), 0, FakePages(8, 1), Counters())
+        started = time.monotonic()
+        io.wait_for_loads(5.0)  # nothing in flight: returns at once
+        assert time.monotonic() - started < 1
+        gate = threading.Event()
+        io._load = lambda job: gate.wait(10)  # type: ignore[method-assign,assignment,return-value]
+        io.submit_load(LoadJob("r", 1, BS, np.zeros(BS, np.uint32), 0, [0]))
+        started = time.monotonic()
+        io.wait_for_loads(0.2)  # still loading: the full timeout
+        assert 0.15 < time.monotonic() - started < 2
+        threading.Timer(0.3, gate.set).start()
+        io.wait_for_loads(10.0)  # woken by the landing load, not the timeout
+        assert time.monotonic() - started < 5
+        assert io.poll()[1] == {"r"}
+        io.close()
