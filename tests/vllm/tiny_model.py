@@ -1,6 +1,7 @@
 """A tiny random-weight Llama and a locally trained tokenizer that vLLM can serve.
 
-No model can be downloaded here, so the tests build one: 2 layers, hidden 128,
+No model can be downloaded here, so the tests build one
+(:mod:`sparkcache.demo_model`, which the demo shares): 2 layers, hidden 128,
 4 attention heads over 2 KV heads (head size 32, which vLLM's CPU attention
 supports), a 2048-token byte-level BPE vocabulary and a chat template.  The
 weights are drawn with ``initializer_range=0.5`` so that greedy outputs depend
@@ -27,16 +28,28 @@ from typing import Any
 
 import pytest
 
-VOCAB_SIZE = 2048
-HIDDEN = 128
-LAYERS = 2
-HEADS = 4
-KV_HEADS = 2
-HEAD_SIZE = HIDDEN // HEADS
+# The model builder lives in the package (the demo builds a bigger one); its names
+# stay importable from here.
+from sparkcache.demo_model import (  # noqa: F401
+    CHAT_TEMPLATE,
+    SEED,
+    SPECIAL_TOKENS,
+    TINY,
+    VOCAB_SIZE,
+    build_tokenizer,
+    corpus,
+)
+from sparkcache.demo_model import WORDS as _WORDS
+from sparkcache.demo_model import build_model as _build_model
+
+HIDDEN = TINY.hidden
+LAYERS = TINY.layers
+HEADS = TINY.heads
+KV_HEADS = TINY.kv_heads
+HEAD_SIZE = TINY.head_size
 #: vLLM's CPU attention needs block sizes that are multiples of 32.
 BLOCK_SIZE = 32
-MAX_MODEL_LEN = 2048
-SEED = 1234
+MAX_MODEL_LEN = TINY.max_model_len
 
 #: The tests in tests/vllm need vLLM (scripts/install-vllm.sh) plus transformers and
 #: tokenizers to build the model; without them they are skipped with this reason.
@@ -59,25 +72,6 @@ NEEDS_VLLM = [
     pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON),
 ]
 
-SPECIAL_TOKENS = ["<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-_WORD_TEXT = (
-    "the a an cache block token layer head model prompt store snapshot index engine "
-    "request restore publish verify page memory disk file folder write read copy "
-    "hash prefix chain alias lease evict budget worker scheduler rank vector matrix "
-    "river mountain cloud garden window letter number story question answer reason "
-    "quick brown fox jumps over lazy dog and or but with from into under above "
-    "red green blue yellow black white small large early late fast slow open close"
-)
-_WORDS = _WORD_TEXT.split(" ")
-
 #: Environment every engine process gets (setdefault: the caller's values win).
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
@@ -89,18 +83,6 @@ CPU_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-
-
-def corpus(n_lines: int = 4000, seed: int = SEED) -> list[str]:
-    """Deterministic pseudo-English lines to train the tokenizer on."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n_lines):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
-        if rng.random() < 0.3:
-            words.append(str(rng.randint(0, 99999)))
-        lines.append(" ".join(words) + rng.choice([".", "?", "!", ","]))
-    return lines
 
 
 def text_of_words(n_words: int, seed: int) -> str:
@@ -115,61 +97,9 @@ def token_prompt(n_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(len(SPECIAL_TOKENS), VOCAB_SIZE) for _ in range(n_tokens)]
 
 
-def build_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|begin|>",
-        eos_token="<|end|>",
-        pad_token="<|end|>",
-        model_max_length=MAX_MODEL_LEN,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(folder))
-
-
 def build_model(folder: Path) -> Path:
-    """Write the tokenizer and a random Llama into ``folder``; returns it."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    folder.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(folder)
-    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_SIZE,
-        max_position_embeddings=MAX_MODEL_LEN,
-        initializer_range=0.5,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
+    """Write the tokenizer and the tiny random Llama into ``folder``; returns it."""
+    return _build_model(folder, TINY)
 
 
 # -- prompts ---------------------------------------------------------------------------
