@@ -285,6 +285,28 @@ for op in args["ops"]:
                         "prompt": list(o.prompt_token_ids)}]
     elif kind == "reset":
         llm.reset_prefix_cache()
+    elif kind == "breakpoint_abort":
+        # One request with a breakpoint, stepped by hand until the store holds its
+        # prefix up to the breakpoint; then aborted: it never finishes.
+        import time
+        marks = {"sparkcache": {"breakpoints": [op["breakpoint"]]}}
+        sp = SamplingParams(temperature=0, max_tokens=op["max_tokens"], ignore_eos=True,
+                            extra_args={"kv_transfer_params": marks})
+        engine = llm.llm_engine
+        engine.add_request("bp", {"prompt_token_ids": op["prompt"]}, sp)
+        want = op["breakpoint"] // 32 * 32
+        deadline = time.monotonic() + 120
+        rec["steps"] = 0
+        while not any(s.n_tokens == want for s in ready()):
+            assert time.monotonic() < deadline, "no breakpoint snapshot"
+            outs = engine.step()
+            rec["steps"] += 1
+            assert not any(o.finished for o in outs), "finished before the breakpoint save"
+            rec["generated"] = max([len(o.outputs[0].token_ids) for o in outs] or [0])
+            time.sleep(0.05)
+        engine.abort_request(["bp"])
+        while engine.has_unfinished_requests():
+            engine.step()
     elif kind == "delete_newest":
         newest = max(ready(), key=lambda s: s.id)
         for f in Path(folder).glob(f"objects/*/*/{newest.snap_key}-*.safetensors"):
