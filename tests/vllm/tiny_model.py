@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from sparkcache.demo_engine import ENGINE_ENV
+
 # The model builder lives in the package (the demo builds a bigger one); its names
 # stay importable from here.
 from sparkcache.demo_model import (  # noqa: F401
@@ -73,16 +75,8 @@ NEEDS_VLLM = [
 ]
 
 #: Environment every engine process gets (setdefault: the caller's values win).
-CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+#: The demo's settings, bound to the two cores every compared run uses.
+CPU_ENV = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
 
 def text_of_words(n_words: int, seed: int) -> str:
