@@ -290,11 +290,9 @@ for op in args["ops"]:
         engine.add_request("bp", {"prompt_token_ids": op["prompt"]}, sp)
         want = op["breakpoint"] // 32 * 32
         deadline = time.monotonic() + 120
-        rec["steps"] = 0
         while not any(s.n_tokens == want for s in ready()):
             assert time.monotonic() < deadline, "no breakpoint snapshot"
             outs = engine.step()
-            rec["steps"] += 1
             assert not any(o.finished for o in outs), "finished before the breakpoint save"
             rec["generated"] = max([len(o.outputs[0].token_ids) for o in outs] or [0])
             time.sleep(0.05)
