@@ -132,9 +132,10 @@ class WorkerIO:
         self._recved: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pending_bytes = 0
+        # Notified when a breakpoint copy finished or a load landed.
+        self._progress = threading.Condition(self._lock)
         # Breakpoint saves of running requests: copies not done yet, per request;
         # requests whose release waits for them; cancellations at preemption.
-        self._copy_done = threading.Condition(self._lock)
         self._copying: dict[str, set[int]] = {}  # request -> sequence numbers
         self._release: set[str] = set()
         self._cancelled: set[int] = set()  # queued jobs to skip
@@ -257,7 +258,7 @@ class WorkerIO:
                 self._failed_blocks.update(job.block_ids)
             if report:
                 self._recved.add(job.req_id)
-                self._copy_done.notify_all()  # wakes wait_for_loads too
+                self._progress.notify_all()
 
     # -- saves -----------------------------------------------------------------------
 
@@ -309,7 +310,7 @@ class WorkerIO:
             if req_id in self._release:
                 self._release.discard(req_id)
                 self._sent.add(req_id)
-            self._copy_done.notify_all()
+            self._progress.notify_all()
 
     def cancel_copies(self, req_ids: Sequence[str], timeout: float = 60.0) -> None:
         """vLLM preempted these requests and frees their blocks before the next
@@ -327,7 +328,7 @@ class WorkerIO:
                     self._copied(req_id, queued)  # a re-entrant lock
             for req_id in req_ids:
                 while self._copying.get(req_id):
-                    if not self._copy_done.wait(max(0.0, deadline - time.monotonic())):
+                    if not self._progress.wait(max(0.0, deadline - time.monotonic())):
                         logger.error("sparkcache: a breakpoint save of preempted %s is still "
                                      "copying after %.0f s", req_id, timeout)
                         return
@@ -413,7 +414,7 @@ class WorkerIO:
         with self._lock:
             while not self._recved and self._loads.unfinished_tasks:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._copy_done.wait(left):
+                if left <= 0 or not self._progress.wait(left):
                     return
 
     def take_failed_blocks(self) -> set[int]:
