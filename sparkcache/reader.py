@@ -13,7 +13,7 @@ raises :class:`NotFound`.  Both are misses for the caller.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,18 +58,26 @@ def read_pages(
 def read_into(
     store: SnapshotStore, match: Match, rank: int, out: Sequence[Any], *,
     n_tokens: int | None = None, start_tokens: int = 0,
+    on_layer: Callable[[int], None] | None = None,
 ) -> int:
     """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
-    ``out`` holds one writable buffer per layer, at least
-    ``(n_tokens - start_tokens) // block_size * page_nbytes`` bytes each; its
-    page 0 receives block ``start_tokens // block_size``.  Returns the number of
-    blocks copied.  A failure may leave ``out`` partly written with *verified*
-    bytes only; treat it as a miss."""
-    dests = [seg.as_byte_view(o, writable=True) for o in out]
+    ``out`` holds one writable destination per layer: a buffer, or a list of
+    buffers written as one (:class:`~sparkcache.segment.Pieces`: runs of KV
+    blocks), at least ``(n_tokens - start_tokens) // block_size * page_nbytes``
+    bytes; its page 0 receives block ``start_tokens // block_size``.  Layers
+    are copied in order, each from every link of the chain; ``on_layer(i)``
+    runs once layer ``i`` is complete (a consumer may use it while later
+    layers are read).  Returns the number of blocks copied.  A failure may
+    leave ``out`` partly written with *verified* bytes only; treat it as a
+    miss."""
+    dests: list[np.ndarray | seg.Pieces] = [
+        seg.Pieces(o) if isinstance(o, (list, tuple)) else seg.as_byte_view(o, writable=True)
+        for o in out
+    ]
     page = match.identity.page_nbytes
 
-    def check(n_layers: int, n_blocks: int) -> list[np.ndarray]:
+    def check(n_layers: int, n_blocks: int) -> list[np.ndarray | seg.Pieces]:
         if n_layers != len(dests):
             raise InvalidArgument(f"the snapshot has {n_layers} layers, out has {len(dests)}")
         need = n_blocks * page
@@ -80,7 +88,8 @@ def read_into(
             )
         return dests
 
-    return _read_chain(store, match, rank, n_tokens, check, skip_tokens=start_tokens)
+    return _read_chain(store, match, rank, n_tokens, check, skip_tokens=start_tokens,
+                       on_layer=on_layer)
 
 def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[_Link]:
     links: list[_Link] = []
@@ -97,17 +106,32 @@ def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[
         raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
     return links
 
+@dataclass(frozen=True)
+class _Copy:
+    """What one link contributes to every layer: its bytes ``[skip, nbytes)`` of
+    each layer tensor land at byte ``at`` of the layer's destination."""
+
+    link: _Link
+    buf: memoryview
+    header: seg.SegmentHeader
+    skip: int
+    nbytes: int
+    at: int
+
+
 def _read_chain(
     store: SnapshotStore, match: Match, rank: int, n_tokens: int | None,
-    dest_for: Callable[[int, int], list[np.ndarray]], *, touch: bool = True,
-    skip_tokens: int = 0,
+    dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Pieces]], *, touch: bool = True,
+    skip_tokens: int = 0, on_layer: Callable[[int], None] | None = None,
 ) -> int:
     """Verify the chain's tokens ``[0, n)`` and copy the pages of ``[skip_tokens, n)``.
 
     ``dest_for(n_layers, n_blocks)`` returns one flat destination per layer for
     the ``n_blocks`` copied pages (page 0 = block ``skip_tokens // block_size``).
-    Every link is opened and its header, identity and token ids checked, so the
-    whole prefix is proven; payload below ``skip_tokens`` is never read.
+    Every link is opened and its header, identity and token ids checked before
+    any payload is copied, so the whole prefix is proven; payload below
+    ``skip_tokens`` is never read.  Then layer by layer (``on_layer`` after
+    each), every link's part of that layer.
     """
     identity = match.identity
     identity.check_rank(rank)
@@ -125,36 +149,54 @@ def _read_chain(
     links = _chain_links(store, match, rank, n)
     page = identity.page_nbytes
     skip_blocks = skip_tokens // bs
-    dests: list[np.ndarray] | None = None
-    for link in links:
-        stop = min(link.end, n)
+    dests: Sequence[np.ndarray | seg.Pieces] | None = None
+    copies: list[_Copy] = []
+    with ExitStack() as stack:
         try:
-            with _open_verified(store, link, identity, rank) as (buf, header):
-                stored = seg.verified_view(buf, header, "tokens", (stop - link.start) * 4)
-                if not np.array_equal(stored.view("<u4"), match.token_ids[link.start:stop]):
-                    raise CorruptSnapshot("stored token ids differ from the prompt", "tokens")
-                del stored
-                if dests is None:
-                    dests = dest_for(header.n_layers, n // bs - skip_blocks)
-                elif header.n_layers != len(dests):
-                    raise CorruptSnapshot("chain links disagree on the layer count", "shape")
-                if stop <= skip_tokens:
-                    continue  # wholly below the range: token ids proven, payload unread
-                first = max(link.start, skip_tokens) // bs  # first block copied from here
-                skip = (first - link.start // bs) * page
-                nbytes = (stop - link.start) // bs * page
-                lo = (first - skip_blocks) * page
-                for i, dest in enumerate(dests):
-                    seg.copy_verified(buf, header, f"layer.{i}", nbytes,
-                                      dest[lo:lo + nbytes - skip], skip=skip)
-        except CorruptSnapshot as exc:
-            store.quarantine(link.id, exc.reason)
-            raise
-    assert dests is not None
+            for link in links:
+                stop = min(link.end, n)
+                with _quarantine_on_failure(store, link):
+                    opened = stack.enter_context(_open_verified(store, link, identity, rank))
+                    stored = seg.verified_view(*opened, "tokens", (stop - link.start) * 4)
+                    if not np.array_equal(stored.view("<u4"), match.token_ids[link.start:stop]):
+                        raise CorruptSnapshot("stored token ids differ from the prompt",
+                                              "tokens")
+                    del stored
+                    n_layers = opened[1].n_layers
+                    if dests is None:
+                        dests = dest_for(n_layers, n // bs - skip_blocks)
+                    elif n_layers != len(dests):
+                        raise CorruptSnapshot("chain links disagree on the layer count",
+                                              "shape")
+                if stop > skip_tokens:  # else wholly below the range: payload unread
+                    first = max(link.start, skip_tokens) // bs  # first block copied from here
+                    copies.append(_Copy(
+                        link, *opened, skip=(first - link.start // bs) * page,
+                        nbytes=(stop - link.start) // bs * page, at=(first - skip_blocks) * page))
+                del opened
+            assert dests is not None
+            for i, dest in enumerate(dests):
+                for c in copies:
+                    with _quarantine_on_failure(store, c.link):
+                        seg.copy_verified(c.buf, c.header, f"layer.{i}", c.nbytes, dest,
+                                          skip=c.skip, at=c.at)
+                if on_layer is not None:
+                    on_layer(i)
+        finally:
+            copies.clear()  # drop the views before the mmaps close
     n_blocks = n // bs - skip_blocks
     if touch:
         _touch(store, match, links, n - skip_tokens, n_blocks * page * len(dests))
     return n_blocks
+
+
+@contextmanager
+def _quarantine_on_failure(store: SnapshotStore, link: _Link) -> Iterator[None]:
+    try:
+        yield
+    except CorruptSnapshot as exc:
+        store.quarantine(link.id, exc.reason)
+        raise
 
 @contextmanager
 def _open_verified(

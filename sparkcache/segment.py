@@ -22,6 +22,7 @@ Nothing here unpickles anything: the header is JSON and the payload raw bytes.
 
 from __future__ import annotations
 
+import bisect
 import json
 import struct
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHUNK_BYTES",
     "FORMAT",
+    "Pieces",
     "SegmentHeader",
     "as_byte_view",
     "build_header",
@@ -222,23 +224,60 @@ def _check_chunks(view: np.ndarray, header: SegmentHeader, name: str, nbytes: in
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
 
 
+class Pieces:
+    """A destination made of several buffers written as if they were one.
+
+    A restore into KV-cache blocks that are not consecutive: each piece is one
+    run of consecutive blocks of a layer (a view of the cache's own memory), in
+    the order of the pages they receive.  ``put`` splits a write across them.
+    """
+
+    __slots__ = ("_ends", "_pieces", "size")
+
+    def __init__(self, pieces: Sequence[Any]) -> None:
+        self._pieces = [as_byte_view(p, writable=True) for p in pieces]
+        self._ends: list[int] = []
+        total = 0
+        for piece in self._pieces:
+            total += piece.size
+            self._ends.append(total)
+        self.size = total
+
+    def put(self, at: int, data: np.ndarray) -> None:
+        """Write ``data`` at byte ``at`` of the concatenated pieces."""
+        if at < 0 or at + data.size > self.size:
+            raise InvalidArgument(f"{data.size} bytes at {at} exceed {self.size} bytes")
+        i = bisect.bisect_right(self._ends, at)
+        done = 0
+        while done < data.size:
+            piece = self._pieces[i]
+            offset = at + done - (self._ends[i] - piece.size)
+            count = min(data.size - done, piece.size - offset)
+            piece[offset:offset + count] = data[done:done + count]
+            done += count
+            i += 1
+
+
 def copy_verified(
-    buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray,
-    *, skip: int = 0,
+    buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray | Pieces,
+    *, skip: int = 0, at: int = 0,
 ) -> None:
     """Verify and copy bytes ``[skip, nbytes)`` of tensor ``name`` into ``dest``.
 
-    ``dest`` receives byte ``skip`` at its index 0 and needs ``nbytes - skip``
-    bytes.  Chunks are verified whole, each just before it is copied, while it is
-    still in cache: a chunk lying wholly below ``skip`` is neither read nor
-    verified, one straddling ``skip`` is verified in full and only its part at
-    or after ``skip`` copied.  No unverified byte ever reaches ``dest``.
+    ``dest`` receives byte ``skip`` at its index ``at`` and needs ``at + nbytes -
+    skip`` bytes.  Chunks are verified whole, each just before it is copied,
+    while it is still in cache: a chunk lying wholly below ``skip`` is neither
+    read nor verified, one straddling ``skip`` is verified in full and only its
+    part at or after ``skip`` copied.  No unverified byte ever reaches ``dest``.
     """
     offset, total = header.tensors[name]
     if nbytes > total:
         raise _fail(f"{name} holds {total} bytes, {nbytes} requested", "shape")
     if not 0 <= skip <= nbytes:
         raise InvalidArgument(f"skip must be within [0, {nbytes}] bytes, got {skip}")
+    if at < 0 or at + nbytes - skip > dest.size:
+        raise InvalidArgument(
+            f"the destination holds {dest.size} bytes; {nbytes - skip} are copied at {at}")
     view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
     first = skip // CHUNK_BYTES
     for index, start in enumerate(range(first * CHUNK_BYTES, nbytes, CHUNK_BYTES), first):
@@ -246,4 +285,8 @@ def copy_verified(
         if _hexdigest(chunk) != header.chunk_digest(name, index):
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
         lo, stop = max(start, skip), min(start + CHUNK_BYTES, nbytes)
-        dest[lo - skip : stop - skip] = chunk[lo - start : stop - start]
+        part = chunk[lo - start : stop - start]
+        if isinstance(dest, Pieces):
+            dest.put(at + lo - skip, part)
+        else:
+            dest[at + lo - skip : at + stop - skip] = part

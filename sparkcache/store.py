@@ -625,26 +625,31 @@ class SnapshotStore:
 
     def read_into(
         self, match: Match, rank: int, out: Sequence[Any], *, n_tokens: int | None = None,
-        start_tokens: int = 0,
+        start_tokens: int = 0, on_layer: Callable[[int], None] | None = None,
     ) -> int:
         """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
-        ``out`` holds one writable buffer per layer, at least ``n_blocks *
-        page_nbytes`` bytes each, where ``n_blocks = (n_tokens - start_tokens) //
-        block_size``; page 0 of each receives block ``start_tokens // block_size``
-        of the snapshot.  ``n_tokens`` defaults to the whole match; ``start_tokens``
-        (a multiple of the block size below ``n_tokens``, default 0) skips blocks
-        the caller already holds, e.g. from vLLM's own prefix cache: their payload
-        is never read, while every link's header, identity and token ids are still
-        checked, so the whole prefix is proven.  Every copied byte is verified
-        first (a 1 MiB chunk straddling ``start_tokens`` is verified whole).
-        Returns the number of blocks copied; ``restored_tokens`` / ``restored_bytes``
-        count only the copied range.  Raises InvalidArgument on bad arguments or
-        buffer sizes; CorruptSnapshot (snapshot quarantined) or NotFound are a
-        miss, and may leave ``out`` partly written with *verified* bytes only.
+        ``out`` holds one writable destination per layer - a buffer, or a list
+        of buffers written as one (runs of KV-cache blocks) - of at least
+        ``n_blocks * page_nbytes`` bytes, where ``n_blocks = (n_tokens -
+        start_tokens) // block_size``; page 0 of each receives block
+        ``start_tokens // block_size`` of the snapshot.  ``n_tokens`` defaults
+        to the whole match; ``start_tokens`` (a multiple of the block size below
+        ``n_tokens``, default 0) skips blocks the caller already holds, e.g.
+        from vLLM's own prefix cache: their payload is never read, while every
+        link's header, identity and token ids are still checked (before any
+        payload is copied), so the whole prefix is proven.  Every copied byte is
+        verified first (a 1 MiB chunk straddling ``start_tokens`` is verified
+        whole).  Layers are copied in order; ``on_layer(i)`` is called as soon
+        as layer ``i`` is complete, so a consumer can use it while the rest is
+        read.  Returns the number of blocks copied; ``restored_tokens`` /
+        ``restored_bytes`` count only the copied range.  Raises InvalidArgument
+        on bad arguments or buffer sizes; CorruptSnapshot (snapshot
+        quarantined) or NotFound are a miss, and may leave ``out`` partly
+        written with *verified* bytes only.
         """
         return reader.read_into(self, match, rank, out, n_tokens=n_tokens,
-                                start_tokens=start_tokens)
+                                start_tokens=start_tokens, on_layer=on_layer)
 
     # -- maintenance (see also sparkcache.maintenance) ---------------------------------
 

@@ -8,8 +8,9 @@ This module is the glue: the decisions live in
 without vLLM.
 
 Scheduler side (one per engine, in the engine-core process): looks prompts up,
-offers the restorable tokens as an asynchronous load (or a synchronous one
-with ``load_async: false``), coalesces concurrent requests for one base, plans
+offers the restorable tokens as a load within the prefill step (read layer by
+layer under its forward) when the request is alone in the engine, else as an
+asynchronous one (``load_async``), coalesces concurrent requests for one base, plans
 saves when requests finish and holds their blocks until every worker copied
 them out.  It also runs the retention sweeper.
 
@@ -85,11 +86,11 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
     """Counters summed over an interval: ``data`` maps name -> number.
 
     Scheduler: lookups, hits, misses, hit_tokens, coalesced, saves_planned,
-    saves_known, breakpoint_saves_planned, lease_failures, lookup_seconds.  Workers: loads,
-    loaded_tokens, loaded_bytes, load_seconds, load_failures, loads_dropped,
-    saves, saved_tokens, saved_bytes, save_seconds, save_copy_seconds,
-    saves_dropped, saves_skipped, save_failures, saves_lost_parent,
-    saves_cancelled.
+    saves_known, breakpoint_saves_planned, lease_failures, lookup_seconds.
+    Workers: loads, loaded_tokens, loaded_bytes, load_seconds, loads_direct,
+    loads_in_step, load_failures, loads_dropped, loads_unwaited, saves,
+    saved_tokens, saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
+    saves_skipped, save_failures, saves_lost_parent, saves_cancelled.
     """
 
     data: dict[str, Any] = field(default_factory=dict)
@@ -122,6 +123,7 @@ PROM_COUNTERS = {
     "hit_tokens": "Tokens restored from sparkcache (offered and accepted).",
     "coalesced": "Requests that waited for another request's restore of their prefix.",
     "loaded_bytes": "KV bytes copied from sparkcache into the KV cache.",
+    "loads_in_step": "Restores read layer by layer under the forward of their prefill step.",
     "load_failures": "Restores that failed verification or were dropped (recomputed).",
     "load_seconds": "Seconds spent restoring (read, verify, copy).",
     "saved_tokens": "Tokens written to sparkcache (copy-on-write tails).",
@@ -283,6 +285,9 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _init_worker(self) -> None:
         self.io: WorkerIO | None = None
+        self._layer_index: dict[str, int] = {}  # vLLM layer name -> KVPages layer
+        self._waited: set[int] = set()  # layers whose in-step loads the forward awaited
+        self._step_loading = False
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self.store is None:
@@ -306,6 +311,10 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             max_pending_bytes=self.settings.max_pending_mb << 20,
         )
         if pages is not None:
+            # Layers sharing another layer's cache wait for that layer's pages.
+            where = {int(t.data_ptr()): i for i, t in enumerate(pages.tensors)}
+            self._layer_index = {name: where[int(t.data_ptr())] for name, t in kv_caches.items()
+                                 if int(t.data_ptr()) in where}
             logger.info("sparkcache worker rank %d: %d layers of %d blocks, %d-byte pages %s "
                         "on %s", rank, len(pages), pages.num_blocks, pages.page_nbytes,
                         self.identity.page_shape, pages.where)
@@ -314,14 +323,33 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if self.io is None:
             return
+        in_step = [job for job in meta.loads if job.in_step]
         for job in meta.loads:
-            if self.settings.load_async:
+            if not job.in_step:
                 self.io.submit_load(job)
-            else:
-                self.io.load_now(job)
+        if in_step:
+            # Read layer by layer while the forward runs (wait_for_layer_load).
+            self._waited.clear()
+            self._step_loading = True
+            self.io.start_step_loads(in_step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole requests are loaded before (sync) or between (async) steps
+        """Before a layer's attention: its pages of this step's in-step loads."""
+        if self.io is None or not self._step_loading:
+            return
+        layer = self._layer_index.get(layer_name)
+        self.io.wait_layer(layer)  # an unknown layer waits for every layer
+        if layer is None:
+            self._waited.update(self._layer_index.values())
+        else:
+            self._waited.add(layer)
+
+    def _finish_step_loads(self) -> None:
+        if self.io is None or not self._step_loading:
+            return
+        self._step_loading = False
+        waited_all = len(self._waited) >= len(set(self._layer_index.values()))
+        self.io.finish_step_loads(all_layers_waited=waited_all)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -338,6 +366,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if self.io is None:
             return
+        self._finish_step_loads()  # a save may copy blocks this step restored
         for job in meta.saves:
             self.io.submit_save(job)
 
@@ -346,6 +375,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[set[str] | None, set[str] | None]:
         if self.io is None:  # mode off: nothing is ever planned
             return None, None
+        self._finish_step_loads()  # before wait_for_save when vLLM defers it
         if self._connector_metadata is not None and self._connector_metadata.idle:
             self.io.wait_for_loads(IDLE_WAIT_SECONDS)
         sent, recved = self.io.poll()

@@ -116,7 +116,7 @@ class SchedulerSide:
         *,
         restore: bool = True,
         publish: bool = True,
-        load_async: bool = True,
+        load_async: bool | None = None,
         min_tokens: int = 64,
     ) -> None:
         self.store = store
@@ -126,7 +126,8 @@ class SchedulerSide:
         self.min_tokens = min_tokens
         self.bs = identity.block_size
         self._reqs: dict[str, _ReqState] = {}
-        self._offers: dict[str, tuple[Match, int]] = {}
+        self._offers: dict[str, tuple[Match, int, bool]] = {}  # match, local hit, async
+        self._live: set[str] = set()  # requests vLLM admitted and has not finished
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._saving: set[str] = set()  # blocks held until the workers copied them
         self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
@@ -164,6 +165,7 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: side-effect free for vLLM."""
         self._offers.pop(request.request_id, None)
+        self._live.add(request.request_id)
         if request.prompt_token_ids is None:
             return 0, False
         self._state(request)  # also notes the request's breakpoints
@@ -196,15 +198,21 @@ class SchedulerSide:
         if match is None or match.n_tokens <= num_computed:
             self.counters.add("misses")
             return 0, False
-        self._offers[request.request_id] = (match, num_computed)
-        return match.n_tokens - num_computed, self.load_async
+        load_async = self.load_async
+        if load_async is None:
+            # auto: alone in the engine, the restore feeds the step that prefills
+            # it (read layer by layer under the forward); with others running it
+            # lands while the request waits, so their steps never wait for it.
+            load_async = len(self._live) > 1
+        self._offers[request.request_id] = (match, num_computed, load_async)
+        return match.n_tokens - num_computed, load_async
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         """vLLM's ``update_state_after_alloc`` (``block_ids``: the request's group-0 blocks)."""
         offer = self._offers.pop(request.request_id, None)
         if num_external == 0 or offer is None:
             return
-        match, local = offer
+        match, local, load_async = offer
         if local + num_external != match.n_tokens or local % self.bs:
             logger.warning("sparkcache: unexpected external token count %d (offered %d from "
                            "%d); not loading", num_external, match.n_tokens - local, local)
@@ -213,8 +221,9 @@ class SchedulerSide:
         self._loads.append(LoadJob(
             req_id=request.request_id, snapshot_id=match.snapshot_id, n_tokens=match.n_tokens,
             token_ids=match.token_ids, start_block=start, block_ids=list(block_ids[start:end]),
+            in_step=not load_async,
         ))
-        if self.load_async:
+        if load_async:
             self._inflight[request.request_id] = self._hashes(request, match.n_tokens)
         try:
             self._leases[request.request_id] = self.store.acquire_lease(
@@ -299,6 +308,7 @@ class SchedulerSide:
         """vLLM's ``request_finished``: plan a save; True holds the blocks until copied."""
         req_id = request.request_id
         self._offers.pop(req_id, None)
+        self._live.discard(req_id)
         try:
             if self._inflight.pop(req_id, None) is not None:
                 # Aborted while its restore is in flight: the blocks are still being

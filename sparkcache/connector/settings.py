@@ -63,6 +63,16 @@ def _as_bool(key: str, value: Any) -> bool:
                           f"got {value!r}")
 
 
+def _load_async(value: Any) -> bool | None:
+    if isinstance(value, str) and value.lower() == "auto":
+        return None
+    try:
+        return _as_bool("load_async", value)
+    except InvalidArgument:
+        raise InvalidArgument("kv_connector_extra_config['load_async'] must be true, false "
+                              f"or 'auto', got {value!r}") from None
+
+
 def _as_int(key: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be an integer, "
@@ -86,9 +96,12 @@ class ConnectorSettings:
     $SPARK_STORAGE/kvcache).  ``mode``: ``read-write`` (default),
     ``restore-only``, ``store-only`` or ``off``.  ``min_tokens``: shorter
     contexts are not saved (default SPARK_KV_CACHE_MIN_TOKENS, 64).
-    ``load_async``: restore on a worker thread between scheduler steps (the
-    request waits in WAITING_FOR_REMOTE_KVS; default) instead of inside the
-    step that prefills it (``false``: the read is on the forward path).
+    ``load_async``: ``true`` restores on a worker thread between scheduler
+    steps (the request waits in WAITING_FOR_REMOTE_KVS); ``false`` restores
+    within the step that prefills the request, read layer by layer while its
+    forward runs (each attention layer waits for its own layer); ``auto``
+    (default) does the latter when no other request is in the engine and the
+    former otherwise, so a restore never delays other requests' steps.
     ``revision``: names the weights when vLLM's model revision cannot (a local
     folder whose files may change); it is part of the identity.
     ``max_pending_mb``: host memory a worker may hold for saves not yet on disk.
@@ -99,7 +112,7 @@ class ConnectorSettings:
     folder: str
     mode: str = "read-write"
     min_tokens: int | None = None
-    load_async: bool = True
+    load_async: bool | None = None  # None: auto
     revision: str | None = None
     max_pending_mb: int = DEFAULT_MAX_PENDING_MB
     max_queued_loads: int = DEFAULT_MAX_QUEUED
@@ -142,7 +155,7 @@ class ConnectorSettings:
             folder=folder,
             mode=mode,
             min_tokens=None if min_tokens is None else _as_int("min_tokens", min_tokens, 1),
-            load_async=_as_bool("load_async", extra.get("load_async", True)),
+            load_async=_load_async(extra.get("load_async", "auto")),
             revision=revision,
             max_pending_mb=_as_int(
                 "max_pending_mb", extra.get("max_pending_mb", DEFAULT_MAX_PENDING_MB), 0

@@ -3,16 +3,20 @@
 Pure Python over numpy (no vLLM import), so it is tested with simulated
 workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
 
-* **loads** (scheduler planned a restore): a verified ``read_into`` a staging
-  buffer, then a scatter into the request's blocks.  With ``load_async`` a
-  loader thread does both while the request waits in WAITING_FOR_REMOTE_KVS;
-  the id is reported in ``finished_recving`` once done, failed or not.
+* **loads** (scheduler planned a restore): a verified ``read_into`` straight
+  into the request's blocks (CPU), or a staging buffer and a scatter (GPU).
+  An asynchronous load runs on the loader thread while the request waits in
+  WAITING_FOR_REMOTE_KVS; its id is reported in ``finished_recving`` once
+  done, failed or not.  An in-step load feeds the forward of the step that
+  prefills the request: on CPU the in-step thread reads it layer by layer
+  while that forward runs, and each attention layer waits only for its own
+  layer (``wait_layer``), so the read overlaps the compute.
 * **saves** (a request finished; vLLM holds its blocks): a saver thread copies
   the blocks out into host memory, reports the id in ``finished_sending`` (vLLM
   frees the blocks on the next step) and publishes from host memory.
 
-Nothing of this runs in the forward path (except sync loads, which the user
-asked for).  Both queues are bounded, and so are the host bytes held by saves:
+No disk I/O runs on the forward thread (a GPU's in-step loads excepted: they
+finish in ``start_load_kv``).  Both queues are bounded, and so are the host bytes held by saves:
 when a bound is hit the work is dropped and counted - a dropped load is
 reported failed (vLLM recomputes its blocks), a dropped save is reported sent
 at once (a future miss).  Serving never waits for the disk.
@@ -23,9 +27,10 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,6 +38,7 @@ import numpy as np
 
 from sparkcache.errors import NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.segment import Pieces
 from sparkcache.store import Match, SnapshotStore
 
 __all__ = ["FAULT_ENV", "Counters", "LoadJob", "SaveJob", "WorkerIO"]
@@ -45,19 +51,24 @@ logger = logging.getLogger("vllm.sparkcache")
 #: compare.  Never set it in production.
 FAULT_ENV = "SPARKCACHE_TEST_FAULT"
 
+#: An in-step load's progress once it ended (landed or failed).
+LOADED = sys.maxsize
+
 
 class Pages(Protocol):
     """What the I/O needs of a worker's KV cache (``KVPages`` or a test double)."""
 
     num_blocks: int
     page_nbytes: int
+    on_cpu: bool
 
     def __len__(self) -> int: ...
     def host_buffer(self, nbytes: int) -> np.ndarray: ...
-    def run_views(self, first: int, count: int) -> list[np.ndarray] | None: ...
+    def block_views(self, block_ids: Sequence[int]) -> list[list[np.ndarray]] | None: ...
     def fence(self) -> object: ...
     def gather(self, block_ids: Sequence[int], after: object = None) -> list[np.ndarray]: ...
     def scatter(self, block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> None: ...
+    def scatter_layer(self, layer: int, block_ids: Sequence[int], src: np.ndarray) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,9 @@ class LoadJob:
     token_ids: np.ndarray  # uint32, the prompt's first n_tokens
     start_block: int  # blocks below it are vLLM's own prefix hit
     block_ids: list[int]
+    #: Feeds this step's forward (vLLM's synchronous load) instead of landing
+    #: while the request waits.
+    in_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,13 +155,21 @@ class WorkerIO:
         self._cancelled: set[int] = set()  # queued jobs to skip
         self._seq = 0  # save jobs submitted
         self._active: tuple[str, int] | None = None  # the job being copied out
-        self._staging = np.empty(0, np.uint8)  # reused: fresh memory costs page faults
+        # Per loading thread (loader, in-step, a GPU's forward thread), reused:
+        # fresh memory costs page faults, pinned memory costs more.
+        self._staging: dict[int, np.ndarray] = {}
         self._loads: queue.Queue[LoadJob | None] = queue.Queue(max_queued_loads)
         self._saves: queue.Queue[tuple[SaveJob, int, int, object] | None] = queue.Queue(
             max_queued_saves)
+        # In-step loads of the current step: request -> layers landed (LOADED when
+        # done, failed or not).  Unbounded: the step cannot run without them.
+        self._in_step: queue.Queue[LoadJob | None] = queue.Queue()
+        self._step_layers: dict[str, int] = {}
+        self._step_jobs: list[LoadJob] = []  # ended, awaiting finish_step_loads
         self._threads = [
             threading.Thread(target=self._load_loop, name="sparkcache-load", daemon=True),
             threading.Thread(target=self._save_loop, name="sparkcache-save", daemon=True),
+            threading.Thread(target=self._in_step_loop, name="sparkcache-in-step", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -178,10 +200,78 @@ class WorkerIO:
                 self._loads.task_done()
         self._loads.task_done()
 
-    def _run_load(self, job: LoadJob, *, report: bool) -> bool:
+    # -- in-step loads: layer by layer, overlapping the forward ----------------------
+
+    def start_step_loads(self, jobs: Sequence[LoadJob]) -> None:
+        """Begin this step's in-step loads (``start_load_kv``, before the forward).
+
+        The in-step thread reads them layer by layer; the forward calls
+        :meth:`wait_layer` before each attention layer and :meth:`finish_step_loads`
+        once it is done.  On a GPU, where the forward is queued on a stream
+        ahead of the host, the loads finish here instead."""
+        if self.pages is not None and not self.pages.on_cpu:
+            for job in jobs:
+                self.load_now(job)
+            return
+        with self._lock:
+            for job in jobs:
+                self._step_layers[job.req_id] = 0
+        self.counters.add("loads_in_step", len(jobs))
+        for job in jobs:
+            self._in_step.put(job)
+
+    def wait_layer(self, layer: int | None) -> None:
+        """Block until ``layer`` (None: every layer) of this step's loads landed."""
+        least = LOADED if layer is None else layer + 1
+        with self._lock:
+            while any(done < least for done in self._step_layers.values()):
+                self._progress.wait()
+
+    def finish_step_loads(self, *, all_layers_waited: bool) -> None:
+        """After the forward: wait for this step's loads to end.  If the forward
+        did not wait for every layer (an attention path that skips vLLM's
+        per-layer hook), it may have read pages before they landed: the loads
+        are then reported failed and vLLM recomputes their blocks."""
+        with self._lock:
+            if not self._step_layers:
+                return
+            self.wait_layer(None)
+            jobs, self._step_jobs = self._step_jobs, []
+            self._step_layers.clear()
+            if not all_layers_waited:
+                self.counters.add("load_failures", len(jobs))
+                self.counters.add("loads_unwaited", len(jobs))
+                for job in jobs:
+                    self._failed_blocks.update(job.block_ids)
+        if not all_layers_waited:
+            logger.warning("sparkcache: vLLM's forward did not wait for every restored layer; "
+                           "%d in-step restore(s) are recomputed (use load_async: true)",
+                           len(jobs))
+
+    def _in_step_loop(self) -> None:
+        while (job := self._in_step.get()) is not None:
+            req_id = job.req_id
+
+            def landed(layer: int, req_id: str = req_id) -> None:
+                with self._lock:
+                    self._step_layers[req_id] = layer + 1
+                    self._progress.notify_all()
+
+            try:
+                self._run_load(job, report=False, on_layer=landed)
+            finally:
+                with self._lock:
+                    self._step_layers[req_id] = LOADED
+                    self._step_jobs.append(job)
+                    self._progress.notify_all()
+                self._in_step.task_done()
+        self._in_step.task_done()
+
+    def _run_load(self, job: LoadJob, *, report: bool,
+                  on_layer: Callable[[int], None] | None = None) -> bool:
         started = time.perf_counter()
         try:
-            self._load(job)
+            self._load(job, on_layer)
         except (SparkCacheError, ValueError, OSError) as exc:
             logger.warning("sparkcache restore of snapshot %d for %s failed (recomputed): %s",
                            job.snapshot_id, job.req_id, exc)
@@ -199,48 +289,61 @@ class WorkerIO:
         self._finish_load(job, ok=True, report=report)
         return True
 
-    def _load(self, job: LoadJob) -> None:
+    def _load(self, job: LoadJob, on_layer: Callable[[int], None] | None = None) -> None:
         """Verified read of the match into the blocks vLLM allocated for it.
 
         Blocks below ``start_block`` are vLLM's own prefix hit: their payload is
-        not read (a ranged read; their token ids are still compared).  When the
-        blocks to restore are one run of consecutive blocks - the usual case -
-        the pages are read straight into the KV cache.  Otherwise through a
-        staging buffer (pinned for a GPU cache), then scattered.
+        not read (a ranged read; their token ids are still compared).  On CPU the
+        pages are read straight into the KV cache (one piece per run of
+        consecutive blocks); otherwise through a staging buffer (pinned for a
+        GPU cache), scattered layer by layer.  ``on_layer(i)`` runs once layer
+        ``i`` is in place.
         """
         if self.pages is None:
             raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
         match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids)
         ids = job.block_ids
         start_tokens = job.start_block * self.bs
-        direct = None
-        if ids and ids == list(range(ids[0], ids[0] + len(ids))):
-            direct = self.pages.run_views(ids[0], len(ids))
-        if direct is not None:
+        # The fault hook rewrites every layer after the read: nothing is
+        # announced before that.
+        notify = None if self.fault else on_layer
+        views = self.pages.block_views(ids)
+        if views is not None:
             # A failure may leave verified bytes in these blocks: they are the
             # request's own, reported failed and recomputed.
-            self.store.read_into(match, self.rank, direct, n_tokens=job.n_tokens,
-                                 start_tokens=start_tokens)
+            self.store.read_into(match, self.rank, views, n_tokens=job.n_tokens,
+                                 start_tokens=start_tokens, on_layer=notify)
             self.counters.add("loads_direct")
             if self.fault == "flip-restored":
-                scrambled = self._scramble([d.reshape(len(ids), -1) for d in direct])
-                for dest, src in zip(direct, scrambled, strict=True):
-                    dest[:] = src.reshape(-1)
+                layers = [np.concatenate(pieces) for pieces in views]
+                for pieces, layer in zip(views, self._scramble(layers), strict=True):
+                    Pieces(pieces).put(0, layer)
             return
         staging = self._staging_for(len(self.pages), len(ids), self.pages.page_nbytes)
+
+        def scatter(layer: int) -> None:
+            assert self.pages is not None
+            self.pages.scatter_layer(layer, ids, staging[layer])
+            if notify is not None:
+                notify(layer)
+
         self.store.read_into(match, self.rank, list(staging), n_tokens=job.n_tokens,
-                             start_tokens=start_tokens)
-        wanted = staging
+                             start_tokens=start_tokens,
+                             on_layer=None if self.fault else scatter)
         if self.fault == "flip-restored":
-            wanted = np.stack(self._scramble(list(wanted)))
-        self.pages.scatter(ids, list(wanted))
+            self.pages.scatter(ids, self._scramble(list(staging)))
 
     def _staging_for(self, layers: int, blocks: int, page: int) -> np.ndarray:
         need = layers * blocks * page
-        if self._staging.size < need:
+        me = threading.get_ident()
+        with self._lock:
+            buf = self._staging.get(me)
+        if buf is None or buf.size < need:
             assert self.pages is not None
-            self._staging = self.pages.host_buffer(need)  # pinned for a GPU cache
-        return self._staging[:need].reshape(layers, blocks, page)
+            buf = self.pages.host_buffer(need)  # pinned for a GPU cache
+            with self._lock:
+                self._staging[me] = buf
+        return buf[:need].reshape(layers, blocks, page)
 
     @staticmethod
     def _scramble(layers: list[np.ndarray]) -> list[np.ndarray]:
@@ -425,7 +528,8 @@ class WorkerIO:
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every queued load and save is done; False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._loads.unfinished_tasks or self._saves.unfinished_tasks:
+        while (self._loads.unfinished_tasks or self._saves.unfinished_tasks
+               or self._in_step.unfinished_tasks):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
@@ -436,6 +540,7 @@ class WorkerIO:
             logger.warning("sparkcache: shutting down with loads or saves still queued")
         self._loads.put(None)
         self._saves.put(None)
+        self._in_step.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
 

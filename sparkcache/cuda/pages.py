@@ -21,7 +21,7 @@ synchronized before a call returns, so a caller reports a block copied (or
 restored) only once it is.  Nothing here runs on vLLM's forward stream.
 
 On CPU, layers whose pages are dense also expose numpy views over the cache's
-own memory: :meth:`KVPages.run_views` lets a verified read land straight in
+own memory: :meth:`KVPages.block_views` lets a verified read land straight in
 the KV cache, and scattered ids use numpy's fancy indexing (2-6x faster than
 torch's index ops on CPU, measured on this project's 2-core machine).
 
@@ -211,18 +211,28 @@ class KVPages:
 
     # -- the two verbs --------------------------------------------------------------
 
-    def run_views(self, first: int, count: int) -> list[np.ndarray] | None:
-        """Flat writable views of blocks ``[first, first + count)`` of every layer,
-        or None when a layer's blocks are not one dense run of host bytes (a GPU
-        cache, or a block-major layout: then pages go through a staging buffer).
-        A restore into a fresh run of blocks reads straight into the KV cache
-        this way: no staging copy, no scatter."""
-        if self._np is None or first < 0 or count <= 0 or first + count > self.num_blocks:
+    def block_views(self, block_ids: Sequence[int]) -> list[list[np.ndarray]] | None:
+        """Per layer, flat writable views of the cache's own memory holding
+        ``block_ids`` in order: one view per run of consecutive ids.  None when
+        the pages are not dense host bytes (a GPU cache, or a block-major
+        layout: then pages go through a staging buffer and :meth:`scatter`).
+        A restore writes through them straight into the KV cache (as
+        :class:`~sparkcache.segment.Pieces`): no staging copy, no scatter,
+        whether vLLM handed out consecutive blocks or not."""
+        if self._np is None or not block_ids:
             return None
-        runs = [view[first:first + count] for view in self._np]
-        if not all(run.flags.c_contiguous for run in runs):
-            return None
-        return [run.reshape(-1) for run in runs]
+        runs = block_runs(self._index(block_ids))
+        out: list[list[np.ndarray]] = []
+        for view in self._np:
+            pieces: list[np.ndarray] = []
+            for _at, first, count in runs:
+                run = view[first:first + count]
+                if run.flags.c_contiguous:
+                    pieces.append(run.reshape(-1))  # a view: the run is one span of bytes
+                else:  # block-major: each page is dense, consecutive pages are not
+                    pieces.extend(run)
+            out.append(pieces)
+        return out
 
     def gather(self, block_ids: Sequence[int], after: Any = None) -> list[np.ndarray]:
         """Copies of the given blocks, one ``[n, page_nbytes]`` array per layer
@@ -251,23 +261,33 @@ class KVPages:
     def scatter(self, block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> None:
         """Write ``pages[layer][i]`` (``page_nbytes`` bytes) into block ``block_ids[i]``
         of every layer."""
-        idx = self._index(block_ids)
-        n = int(idx.size)
         if len(pages) != len(self.views):
             raise InvalidArgument(f"{len(pages)} page buffers for {len(self.views)} layers")
+        self._scatter(range(len(self.views)), block_ids, pages)
+
+    def scatter_layer(self, layer: int, block_ids: Sequence[int], src: np.ndarray) -> None:
+        """:meth:`scatter` of one layer (a layer-by-layer restore); on a GPU the
+        upload is done when this returns."""
+        self._scatter([layer], block_ids, [src])
+
+    def _scatter(self, layers: Sequence[int], block_ids: Sequence[int],
+                 pages: Sequence[np.ndarray]) -> None:
+        idx = self._index(block_ids)
+        n = int(idx.size)
         for src in pages:
             if src.nbytes != n * self.page_nbytes:
                 raise InvalidArgument(f"a page buffer of {src.nbytes} bytes for {n} blocks of "
                                       f"{self.page_nbytes} bytes")
         runs = block_runs(idx)
         if self._np is not None and len(runs) > 1:
-            for view, src in zip(self._np, pages, strict=True):
-                view[idx] = src.reshape(n, self.page_nbytes)
+            for layer, src in zip(layers, pages, strict=True):
+                self._np[layer][idx] = src.reshape(n, self.page_nbytes)
             return
         torch = self._torch
         with self._copies():
             dev_idx = None if len(runs) <= MAX_RUNS else self._device_index(idx)
-            for view, src in zip(self.views, pages, strict=True):
+            for layer, src in zip(layers, pages, strict=True):
+                view = self.views[layer]
                 host = torch.from_numpy(np.ascontiguousarray(src).reshape(n, *self.page_dims))
                 if dev_idx is None:
                     for at, first, count in runs:

@@ -355,3 +355,66 @@ def test_copy_verified_skip(
     dest = np.zeros(nbytes - skip, np.uint8)
     seg.copy_verified(buf, header, "layer.0", nbytes, dest, skip=skip)
     assert np.array_equal(dest, data[skip:nbytes])
+
+
+# -- destinations in pieces, layer by layer ---------------------------------------------
+
+
+@pytest.mark.parametrize("start", [0, 24])
+def test_pieces_receive_the_pages_in_order(store: SnapshotStore, chunk: int, start: int) -> None:
+    """A destination given as a list of buffers (runs of KV blocks, in page
+    order) gets exactly the bytes a single buffer would, across chunk and link
+    boundaries; ``on_layer`` reports each layer once it is complete."""
+    c = _publish_chain(store, (16, 40))
+    page = c.ident.page_nbytes
+    n_blocks = (40 - start) // c.ident.block_size
+    sizes = [1, 3, 2, n_blocks - 6] if start == 0 else [2, 1, 1]  # pages per piece
+    assert sum(sizes) == n_blocks
+    caches = [np.zeros(3 * n_blocks * page, np.uint8) for _ in range(LAYERS)]
+    # Scattered and out of order (in pages): piece j starts at where[j].
+    where = [n_blocks + 1, 0, 2 * n_blocks, n_blocks + 1 + sizes[0] + 2][:len(sizes)]
+    out = [[cache[w * page:(w + k) * page] for w, k in zip(where, sizes, strict=True)]
+           for cache in caches]
+    seen: list[tuple[int, bool]] = []
+
+    def landed(layer: int) -> None:
+        # Layer i is complete when reported, later layers are still untouched.
+        done = all(p.any() for p in out[layer])
+        later = all(not cache.any() for cache in caches[layer + 1:])
+        seen.append((layer, done and later))
+
+    assert store.read_into(c.match, 0, out, start_tokens=start, on_layer=landed) == n_blocks
+    assert seen == [(i, True) for i in range(LAYERS)]
+    for pieces, want in zip(out, _want(c, start), strict=True):
+        assert np.array_equal(np.concatenate(pieces), want.reshape(-1))
+
+
+def test_pieces_too_small_are_refused(store: SnapshotStore) -> None:
+    c = _publish_chain(store, (16, 40))
+    page = c.ident.page_nbytes
+    short = [[np.zeros(4 * page, np.uint8), np.zeros(5 * page, np.uint8)] for _ in range(LAYERS)]
+    with pytest.raises(InvalidArgument, match="at least"):
+        store.read_into(c.match, 0, short)
+    pieces = seg.Pieces([np.zeros(3, np.uint8), np.zeros(2, np.uint8)])
+    with pytest.raises(InvalidArgument, match="exceed"):
+        pieces.put(4, np.ones(2, np.uint8))
+    pieces.put(1, np.arange(1, 5, dtype=np.uint8))
+    with pytest.raises(InvalidArgument, match="writable"):
+        seg.Pieces([np.zeros(3, np.uint8), b"ab"])
+
+
+def test_a_corrupt_layer_stops_before_its_bytes(store: SnapshotStore, small_chunks: int) -> None:
+    """Layer 1 of the second link damaged: layer 0 lands and is reported, no
+    byte of layer 1 from the damaged chunk reaches the destination."""
+    c = _publish_chain(store, (16, 40))
+    _flip(c.files[1], "layer.1", 5)
+    out = [np.zeros((10, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    seen: list[int] = []
+    with pytest.raises(CorruptSnapshot):
+        store.read_into(c.match, 0, out, on_layer=seen.append)
+    assert seen == [0]
+    want = _want(c, 0)
+    assert np.array_equal(out[0], want[0])
+    root = 16 // c.ident.block_size  # layer 1's root link landed before the damaged link
+    assert np.array_equal(out[1][:root], want[1][:root])
+    assert not out[1][root:].any()

@@ -46,6 +46,7 @@ class FakePages:
         rng = np.random.default_rng(seed)
         self.arr = rng.integers(0, 255, (LAYERS, blocks, PAGE_NBYTES), dtype=np.uint8)
         self.num_blocks, self.page_nbytes = blocks, PAGE_NBYTES
+        self.on_cpu = True
 
     def __len__(self) -> int:
         return LAYERS
@@ -53,8 +54,9 @@ class FakePages:
     def host_buffer(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, np.uint8)
 
-    def run_views(self, first: int, count: int) -> list[np.ndarray] | None:
-        return [self.arr[i, first:first + count].reshape(-1) for i in range(LAYERS)]
+    def block_views(self, block_ids: Any) -> list[list[np.ndarray]] | None:
+        # One piece per block (views of the rows), whatever the ids' order.
+        return [[self.arr[i, b] for b in block_ids] for i in range(LAYERS)] if block_ids else None
 
     def fence(self) -> object:
         return None
@@ -64,7 +66,10 @@ class FakePages:
 
     def scatter(self, block_ids: Any, pages: Any) -> None:
         for i in range(LAYERS):
-            self.arr[i, list(block_ids)] = np.asarray(pages[i]).reshape(-1, PAGE_NBYTES)
+            self.scatter_layer(i, block_ids, pages[i])
+
+    def scatter_layer(self, layer: int, block_ids: Any, src: Any) -> None:
+        self.arr[layer, list(block_ids)] = np.asarray(src).reshape(-1, PAGE_NBYTES)
 
 
 @dataclass
@@ -102,7 +107,7 @@ def blocks_of(req: Req) -> list[int]:
 def test_two_ranks_publish_restore_and_availability(tmp_path: Path) -> None:
     ident = identity(tp_size=2)
     store = SnapshotStore(tmp_path / "s")
-    sched = SchedulerSide(store, ident, Counters(), min_tokens=BS)
+    sched = SchedulerSide(store, ident, Counters(), min_tokens=BS, load_async=True)
     kv = [FakePages(16, seed=rank) for rank in (0, 1)]
     workers = [WorkerIO(store, ident, rank, kv[rank], Counters()) for rank in (0, 1)]
     p = prompt(100, 1)
@@ -144,7 +149,7 @@ def test_a_snapshot_missing_one_rank_is_not_offered_after_a_restart(tmp_path: Pa
     p = prompt(64, 2)
     with SnapshotStore(tmp_path / "s") as store:
         store.publish(ident, 0, p, [np.zeros(4 * PAGE_NBYTES, np.uint8)] * LAYERS)
-        sched = SchedulerSide(store, ident, Counters())
+        sched = SchedulerSide(store, ident, Counters(), load_async=True)
         assert sched.matched_tokens(Req("x", [*p, 5]), 0) == (0, False)
         store.publish(ident, 1, p, [np.ones(4 * PAGE_NBYTES, np.uint8)] * LAYERS)
         assert sched.matched_tokens(Req("y", [*p, 5]), 0) == (64, True)
@@ -155,7 +160,7 @@ def one_rank(tmp_path: Path) -> Any:
     ident = identity()
     store = SnapshotStore(tmp_path / "s")
     counters = Counters()
-    sched = SchedulerSide(store, ident, counters, min_tokens=BS)
+    sched = SchedulerSide(store, ident, counters, min_tokens=BS, load_async=True)
     pages = FakePages(64, seed=3)
     io = WorkerIO(store, ident, 0, pages, counters)
     yield store, sched, io, counters
@@ -232,7 +237,7 @@ def test_dropped_work_is_counted_and_never_blocks(tmp_path: Path) -> None:
                       max_pending_bytes=0)
         started, release = threading.Event(), threading.Event()
 
-        def slow(job: LoadJob) -> None:
+        def slow(job: LoadJob, on_layer: Any = None) -> None:
             started.set()
             release.wait(10)
 
@@ -346,7 +351,7 @@ def test_a_release_waits_for_the_breakpoint_copies(tmp_path: Path) -> None:
     with SnapshotStore(tmp_path / "s") as store:
         pages = GatedPages(32, 4)
         io = WorkerIO(store, ident, 0, pages, Counters())
-        sched = SchedulerSide(store, ident, Counters(), min_tokens=BS)
+        sched = SchedulerSide(store, ident, Counters(), min_tokens=BS, load_async=True)
         other = SaveJob("x", np.asarray(prompt(32, 13), np.uint32), [0, 1], None, None, ())
         io.submit_save(other)
         assert pages.entered.wait(10)  # the saver is busy copying "x"
@@ -450,7 +455,7 @@ def test_idle_steps_wait_for_a_landing_load(tmp_path: Path) -> None:
         io.wait_for_loads(5.0)  # nothing in flight: returns at once
         assert time.monotonic() - started < 1
         gate = threading.Event()
-        io._load = lambda job: gate.wait(10)  # type: ignore[method-assign,assignment,return-value]
+        io._load = lambda job, on_layer=None: gate.wait(10)  # type: ignore[method-assign,assignment,return-value]
         io.submit_load(LoadJob("r", 1, BS, np.zeros(BS, np.uint32), 0, [0]))
         started = time.monotonic()
         io.wait_for_loads(0.2)  # still loading: the full timeout
@@ -459,4 +464,116 @@ def test_idle_steps_wait_for_a_landing_load(tmp_path: Path) -> None:
         io.wait_for_loads(10.0)  # woken by the landing load, not the timeout
         assert time.monotonic() - started < 5
         assert io.poll()[1] == {"r"}
+        io.close()
+
+
+# -- load_async: auto, and in-step loads read layer by layer --------------------------
+
+
+def test_auto_restores_in_step_only_when_alone(tmp_path: Path) -> None:
+    with SnapshotStore(tmp_path / "s") as store:
+        sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS)  # auto
+        io = WorkerIO(store, identity(), 0, FakePages(16, 1), Counters())
+        p = prompt(100, 20)
+        _save(sched, io, Req("a", p))
+        alone = Req("b", [*p, 1])
+        assert sched.matched_tokens(alone, 0) == (96, False)  # alone: in the step
+        sched.after_alloc(alone, list(range(7)), 96)
+        (load,), _ = sched.take_jobs()
+        assert load.in_step
+        # b is still running: c's restore lands while c waits.
+        c = Req("c", [*p, 2])
+        assert sched.matched_tokens(c, 0) == (96, True)
+        sched.after_alloc(c, list(range(7, 14)), 96)
+        (load,), _ = sched.take_jobs()
+        assert not load.in_step
+        sched.on_output({"c"}, ())
+        for req in (alone, c):
+            sched.finished(req, [])
+        assert sched.matched_tokens(Req("d", [*p, 3]), 0) == (96, False)
+        io.close()
+
+
+def _published_pages(store: SnapshotStore, p: list[int]) -> tuple[Any, list[np.ndarray]]:
+    pages = [np.random.default_rng(30 + i).integers(0, 256, 6 * PAGE_NBYTES, np.uint8)
+             for i in range(LAYERS)]
+    store.publish(identity(), 0, p[:96], pages)
+    (snap,) = store.snapshots()
+    return snap, pages
+
+
+def test_in_step_load_lands_layer_by_layer(tmp_path: Path) -> None:
+    """The forward's wait for layer 0 returns while layer 1 is still unread;
+    layer 1's wait returns once it landed; scattered blocks get their pages."""
+    with SnapshotStore(tmp_path / "s") as store:
+        p = prompt(100, 21)
+        snap, pages = _published_pages(store, p)
+        kv = FakePages(16, 2)
+        io = WorkerIO(store, identity(), 0, kv, Counters())
+        gate, at_gate = threading.Event(), threading.Event()
+        real = store.read_into
+
+        def gated(*args: Any, on_layer: Any = None, **kwargs: Any) -> int:
+            def hold(layer: int) -> None:
+                on_layer(layer)
+                if layer == 0:
+                    at_gate.set()
+                    assert gate.wait(10)
+            return real(*args, on_layer=hold, **kwargs)
+
+        store.read_into = gated  # type: ignore[method-assign]
+        ids = [9, 3, 4, 12]  # three runs; blocks 2-5 of the snapshot (start_block 2)
+        before = kv.arr[1, ids].copy()
+        io.start_step_loads([LoadJob("r", snap.id, 96, np.asarray(p[:96], np.uint32), 2, ids,
+                                     in_step=True)])
+        io.wait_layer(0)
+        assert at_gate.wait(10)
+        expect = [pg.reshape(6, PAGE_NBYTES)[2:] for pg in pages]
+        np.testing.assert_array_equal(kv.arr[0, ids], expect[0])
+        np.testing.assert_array_equal(kv.arr[1, ids], before)  # not read yet
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (io.wait_layer(1), done.set()))
+        waiter.start()
+        assert not done.wait(0.2)  # layer 1 is not there: its attention waits
+        gate.set()
+        assert done.wait(10)
+        waiter.join()
+        np.testing.assert_array_equal(kv.arr[1, ids], expect[1])
+        io.finish_step_loads(all_layers_waited=True)
+        assert io.take_failed_blocks() == set()
+        assert io.poll() == (set(), set())  # in-step loads are never reported as received
+        io.close()
+
+
+def test_an_in_step_load_that_fails_or_is_not_awaited_is_recomputed(tmp_path: Path) -> None:
+    with SnapshotStore(tmp_path / "s") as store:
+        p = prompt(100, 22)
+        snap, pages = _published_pages(store, p)
+        counters = Counters()
+        kv = FakePages(16, 3)
+        io = WorkerIO(store, identity(), 0, kv, counters)
+        job = LoadJob("r", snap.id, 96, np.asarray(p[:96], np.uint32), 0, list(range(6)),
+                      in_step=True)
+        # Every layer awaited, all landed, but the forward skipped the hook for one:
+        # those pages may have been read early, so vLLM must recompute them.
+        io.start_step_loads([job])
+        io.wait_layer(0)
+        io.finish_step_loads(all_layers_waited=False)
+        assert io.take_failed_blocks() == set(range(6))
+        assert counters.take()["loads_unwaited"] == 1
+        # Layer 1 of the segment corrupted: layer 0 lands (verified), layer 1 never;
+        # every wait returns, the blocks are reported failed, the snapshot quarantined.
+        (segment,) = (tmp_path / "s").glob("objects/*/*/*.safetensors")
+        data = bytearray(segment.read_bytes())
+        data[-96 * 4 - 10] ^= 0xFF  # in layer.1, just before the 96 token ids
+        segment.write_bytes(bytes(data))
+        kv.arr[:] = 0
+        io.start_step_loads([job])
+        io.wait_layer(0)
+        np.testing.assert_array_equal(kv.arr[0, :6], pages[0].reshape(6, PAGE_NBYTES))
+        io.wait_layer(1)
+        io.finish_step_loads(all_layers_waited=True)
+        assert not kv.arr[1, :6].any()  # no unverified byte reached the cache
+        assert io.take_failed_blocks() == set(range(6))
+        assert store.snapshot(snap.id).state == "quarantined"
         io.close()

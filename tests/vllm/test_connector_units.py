@@ -22,7 +22,13 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
         "/x", False, True, 32, False)
     default = ConnectorSettings.from_extra_config({"folder": "/x"})
     assert (default.mode, default.publish, default.restore, default.load_async) == (
-        "read-write", True, True, True)
+        "read-write", True, True, None)  # None: auto
+    for value, expect in (("auto", None), ("AUTO", None), (True, True), ("on", True),
+                          ("0", False)):
+        got = ConnectorSettings.from_extra_config({"folder": "/x", "load_async": value})
+        assert got.load_async is expect
+    with pytest.raises(InvalidArgument, match="true, false or 'auto'"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "load_async": "sometimes"})
     assert default.min_tokens is None  # SPARK_KV_CACHE_MIN_TOKENS decides
     for mode, expect in (("store-only", (False, True)), ("off", (False, False)),
                          ("read_write", (True, True))):

@@ -89,25 +89,37 @@ def test_both_paths_store_the_same_bytes() -> None:
                 np.testing.assert_array_equal(a, b)
 
 
-def test_run_views_only_where_pages_are_host_bytes_in_runs() -> None:
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_block_views_write_into_exactly_those_blocks(layout: str) -> None:
+    from sparkcache.cuda import KVPages
+    from sparkcache.segment import Pieces
+
+    dense = KVPages(caches(layout))
+    assert "numpy" in dense.where
+    ids = [5, 2, 3, 4, 0]  # runs [5], [2, 3, 4], [0], in the order of the pages
+    views = dense.block_views(ids)
+    assert views is not None and len(views) == LAYERS
+    assert sum(v.size for v in views[1]) == len(ids) * dense.page_nbytes
+    others = [b for b in range(BLOCKS) if b not in ids]
+    before = dense.gather(others)
+    layer0 = dense.gather(ids)[0]
+    pages = np.arange(len(ids) * dense.page_nbytes, dtype=np.uint64).astype(np.uint8)
+    Pieces(views[1]).put(0, pages)
+    np.testing.assert_array_equal(dense.gather(ids)[1].reshape(-1), pages)
+    np.testing.assert_array_equal(dense.gather(ids)[0], layer0)
+    for a, b in zip(before, dense.gather(others), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_block_views_only_where_pages_are_host_bytes() -> None:
     from sparkcache.cuda import KVPages
 
-    dense = KVPages(caches("LBHNC"))
-    assert "numpy" in dense.where
-    runs = dense.run_views(2, 3)
-    assert runs is not None and runs[1].size == 3 * dense.page_nbytes
-    before = dense.gather([1, 5])
-    runs[1][:] = 7  # writes land in layer 1's blocks 2-4 and nowhere else
-    np.testing.assert_array_equal(dense.gather([2, 3, 4])[1], 7)
-    assert (dense.gather([2, 3, 4])[0] != 7).any()
-    for a, b in zip(before, dense.gather([1, 5]), strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert dense.run_views(BLOCKS - 1, 2) is None
-    # Block-outermost: a layer's blocks are not one run of bytes (restores stage).
-    assert KVPages(caches("BLHNC")).run_views(0, 2) is None
+    assert KVPages(caches("LBHNC")).block_views([]) is None
     # Heads before tokens swapped: pages are not dense in logical order.
-    assert KVPages(caches("LBNHC")).run_views(0, 2) is None
-    assert KVPages(caches("LBHNC"), use_numpy=False).run_views(0, 2) is None
+    assert KVPages(caches("LBNHC")).block_views([0, 1]) is None
+    assert KVPages(caches("LBHNC"), use_numpy=False).block_views([0, 1]) is None
+    with pytest.raises(InvalidArgument):
+        KVPages(caches("LBHNC")).block_views([BLOCKS])
 
 
 def test_bad_input_is_refused() -> None:
@@ -146,7 +158,7 @@ def test_cuda_pages_equal_cpu_pages(layout: str) -> None:
     kv_cpu = caches(layout)
     kv_gpu = {name: t.to("cuda") for name, t in kv_cpu.items()}
     cpu, gpu = KVPages(kv_cpu), KVPages(kv_gpu)
-    assert gpu.run_views(0, 1) is None and "cuda" in gpu.where
+    assert gpu.block_views([0]) is None and "cuda" in gpu.where
     for ids in IDS:
         for a, b in zip(cpu.gather(ids), gpu.gather(ids), strict=True):
             np.testing.assert_array_equal(a, b)
