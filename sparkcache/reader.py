@@ -12,6 +12,7 @@ raises :class:`NotFound`.  Both are misses for the caller.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ def read_pages(
 def read_into(
     store: SnapshotStore, match: Match, rank: int, out: Sequence[Any], *,
     n_tokens: int | None = None, start_tokens: int = 0,
-    on_layer: Callable[[int], None] | None = None,
+    on_layer: Callable[[int], None] | None = None, threads: int = 1,
 ) -> int:
     """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
@@ -89,7 +90,7 @@ def read_into(
         return dests
 
     return _read_chain(store, match, rank, n_tokens, check, skip_tokens=start_tokens,
-                       on_layer=on_layer)
+                       on_layer=on_layer, threads=threads)
 
 def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[_Link]:
     links: list[_Link] = []
@@ -122,7 +123,7 @@ class _Copy:
 def _read_chain(
     store: SnapshotStore, match: Match, rank: int, n_tokens: int | None,
     dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Pieces]], *, touch: bool = True,
-    skip_tokens: int = 0, on_layer: Callable[[int], None] | None = None,
+    skip_tokens: int = 0, on_layer: Callable[[int], None] | None = None, threads: int = 1,
 ) -> int:
     """Verify the chain's tokens ``[0, n)`` and copy the pages of ``[skip_tokens, n)``.
 
@@ -175,19 +176,63 @@ def _read_chain(
                         nbytes=(stop - link.start) // bs * page, at=(first - skip_blocks) * page))
                 del opened
             assert dests is not None
-            for i, dest in enumerate(dests):
-                for c in copies:
-                    with _quarantine_on_failure(store, c.link):
-                        seg.copy_verified(c.buf, c.header, f"layer.{i}", c.nbytes, dest,
-                                          skip=c.skip, at=c.at)
-                if on_layer is not None:
-                    on_layer(i)
+            _copy_layers(store, copies, dests, on_layer, threads)
         finally:
             copies.clear()  # drop the views before the mmaps close
     n_blocks = n // bs - skip_blocks
     if touch:
         _touch(store, match, links, n - skip_tokens, n_blocks * page * len(dests))
     return n_blocks
+
+
+def _copy_layers(store: SnapshotStore, copies: list[_Copy],
+                 dests: Sequence[np.ndarray | seg.Pieces],
+                 on_layer: Callable[[int], None] | None, threads: int) -> None:
+    """Verify and copy every layer from every link; ``on_layer`` in layer order.
+
+    With ``threads`` > 1 the layers are shared round-robin between this thread
+    and helpers (xxhash and numpy release the GIL: one thread alone does not
+    saturate the memory bus); a layer is reported once it and every layer
+    below it are complete.  The first failure stops the others and is raised.
+    """
+    n_layers = len(dests)
+    threads = max(1, min(threads, n_layers))
+    lock = threading.Lock()
+    done = [False] * n_layers
+    reported = 0
+    failure: list[BaseException] = []
+
+    def run(share: range) -> None:
+        nonlocal reported
+        for i in share:
+            if failure:
+                return
+            try:
+                for c in copies:
+                    with _quarantine_on_failure(store, c.link):
+                        seg.copy_verified(c.buf, c.header, f"layer.{i}", c.nbytes, dests[i],
+                                          skip=c.skip, at=c.at)
+            except BaseException as exc:  # handed to the caller's thread
+                with lock:
+                    failure.append(exc)
+                return
+            with lock:
+                done[i] = True
+                while reported < n_layers and done[reported] and not failure:
+                    if on_layer is not None:
+                        on_layer(reported)
+                    reported += 1
+
+    helpers = [threading.Thread(target=run, args=(range(k, n_layers, threads),),
+                                name=f"sparkcache-read-{k}", daemon=True)
+               for k in range(1, threads)]
+    for helper in helpers:
+        helper.start()
+    run(range(0, n_layers, threads))
+    for helper in helpers:
+        helper.join()
+    if failure:
+        raise failure[0]
 
 
 @contextmanager

@@ -626,6 +626,7 @@ class SnapshotStore:
     def read_into(
         self, match: Match, rank: int, out: Sequence[Any], *, n_tokens: int | None = None,
         start_tokens: int = 0, on_layer: Callable[[int], None] | None = None,
+        threads: int = 1,
     ) -> int:
         """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
@@ -649,7 +650,7 @@ class SnapshotStore:
         written with *verified* bytes only.
         """
         return reader.read_into(self, match, rank, out, n_tokens=n_tokens,
-                                start_tokens=start_tokens, on_layer=on_layer)
+                                start_tokens=start_tokens, on_layer=on_layer, threads=threads)
 
     # -- maintenance (see also sparkcache.maintenance) ---------------------------------
 

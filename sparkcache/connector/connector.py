@@ -307,6 +307,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.io = WorkerIO(
             self.store, self.identity, rank, pages, self.counters,
             max_queued_loads=self.settings.max_queued_loads,
+            load_threads=self.settings.load_threads,
             max_queued_saves=self.settings.max_queued_saves,
             max_pending_bytes=self.settings.max_pending_mb << 20,
         )

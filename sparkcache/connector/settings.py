@@ -35,6 +35,8 @@ DEFAULT_MAX_PENDING_MB = 1024
 #: Loads (and saves) that may wait for a worker's I/O thread; past it a load is
 #: reported failed (vLLM recomputes) and a save is dropped, both counted.
 DEFAULT_MAX_QUEUED = 64
+#: Threads that verify and copy one restore (layers shared round-robin).
+DEFAULT_LOAD_THREADS = 2
 #: mode -> (restore, publish).
 MODES: dict[str, tuple[bool, bool]] = {
     "read-write": (True, True),
@@ -106,6 +108,7 @@ class ConnectorSettings:
     folder whose files may change); it is part of the identity.
     ``max_pending_mb``: host memory a worker may hold for saves not yet on disk.
     ``max_queued_loads`` / ``max_queued_saves``: bounds of the worker queues.
+    ``load_threads``: threads that verify and copy one restore (default 2).
     ``sweep``: run the retention sweeper thread in the scheduler process.
     """
 
@@ -116,6 +119,7 @@ class ConnectorSettings:
     revision: str | None = None
     max_pending_mb: int = DEFAULT_MAX_PENDING_MB
     max_queued_loads: int = DEFAULT_MAX_QUEUED
+    load_threads: int = DEFAULT_LOAD_THREADS
     max_queued_saves: int = DEFAULT_MAX_QUEUED
     sweep: bool = True
 
@@ -162,6 +166,9 @@ class ConnectorSettings:
             ),
             max_queued_loads=_as_int(
                 "max_queued_loads", extra.get("max_queued_loads", DEFAULT_MAX_QUEUED), 1
+            ),
+            load_threads=_as_int(
+                "load_threads", extra.get("load_threads", DEFAULT_LOAD_THREADS), 1
             ),
             max_queued_saves=_as_int(
                 "max_queued_saves", extra.get("max_queued_saves", DEFAULT_MAX_QUEUED), 1

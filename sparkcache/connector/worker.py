@@ -131,6 +131,7 @@ class WorkerIO:
         counters: Counters,
         *,
         max_queued_loads: int = 64,
+        load_threads: int = 1,
         max_queued_saves: int = 64,
         max_pending_bytes: int = 1 << 30,
     ) -> None:
@@ -140,6 +141,7 @@ class WorkerIO:
         self.pages = pages
         self.counters = counters
         self.max_pending_bytes = max_pending_bytes
+        self.load_threads = load_threads
         self.fault = os.environ.get(FAULT_ENV, "")
         self._lock = threading.RLock()
         self._sent: set[str] = set()
@@ -312,7 +314,8 @@ class WorkerIO:
             # A failure may leave verified bytes in these blocks: they are the
             # request's own, reported failed and recomputed.
             self.store.read_into(match, self.rank, views, n_tokens=job.n_tokens,
-                                 start_tokens=start_tokens, on_layer=notify)
+                                 start_tokens=start_tokens, on_layer=notify,
+                                 threads=self.load_threads)
             self.counters.add("loads_direct")
             if self.fault == "flip-restored":
                 layers = [np.concatenate(pieces) for pieces in views]
@@ -328,7 +331,7 @@ class WorkerIO:
                 notify(layer)
 
         self.store.read_into(match, self.rank, list(staging), n_tokens=job.n_tokens,
-                             start_tokens=start_tokens,
+                             start_tokens=start_tokens, threads=self.load_threads,
                              on_layer=None if self.fault else scatter)
         if self.fault == "flip-restored":
             self.pages.scatter(ids, self._scramble(list(staging)))

@@ -418,3 +418,29 @@ def test_a_corrupt_layer_stops_before_its_bytes(store: SnapshotStore, small_chun
     root = 16 // c.ident.block_size  # layer 1's root link landed before the damaged link
     assert np.array_equal(out[1][:root], want[1][:root])
     assert not out[1][root:].any()
+
+
+@pytest.mark.parametrize("start", [0, 24])
+def test_threads_share_the_layers(store: SnapshotStore, small_chunks: int, start: int) -> None:
+    """Several threads: the same bytes, every layer reported once, in order."""
+    c = _publish_chain(store, (16, 40))
+    n_blocks = (40 - start) // c.ident.block_size
+    for threads in (2, 3, 8):
+        out = [np.zeros((n_blocks, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+        seen: list[int] = []
+        assert store.read_into(c.match, 0, out, start_tokens=start, on_layer=seen.append,
+                               threads=threads) == n_blocks
+        assert seen == list(range(LAYERS))
+        for o, w in zip(out, _want(c, start), strict=True):
+            assert np.array_equal(o, w)
+
+
+def test_threads_raise_the_first_failure(store: SnapshotStore, small_chunks: int) -> None:
+    c = _publish_chain(store, (16, 40))
+    _flip(c.files[0], "layer.1", 5)
+    out = [np.zeros((10, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    seen: list[int] = []
+    with pytest.raises(CorruptSnapshot):
+        store.read_into(c.match, 0, out, on_layer=seen.append, threads=2)
+    assert 1 not in seen and seen in ([], [0])
+    assert store.lookup(c.ident, c.toks) is None  # quarantined (and its descendant)

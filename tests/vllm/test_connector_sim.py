@@ -509,7 +509,7 @@ def test_in_step_load_lands_layer_by_layer(tmp_path: Path) -> None:
         p = prompt(100, 21)
         snap, pages = _published_pages(store, p)
         kv = FakePages(16, 2)
-        io = WorkerIO(store, identity(), 0, kv, Counters())
+        io = WorkerIO(store, identity(), 0, kv, Counters(), load_threads=1)
         gate, at_gate = threading.Event(), threading.Event()
         real = store.read_into
 

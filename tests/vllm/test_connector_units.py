@@ -27,6 +27,11 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
                           ("0", False)):
         got = ConnectorSettings.from_extra_config({"folder": "/x", "load_async": value})
         assert got.load_async is expect
+    assert default.load_threads == 2
+    assert ConnectorSettings.from_extra_config({"folder": "/x", "load_threads": "4"}
+                                               ).load_threads == 4
+    with pytest.raises(InvalidArgument, match="load_threads"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "load_threads": 0})
     with pytest.raises(InvalidArgument, match="true, false or 'auto'"):
         ConnectorSettings.from_extra_config({"folder": "/x", "load_async": "sometimes"})
     assert default.min_tokens is None  # SPARK_KV_CACHE_MIN_TOKENS decides
