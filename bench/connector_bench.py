@@ -13,13 +13,16 @@ process (vLLM on CPU, enforce eager, block size 32):
    chunked prefill, so max_num_batched_tokens is set above the prompt);
 4. ``--rounds`` rounds of three restore engines, each on the stored prompt,
    vLLM's prefix cache reset before every repetition so each one restores
-   from disk: sparkcache with its default (``load_async: auto``: the request
-   is alone, so the restore is read layer by layer under its prefill's
-   forward), sparkcache with ``load_async: true`` (the restore lands before
-   the prefill step, as when other requests are running), ExampleConnector.
+   from disk: sparkcache with its default (``load_async: true``: the restore
+   lands before the prefill step), sparkcache with ``load_async: auto`` (the
+   request is alone, so the restore is read layer by layer under its
+   prefill's forward), ExampleConnector.
    Rounds alternate the engines so that a slow spell of the machine or one
    unlucky process does not decide the comparison; each restore row pools
-   ``--rounds`` x ``--reps`` repetitions.
+   ``--rounds`` x ``--reps`` repetitions.  After every restore the engine
+   answers the prompt once more from vLLM's own prefix cache: "over live" is
+   the median of (restore - that), the restore's cost with the engine's own
+   speed taken out (engines of one configuration differ by up to ~0.1 s).
 
 Every engine is warmed up first (two short requests with logprobs: the first
 one compiles a helper).  TTFT is the wall time of ``generate`` with
@@ -64,7 +67,7 @@ llm = make_llm(args["model"], **args["engine"])
 sp = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
 for seed in (1, 2):
     llm.generate([{"prompt_token_ids": [seed] * 40 + list(range(100, 140))}], sp)
-times, firsts = [], []
+times, firsts, live = [], [], []
 for _ in range(args["reps"]):
     llm.reset_prefix_cache()
     started = time.perf_counter()
@@ -72,6 +75,11 @@ for _ in range(args["reps"]):
     times.append(time.perf_counter() - started)
     c = out.outputs[0]
     firsts.append([c.token_ids[0], c.logprobs[0][c.token_ids[0]].logprob, out.num_cached_tokens])
+    if args.get("live"):  # the same prompt again: vLLM's own prefix cache, same engine
+        started = time.perf_counter()
+        again = llm.generate([{"prompt_token_ids": args["prompt"]}], sp)[0]
+        live.append(time.perf_counter() - started)
+        assert again.num_cached_tokens == out.num_cached_tokens, again.num_cached_tokens
 if args.get("store"):
     from sparkcache import SnapshotStore
     deadline = time.monotonic() + 120
@@ -84,7 +92,8 @@ else:
     stats = {}
 ours = {m.name: m.value for m in llm.get_metrics()
         if "sparkcache" in m.name and isinstance(getattr(m, "value", None), (int, float))}
-report({"times": times, "firsts": firsts, "stats": stats, "connector": ours})  # in --json
+report({"times": times, "firsts": firsts, "live": live, "stats": stats,
+        "connector": ours})  # in --json
 """
 
 
@@ -111,12 +120,13 @@ def build_model(folder: Path) -> Path:
 
 
 def phase(name: str, model: Path, tmp: Path, prompt: list[int], reps: int,
-          engine: dict[str, Any], store: Path | None = None) -> dict[str, Any]:
+          engine: dict[str, Any], store: Path | None = None, live: bool = False,
+          ) -> dict[str, Any]:
     base = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4}
     started = time.perf_counter()
     result = run_engine_script(PHASE, args={
         "model": str(model), "tmp": str(tmp), "prompt": prompt, "reps": reps,
-        "engine": {**base, **engine}, "store": str(store) if store else None,
+        "engine": {**base, **engine}, "store": str(store) if store else None, "live": live,
     }, timeout=1800)
     result["wall"] = time.perf_counter() - started
     print(f"  {name}: {[round(t, 3) for t in result['times']]} s "
@@ -124,7 +134,7 @@ def phase(name: str, model: Path, tmp: Path, prompt: list[int], reps: int,
     return result
 
 
-RESTORES = ("sparkcache restore (auto)", "sparkcache restore, load_async true",
+RESTORES = ("sparkcache restore (default, async)", "sparkcache restore, load_async auto",
             "ExampleConnector restore")
 
 
@@ -155,7 +165,7 @@ def main() -> int:
             "max_num_batched_tokens": opts.tokens + 512}
         engines: dict[str, tuple[dict[str, Any], Path | None]] = {
             RESTORES[0]: (spark, store),
-            RESTORES[1]: ({"kv_transfer_config": connector_config(store, load_async=True)},
+            RESTORES[1]: ({"kv_transfer_config": connector_config(store, load_async="auto")},
                           store),
             RESTORES[2]: (ex, None),
         }
@@ -169,10 +179,13 @@ def main() -> int:
         }
         for _round in range(opts.rounds):
             for name, (engine, folder) in engines.items():
-                result = phase(name, model, work, prompt, opts.reps, engine, store=folder)
+                result = phase(name, model, work, prompt, opts.reps, engine, store=folder,
+                               live=True)
                 pooled = runs.setdefault(name, {"times": [], "firsts": [], "rounds": [],
-                                                "wall": 0.0, "connector": {}})
+                                                "over_live": [], "wall": 0.0, "connector": {}})
                 pooled["times"] += result["times"]
+                pooled["over_live"] += [t - lv for t, lv in zip(result["times"],
+                                                                 result["live"], strict=True)]
                 pooled["firsts"] += result["firsts"]
                 pooled["rounds"].append(round(statistics.median(result["times"]), 3))
                 pooled["wall"] += result["wall"]
@@ -188,12 +201,14 @@ def main() -> int:
         rows.append({"phase": name, "median_s": round(med, 3), "min_s": round(min(run["times"]), 3),
                      "ratio": round(med / base, 3), "n": len(run["times"]),
                      "round_medians": run.get("rounds", []),
+                     "over_live_s": (round(statistics.median(run["over_live"]), 3)
+                                     if run.get("over_live") else None),
                      "cached": min(f[2] for f in run["firsts"]),
                      "same_token": all(f[0] == ref_token for f in run["firsts"]),
                      "logprob_diff": max(abs(f[1] - ref_lp) for f in run["firsts"]),
                      "engine_process_s": round(run["wall"], 1)})
-    ratio = {r["phase"]: r["ratio"] for r in rows}
-    ok = (ratio[RESTORES[0]] <= 0.2 and ratio[RESTORES[0]] < ratio[RESTORES[2]])
+    medians = {name: statistics.median(run["times"]) for name, run in runs.items()}
+    ok = medians[RESTORES[0]] <= 0.2 * base and medians[RESTORES[0]] < medians[RESTORES[2]]
     if opts.json:
         print(json.dumps({"rows": rows, "connector": runs[RESTORES[0]]["connector"], "ok": ok},
                          indent=2))
@@ -201,12 +216,16 @@ def main() -> int:
         print(f"prompt {opts.tokens} tokens; Llama hidden {HIDDEN}, {LAYERS} layers, fp32; "
               f"restores: {opts.rounds} engines x {opts.reps} reps each, alternated")
         print(f"{'phase':<38}{'n':>3}{'median s':>10}{'min s':>8}{'x recompute':>13}"
-              f"{'cached':>8}{'same token':>12}{'|dlogprob|':>12}  per-engine medians")
+              f"{'over live s':>13}{'cached':>8}{'same token':>12}{'|dlogprob|':>12}"
+              "  per-engine medians")
         for r in rows:
+            over = "" if r["over_live_s"] is None else f"{r['over_live_s']:.3f}"
             print(f"{r['phase']:<38}{r['n']:>3}{r['median_s']:>10.3f}{r['min_s']:>8.3f}"
-                  f"{r['ratio']:>13.3f}{r['cached']:>8}{r['same_token']!s:>12}"
+                  f"{r['ratio']:>13.3f}{over:>13}{r['cached']:>8}{r['same_token']!s:>12}"
                   f"{r['logprob_diff']:>12.2e}  {r['round_medians'] or ''}")
-        print("targets: sparkcache restore (auto) <= 0.2x recompute and faster than "
+        print("over live: each restore minus the same prompt answered right after it from "
+              "vLLM's own prefix cache in the same engine (median of the pairs)")
+        print("targets: sparkcache restore (default) <= 0.2x recompute and faster than "
               "ExampleConnector: " + ("met" if ok else "MISSED"))
     return 0 if ok else 1
 

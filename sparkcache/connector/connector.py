@@ -8,9 +8,9 @@ This module is the glue: the decisions live in
 without vLLM.
 
 Scheduler side (one per engine, in the engine-core process): looks prompts up,
-offers the restorable tokens as a load within the prefill step (read layer by
-layer under its forward) when the request is alone in the engine, else as an
-asynchronous one (``load_async``), coalesces concurrent requests for one base, plans
+offers the restorable tokens as an asynchronous load, or (``load_async``
+false, or auto while the request is alone) as one within the prefill step,
+read layer by layer under its forward; it coalesces concurrent requests for one base, plans
 saves when requests finish and holds their blocks until every worker copied
 them out.  It also runs the retention sweeper.
 

@@ -116,7 +116,7 @@ class SchedulerSide:
         *,
         restore: bool = True,
         publish: bool = True,
-        load_async: bool | None = None,
+        load_async: bool | None = True,
         min_tokens: int = 64,
     ) -> None:
         self.store = store

@@ -98,12 +98,15 @@ class ConnectorSettings:
     $SPARK_STORAGE/kvcache).  ``mode``: ``read-write`` (default),
     ``restore-only``, ``store-only`` or ``off``.  ``min_tokens``: shorter
     contexts are not saved (default SPARK_KV_CACHE_MIN_TOKENS, 64).
-    ``load_async``: ``true`` restores on a worker thread between scheduler
-    steps (the request waits in WAITING_FOR_REMOTE_KVS); ``false`` restores
-    within the step that prefills the request, read layer by layer while its
-    forward runs (each attention layer waits for its own layer); ``auto``
-    (default) does the latter when no other request is in the engine and the
-    former otherwise, so a restore never delays other requests' steps.
+    ``load_async``: ``true`` (default) restores on a worker thread between
+    scheduler steps (the request waits in WAITING_FOR_REMOTE_KVS); ``false``
+    restores within the step that prefills the request, read layer by layer
+    while its forward runs (each attention layer waits for its own layer);
+    ``auto`` does the latter when no other request is in the engine and the
+    former otherwise, so a restore never delays other requests' steps.  On the
+    2-core CPU machine the default is as fast as ``auto`` or faster: reading
+    under the forward competes with it for the memory bus
+    (docs/benchmarks.md).
     ``revision``: names the weights when vLLM's model revision cannot (a local
     folder whose files may change); it is part of the identity.
     ``max_pending_mb``: host memory a worker may hold for saves not yet on disk.
@@ -115,7 +118,7 @@ class ConnectorSettings:
     folder: str
     mode: str = "read-write"
     min_tokens: int | None = None
-    load_async: bool | None = None  # None: auto
+    load_async: bool | None = True  # None: auto
     revision: str | None = None
     max_pending_mb: int = DEFAULT_MAX_PENDING_MB
     max_queued_loads: int = DEFAULT_MAX_QUEUED
@@ -159,7 +162,7 @@ class ConnectorSettings:
             folder=folder,
             mode=mode,
             min_tokens=None if min_tokens is None else _as_int("min_tokens", min_tokens, 1),
-            load_async=_load_async(extra.get("load_async", "auto")),
+            load_async=_load_async(extra.get("load_async", True)),
             revision=revision,
             max_pending_mb=_as_int(
                 "max_pending_mb", extra.get("max_pending_mb", DEFAULT_MAX_PENDING_MB), 0

@@ -41,9 +41,11 @@ def test_store_only_then_restore_only_on_another_identity(
     restore_only = run_scenario(tiny_model_dir, tmp_path, [
         {"op": "gen", "name": "long", "prompts": [LONG_PROMPT], "logprobs": True},
         {"op": "gen", "name": "other", "prompts": [OTHER_PROMPT]},
-    ], folder=folder, engine=CHUNK, extra={"mode": "restore-only"})
+    ], folder=folder, engine=CHUNK, extra={"mode": "restore-only", "load_async": False})
     (long,), (other,) = restore_only["long"]["outs"], restore_only["other"]["outs"]
     assert long["cached"] == 480, restore_only["_log"]
+    # Read layer by layer under the prefill's forward: same tokens and logprobs.
+    assert restore_only["long"]["metrics"]["vllm:sparkcache_loads_in_step"] == 1
     assert same_answer(long, baseline["long"][0]) == ""
     assert other["cached"] == 0  # the block-64 snapshot is another identity's
     assert same_answer(other, baseline["other"][0]) == ""

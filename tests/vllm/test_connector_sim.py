@@ -472,7 +472,7 @@ def test_idle_steps_wait_for_a_landing_load(tmp_path: Path) -> None:
 
 def test_auto_restores_in_step_only_when_alone(tmp_path: Path) -> None:
     with SnapshotStore(tmp_path / "s") as store:
-        sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS)  # auto
+        sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=None)
         io = WorkerIO(store, identity(), 0, FakePages(16, 1), Counters())
         p = prompt(100, 20)
         _save(sched, io, Req("a", p))

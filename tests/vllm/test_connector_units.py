@@ -22,7 +22,7 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
         "/x", False, True, 32, False)
     default = ConnectorSettings.from_extra_config({"folder": "/x"})
     assert (default.mode, default.publish, default.restore, default.load_async) == (
-        "read-write", True, True, None)  # None: auto
+        "read-write", True, True, True)
     for value, expect in (("auto", None), ("AUTO", None), (True, True), ("on", True),
                           ("0", False)):
         got = ConnectorSettings.from_extra_config({"folder": "/x", "load_async": value})
