@@ -16,10 +16,10 @@ workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
   frees the blocks on the next step) and publishes from host memory.
 
 No disk I/O runs on the forward thread (a GPU's in-step loads excepted: they
-finish in ``start_load_kv``).  Both queues are bounded, and so are the host bytes held by saves:
-when a bound is hit the work is dropped and counted - a dropped load is
-reported failed (vLLM recomputes its blocks), a dropped save is reported sent
-at once (a future miss).  Serving never waits for the disk.
+finish in ``start_load_kv``).  Both queues are bounded, and so are the host
+bytes held by saves: when a bound is hit the work is dropped and counted - a
+dropped load is reported failed (vLLM recomputes its blocks), a dropped save
+is reported sent at once (a future miss).  Serving never waits for the disk.
 """
 
 from __future__ import annotations
