@@ -643,7 +643,8 @@ class SnapshotStore:
         verified first (a 1 MiB chunk straddling ``start_tokens`` is verified
         whole).  Layers are copied in order; ``on_layer(i)`` is called as soon
         as layer ``i`` is complete, so a consumer can use it while the rest is
-        read.  Returns the number of blocks copied; ``restored_tokens`` /
+        read; ``threads`` > 1 shares the layers among that many threads (still
+        reported in order).  Returns the number of blocks copied; ``restored_tokens`` /
         ``restored_bytes`` count only the copied range.  Raises InvalidArgument
         on bad arguments or buffer sizes; CorruptSnapshot (snapshot
         quarantined) or NotFound are a miss, and may leave ``out`` partly

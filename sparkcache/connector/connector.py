@@ -10,9 +10,9 @@ without vLLM.
 Scheduler side (one per engine, in the engine-core process): looks prompts up,
 offers the restorable tokens as an asynchronous load, or (``load_async``
 false, or auto while the request is alone) as one within the prefill step,
-read layer by layer under its forward; it coalesces concurrent requests for one base, plans
-saves when requests finish and holds their blocks until every worker copied
-them out.  It also runs the retention sweeper.
+read layer by layer under its forward; it coalesces concurrent requests for
+one base, plans saves when requests finish and holds their blocks until every
+worker copied them out.  It also runs the retention sweeper.
 
 Worker side (one per rank): loads and saves on background threads with
 bounded queues; finished loads and saves reported through ``get_finished``,
