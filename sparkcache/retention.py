@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from sparkcache.cpus import widen_affinity
 from sparkcache.errors import InvalidArgument
 from sparkcache.index import queries as q
 
@@ -348,6 +349,7 @@ class Sweeper:
         return self
 
     def _run(self) -> None:
+        widen_affinity()  # not the one core of the thread that started it
         while not self._stop.is_set():
             try:
                 self.last_report = self.retention.sweep(self.store)

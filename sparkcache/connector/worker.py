@@ -36,6 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
+from sparkcache.cpus import widen_affinity
 from sparkcache.errors import NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.segment import Pieces
@@ -195,6 +196,7 @@ class WorkerIO:
             self._finish_load(job, ok=False, report=True)
 
     def _load_loop(self) -> None:
+        widen_affinity()
         while (job := self._loads.get()) is not None:
             try:
                 self._run_load(job, report=True)
@@ -251,6 +253,7 @@ class WorkerIO:
                            len(jobs))
 
     def _in_step_loop(self) -> None:
+        widen_affinity()
         while (job := self._in_step.get()) is not None:
             req_id = job.req_id
 
@@ -440,6 +443,7 @@ class WorkerIO:
                         return
 
     def _save_loop(self) -> None:
+        widen_affinity()
         while (item := self._saves.get()) is not None:
             job, nbytes, seq, fence = item
             pages: list[np.ndarray] | None = None

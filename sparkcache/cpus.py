@@ -1,0 +1,51 @@
+"""CPU placement of sparkcache's background threads.
+
+vLLM's CPU backend pins each OpenMP thread of the forward to one core, the
+worker's main thread included (``VLLM_CPU_OMP_THREADS_BIND``).  A thread
+inherits the CPU mask of the thread that starts it, so sparkcache's loader,
+saver and sweeper - started from that main thread - would all share its one
+core: two read threads then run at the speed of one, and every save competes
+with the forward on that core alone.  :func:`widen_affinity` lets the calling
+thread run on every CPU that any thread of this process may use (the cores of
+the forward, plus whatever the process had before it was pinned), which is
+what a background thread of this process should get.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["process_cpus", "widen_affinity"]
+
+
+def process_cpus() -> set[int]:
+    """The union of the CPU masks of this process's threads (empty if unknown)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is None:  # not Linux: no per-thread masks to widen
+        return set()
+    cpus: set[int] = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            cpus |= getaffinity(int(tid))
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+    return cpus
+
+
+def widen_affinity() -> set[int] | None:
+    """Let the calling thread run on :func:`process_cpus`; its new mask, or None
+    when nothing changed (already that wide, or the platform cannot tell)."""
+    cpus = process_cpus()
+    if not cpus:
+        return None
+    try:
+        if cpus <= os.sched_getaffinity(0):
+            return None
+        os.sched_setaffinity(0, cpus)
+        return os.sched_getaffinity(0)
+    except OSError:  # a CPU went offline meanwhile, or a seccomp policy forbids it
+        return None
