@@ -3,11 +3,14 @@
 For each link of the chain (root first) the segment is opened (mmap where the
 backend allows), its header checked against the index digest and the expected
 identity, its token ids compared with the prompt's, and every chunk verified
-*before* it is copied into the destination.  A ranged read (``start_tokens``)
-still checks every link's header, identity and token ids, but never reads the
-payload below its start.  Any failure quarantines the link (and so its
-descendants) and raises :class:`CorruptSnapshot`; a snapshot that vanished
-raises :class:`NotFound`.  Both are misses for the caller.
+*before* it is copied into the destination (read positionally into a per-thread
+chunk buffer where the blob offers ``read_at``, else hashed where it lies).  A
+ranged read (``start_tokens``) still checks every link's header, identity and
+token ids, but never reads the payload below its start.  Any failure
+quarantines the link (and so its descendants) and raises
+:class:`CorruptSnapshot`; a snapshot that vanished raises :class:`NotFound`.
+Both are misses for the caller.  A positional read of a file that shrank is a
+short read (``truncated``), where a mapping would have raised SIGBUS.
 """
 
 from __future__ import annotations
@@ -108,13 +111,21 @@ def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[
     return links
 
 @dataclass(frozen=True)
+class _Opened:
+    """One link's segment, its header checked; ``read_at`` when the blob has it."""
+
+    buf: memoryview
+    header: seg.SegmentHeader
+    read_at: seg.ReadAt | None
+
+
+@dataclass(frozen=True)
 class _Copy:
     """What one link contributes to every layer: its bytes ``[skip, nbytes)`` of
     each layer tensor land at byte ``at`` of the layer's destination."""
 
     link: _Link
-    buf: memoryview
-    header: seg.SegmentHeader
+    opened: _Opened
     skip: int
     nbytes: int
     at: int
@@ -158,12 +169,12 @@ def _read_chain(
                 stop = min(link.end, n)
                 with _quarantine_on_failure(store, link):
                     opened = stack.enter_context(_open_verified(store, link, identity, rank))
-                    stored = seg.verified_view(*opened, "tokens", (stop - link.start) * 4)
+                    stored = _verified_tokens(opened, (stop - link.start) * 4)
                     if not np.array_equal(stored.view("<u4"), match.token_ids[link.start:stop]):
                         raise CorruptSnapshot("stored token ids differ from the prompt",
                                               "tokens")
                     del stored
-                    n_layers = opened[1].n_layers
+                    n_layers = opened.header.n_layers
                     if dests is None:
                         dests = dest_for(n_layers, n // bs - skip_blocks)
                     elif n_layers != len(dests):
@@ -172,7 +183,7 @@ def _read_chain(
                 if stop > skip_tokens:  # else wholly below the range: payload unread
                     first = max(link.start, skip_tokens) // bs  # first block copied from here
                     copies.append(_Copy(
-                        link, *opened, skip=(first - link.start // bs) * page,
+                        link, opened, skip=(first - link.start // bs) * page,
                         nbytes=(stop - link.start) // bs * page, at=(first - skip_blocks) * page))
                 del opened
             assert dests is not None
@@ -202,16 +213,21 @@ def _copy_layers(store: SnapshotStore, copies: list[_Copy],
     reported = 0
     failure: list[BaseException] = []
 
+    positional = any(c.opened.read_at is not None for c in copies)
+
     def run(share: range) -> None:
         nonlocal reported
+        # This thread's chunk buffer for positional reads (a cached copy).
+        bounce = np.empty(seg.CHUNK_BYTES, np.uint8) if positional else None
         for i in share:
             if failure:
                 return
             try:
                 for c in copies:
                     with _quarantine_on_failure(store, c.link):
-                        seg.copy_verified(c.buf, c.header, f"layer.{i}", c.nbytes, dests[i],
-                                          skip=c.skip, at=c.at)
+                        seg.copy_verified(c.opened.buf, c.opened.header, f"layer.{i}",
+                                          c.nbytes, dests[i], skip=c.skip, at=c.at,
+                                          read_at=c.opened.read_at, bounce=bounce)
             except BaseException as exc:  # handed to the caller's thread
                 with lock:
                     failure.append(exc)
@@ -235,6 +251,17 @@ def _copy_layers(store: SnapshotStore, copies: list[_Copy],
         raise failure[0]
 
 
+def _verified_tokens(opened: _Opened, nbytes: int) -> np.ndarray:
+    """The segment's first ``nbytes`` of token ids, verified (a copy when read
+    positionally, else a view of the mapping)."""
+    if opened.read_at is None:
+        return seg.verified_view(opened.buf, opened.header, "tokens", nbytes)
+    tokens = np.empty(nbytes, np.uint8)
+    seg.copy_verified(opened.buf, opened.header, "tokens", nbytes, tokens,
+                      read_at=opened.read_at)
+    return tokens
+
+
 @contextmanager
 def _quarantine_on_failure(store: SnapshotStore, link: _Link) -> Iterator[None]:
     try:
@@ -246,7 +273,7 @@ def _quarantine_on_failure(store: SnapshotStore, link: _Link) -> Iterator[None]:
 @contextmanager
 def _open_verified(
     store: SnapshotStore, link: _Link, identity: ModelIdentity, rank: int
-) -> Iterator[tuple[memoryview, seg.SegmentHeader]]:
+) -> Iterator[_Opened]:
     try:
         blob = store.backend.open(link.object_key)
     except NotFound as exc:
@@ -267,7 +294,7 @@ def _open_verified(
                 raise CorruptSnapshot(
                     f"segment {key} is {meta.get(key)!r}, expected {value!r}", "identity"
                 )
-        yield buf, header
+        yield _Opened(buf, header, getattr(blob, "read_at", None))
     finally:
         del buf
         blob.close()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -42,6 +42,7 @@ __all__ = [
     "CHUNK_BYTES",
     "FORMAT",
     "Pieces",
+    "ReadAt",
     "SegmentHeader",
     "as_byte_view",
     "build_header",
@@ -258,9 +259,15 @@ class Pieces:
             i += 1
 
 
+ReadAt = Callable[[int, np.ndarray], int]
+"""A positional read of the segment file: fill the array from a byte offset
+(like ``os.preadv``) and return the number of bytes read, fewer only at its end."""
+
+
 def copy_verified(
     buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray | Pieces,
-    *, skip: int = 0, at: int = 0,
+    *, skip: int = 0, at: int = 0, read_at: ReadAt | None = None,
+    bounce: np.ndarray | None = None,
 ) -> None:
     """Verify and copy bytes ``[skip, nbytes)`` of tensor ``name`` into ``dest``.
 
@@ -269,6 +276,13 @@ def copy_verified(
     while it is still in cache: a chunk lying wholly below ``skip`` is neither
     read nor verified, one straddling ``skip`` is verified in full and only its
     part at or after ``skip`` copied.  No unverified byte ever reaches ``dest``.
+
+    Without ``read_at`` each chunk is hashed where it lies in ``buf``.  With it
+    (the backend's positional read), each chunk is read into ``bounce`` (a
+    scratch array of at least ``CHUNK_BYTES``, one per thread) and verified
+    there: a mapped file is then not faulted in page by page, nor are those page
+    tables torn down afterwards, which costs more than the extra cached copy.
+    A short read (the file shrank) is a ``truncated`` CorruptSnapshot.
     """
     offset, total = header.tensors[name]
     if nbytes > total:
@@ -278,10 +292,25 @@ def copy_verified(
     if at < 0 or at + nbytes - skip > dest.size:
         raise InvalidArgument(
             f"the destination holds {dest.size} bytes; {nbytes - skip} are copied at {at}")
-    view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
+    if read_at is None:
+        view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
+
+        def fetch(start: int, size: int) -> np.ndarray:
+            return view[start : start + size]
+    else:
+        scratch = bounce if bounce is not None else np.empty(CHUNK_BYTES, np.uint8)
+        if scratch.size < CHUNK_BYTES:
+            raise InvalidArgument(f"bounce must hold {CHUNK_BYTES} bytes, got {scratch.size}")
+
+        def fetch(start: int, size: int) -> np.ndarray:
+            got = read_at(offset + start, scratch[:size])
+            if got != size:
+                raise _fail(f"{name} chunk at byte {start}: read {got} of {size} bytes "
+                            "(the file was truncated)", "truncated")
+            return scratch[:size]
     first = skip // CHUNK_BYTES
     for index, start in enumerate(range(first * CHUNK_BYTES, nbytes, CHUNK_BYTES), first):
-        chunk = view[start : start + CHUNK_BYTES]
+        chunk = fetch(start, min(CHUNK_BYTES, total - start))
         if _hexdigest(chunk) != header.chunk_digest(name, index):
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
         lo, stop = max(start, skip), min(start + CHUNK_BYTES, nbytes)

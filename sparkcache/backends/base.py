@@ -55,6 +55,11 @@ class Blob(Protocol):
     of it (slices, ``numpy.frombuffer``, ...) must drop them before closing,
     otherwise a mapped file stays mapped until those views are garbage collected.
     Closing twice is harmless.  Blobs are context managers.
+
+    A blob may also offer ``read_at(offset, out) -> int``, a positional read of
+    the object into a writable buffer (fewer bytes only at its end), as
+    :class:`~sparkcache.backends.local.MmapBlob` does; the verified reader then
+    reads the bulk of a segment with it instead of through ``buffer``.
     """
 
     @property

@@ -36,7 +36,7 @@ import stat
 from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from sparkcache.backends.base import BufferBlob, as_byte_view, translate_os_error
 from sparkcache.backends.keys import temp_key, validate_key
@@ -312,22 +312,28 @@ class LocalBackend:
 
 
 class MmapBlob:
-    """A :class:`Blob` over a read-only ``mmap`` of the whole file.
+    """A :class:`Blob` over a read-only ``mmap`` of the whole file, plus its descriptor.
 
     The mapping keeps the bytes readable even if the file is deleted or replaced
-    meanwhile (POSIX keeps an unlinked inode alive while mapped).  ``close`` releases
-    our view, then unmaps.  If a consumer still holds views derived from ``buffer``
-    (slices, ``numpy.frombuffer``), unmapping is refused with ``BufferError``; the
-    blob then drops its reference and the mapping is unmapped when the last of those
+    meanwhile (POSIX keeps an unlinked inode alive while mapped).  ``read_at``
+    reads the same file positionally (``preadv``): a bulk reader that copies the
+    bytes anyway avoids faulting the mapping in page by page and the cost of
+    unmapping those pages.  ``close`` releases our view, unmaps and closes the
+    descriptor.  If a consumer still holds views derived from ``buffer`` (slices,
+    ``numpy.frombuffer``), unmapping is refused with ``BufferError``; the blob
+    then drops its reference and the mapping is unmapped when the last of those
     views is garbage collected.  Consumers should release their views first.
     """
 
-    __slots__ = ("_mmap", "_view")
+    __slots__ = ("_fd", "_key", "_mmap", "_url", "_view")
 
-    def __init__(self, mapped: mmap.mmap) -> None:
+    def __init__(self, mapped: mmap.mmap, fd: int = -1, key: str = "", url: str = "") -> None:
         self._mmap: mmap.mmap | None = mapped
         # ACCESS_READ mappings export read-only buffers, so writes raise TypeError.
         self._view: memoryview | None = memoryview(mapped)
+        self._fd = fd  # owned: closed by close(); -1 when there is none
+        self._key = key
+        self._url = url
 
     @property
     def buffer(self) -> memoryview:
@@ -335,15 +341,36 @@ class MmapBlob:
             raise ValueError("blob is closed; open the object again to read it")
         return self._view
 
+    def read_at(self, offset: int, out: Any) -> int:
+        """Fill ``out`` (a writable buffer) from byte ``offset``; return the bytes
+        read, fewer only where the file ends.  Safe from several threads."""
+        if self._view is None or self._fd < 0:
+            raise ValueError("blob is closed; open the object again to read it")
+        target = memoryview(out).cast("B")
+        done = 0
+        try:
+            while done < target.nbytes:
+                got = os.preadv(self._fd, [target[done:]], offset + done)
+                if got <= 0:
+                    break
+                done += got
+        except OSError as exc:
+            raise translate_os_error(exc, "reading", self._key, self._url) from exc
+        return done
+
     def close(self) -> None:
         view, self._view = self._view, None
         mapped, self._mmap = self._mmap, None
+        fd, self._fd = self._fd, -1
         if view is not None:
             with suppress(BufferError):
                 view.release()
         if mapped is not None:
             with suppress(BufferError):
                 mapped.close()
+        if fd >= 0:
+            with suppress(OSError):
+                os.close(fd)
 
     def __enter__(self) -> Self:
         return self
@@ -369,17 +396,19 @@ class MmapBackend(LocalBackend):
     zero_copy: bool = True
 
     def open(self, key: str) -> Blob:
-        """Map the object read-only.  An empty object gets an empty in-memory blob."""
+        """Map the object read-only; the blob keeps the descriptor for ``read_at``.
+        An empty object gets an empty in-memory blob."""
         fd, length = self._open_fd(key)
         try:
             if length == 0:
+                os.close(fd)
                 return BufferBlob(b"")  # mmap refuses a zero-length mapping
             mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except OSError as exc:
+            with suppress(OSError):
+                os.close(fd)
             raise translate_os_error(exc, "mapping", key, self.url) from exc
-        finally:
-            os.close(fd)  # the mapping keeps its own reference to the file
-        return MmapBlob(mapped)
+        return MmapBlob(mapped, fd, key, self.url)
 
 
 def _write_all(fd: int, view: memoryview) -> int:

@@ -8,6 +8,7 @@ import mmap
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +226,48 @@ def test_mmap_blob_survives_delete_and_overwrite(tmp_path: Path) -> None:
     blob.close()
     with pytest.raises(ValueError):
         _ = blob.buffer
+
+
+def test_mmap_blob_read_at(tmp_path: Path) -> None:
+    """Positional reads of the mapped file: exact bytes, short only at the end,
+    from several threads at once, refused once closed."""
+    backend = MmapBackend(tmp_path)
+    data = np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8)
+    backend.put("obj", [data])
+    blob = backend.open("obj")
+    assert isinstance(blob, MmapBlob)
+    out = np.zeros(1000, np.uint8)
+    assert blob.read_at(12345, out) == 1000
+    assert np.array_equal(out, data[12345:13345])
+    assert blob.read_at(data.size - 10, out) == 10  # the file ends there
+    assert np.array_equal(out[:10], data[-10:])
+    assert blob.read_at(data.size + 5, out) == 0
+
+    def read_part(k: int) -> bool:
+        part = np.empty(1 << 20, np.uint8)
+        return blob.read_at(k << 20, part) == part.size and np.array_equal(
+            part, data[k << 20 : (k + 1) << 20])
+
+    with ThreadPoolExecutor(3) as pool:
+        assert all(pool.map(read_part, range(3)))
+    blob.close()
+    with pytest.raises(ValueError, match="closed"):
+        blob.read_at(0, out)
+
+
+def test_mmap_blob_read_at_sees_truncation(tmp_path: Path) -> None:
+    """A file truncated while open: the mapping would fault (SIGBUS) past the new
+    end, a positional read just returns fewer bytes."""
+    backend = MmapBackend(tmp_path)
+    backend.put("obj", [bytes(range(256)) * 64])
+    with backend.open("obj") as blob:
+        path = tmp_path / "obj"
+        os.chmod(path, 0o644)
+        with open(path, "r+b") as f:
+            f.truncate(1000)
+        out = bytearray(4096)
+        assert blob.read_at(0, out) == 1000
+        assert out[:1000] == (bytes(range(256)) * 4)[:1000]
 
 
 def test_mmap_empty_file(tmp_path: Path) -> None:

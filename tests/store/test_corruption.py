@@ -121,3 +121,27 @@ def test_quarantined_parent_hides_children(store: SnapshotStore) -> None:
     store.quarantine(a, "digest")
     assert store.lookup(ident, t2) is None
     assert {s.reason for s in store.snapshots()} == {"digest", "parent"}
+
+
+def test_truncated_while_reading_is_a_miss_not_a_crash(store: SnapshotStore) -> None:
+    """The segment shrinks after it was opened and checked, between two layers:
+    the rest is read positionally, so the reader sees a short read (a
+    ``truncated`` miss, quarantined) where a mapped read would die of SIGBUS."""
+    toks, path = _one(store, n=256)
+    ident = identity()
+    m = store.lookup(ident, toks)
+    assert m is not None
+    out = [np.zeros(m.n_tokens // ident.block_size * ident.page_nbytes, np.uint8)
+           for _ in range(ident.num_layers)]
+
+    def shrink(layer: int) -> None:
+        if layer == 0:
+            os.chmod(path, 0o644)
+            with open(path, "r+b") as f:
+                f.truncate(path.stat().st_size // 2)
+
+    with pytest.raises(CorruptSnapshot) as exc:
+        store.read_into(m, 0, out, on_layer=shrink)
+    assert exc.value.reason == "truncated"
+    assert out[0].any() and not out[1].any()  # layer 0 landed verified, layer 1 not at all
+    assert store.lookup(ident, toks) is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -342,19 +342,58 @@ def one_tensor(small_chunks: int) -> Iterator[tuple[memoryview, seg.SegmentHeade
     yield buf, seg.parse_header(buf, digest), data
 
 
+def _read_at(buf: memoryview) -> Callable[[int, np.ndarray], int]:
+    """A positional read over ``buf``, as a file's ``preadv`` would do it."""
+    def read_at(offset: int, out: np.ndarray) -> int:
+        part = np.frombuffer(buf, np.uint8)[offset : offset + out.size]
+        out[: part.size] = part
+        return int(part.size)
+    return read_at
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["in-place", "read_at"])
 @pytest.mark.parametrize("skip", [0, 1, 999, 1000, 1001, 2048, 4000, 4095, 4096])
 @pytest.mark.parametrize("nbytes", [4096, 2500, 2000])
 def test_copy_verified_skip(
-    one_tensor: tuple[memoryview, seg.SegmentHeader, np.ndarray], skip: int, nbytes: int
+    one_tensor: tuple[memoryview, seg.SegmentHeader, np.ndarray], skip: int, nbytes: int,
+    positional: bool,
 ) -> None:
     buf, header, data = one_tensor
+    read_at = _read_at(buf) if positional else None
     if skip > nbytes:
         with pytest.raises(InvalidArgument, match="skip"):
-            seg.copy_verified(buf, header, "layer.0", nbytes, np.zeros(0, np.uint8), skip=skip)
+            seg.copy_verified(buf, header, "layer.0", nbytes, np.zeros(0, np.uint8), skip=skip,
+                              read_at=read_at)
         return
     dest = np.zeros(nbytes - skip, np.uint8)
-    seg.copy_verified(buf, header, "layer.0", nbytes, dest, skip=skip)
+    seg.copy_verified(buf, header, "layer.0", nbytes, dest, skip=skip, read_at=read_at)
     assert np.array_equal(dest, data[skip:nbytes])
+
+
+def test_copy_verified_read_at_checks_what_it_read(
+    one_tensor: tuple[memoryview, seg.SegmentHeader, np.ndarray],
+) -> None:
+    """Positional reads are verified in the bounce buffer: a flipped byte or a
+    short read (the file shrank) never reaches the destination."""
+    buf, header, data = one_tensor
+    flipped = bytearray(buf)
+    offset = header.tensors["layer.0"][0]
+    flipped[offset + 1500] ^= 1
+    dest = np.zeros(4096, np.uint8)
+    with pytest.raises(CorruptSnapshot) as exc:
+        seg.copy_verified(buf, header, "layer.0", 4096, dest,
+                          read_at=_read_at(memoryview(flipped)))
+    assert exc.value.reason == "digest"
+    assert np.array_equal(dest[:1000], data[:1000]) and not dest[1000:].any()
+    short = memoryview(bytes(buf)[: offset + 2500])
+    dest[:] = 0
+    with pytest.raises(CorruptSnapshot) as exc:
+        seg.copy_verified(buf, header, "layer.0", 4096, dest, read_at=_read_at(short))
+    assert exc.value.reason == "truncated"
+    assert not dest[2000:].any()
+    with pytest.raises(InvalidArgument, match="bounce"):
+        seg.copy_verified(buf, header, "layer.0", 4096, dest, read_at=_read_at(buf),
+                          bounce=np.empty(10, np.uint8))
 
 
 # -- destinations in pieces, layer by layer ---------------------------------------------
