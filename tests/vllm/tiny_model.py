@@ -336,6 +336,7 @@ def run_engine_script(
     JSON), ``make_llm`` and ``report(obj)``, which writes the result.  The
     script has the ``__main__`` guard that vLLM's spawned processes need.  A
     failure raises with the tail of the child's output.  ``env`` adds variables.
+    The script and result files in ``args["tmp"]`` are removed afterwards.
     """
     here = Path(__file__).resolve().parent
     out_file = Path(args["tmp"]) / f"result-{os.getpid()}-{random.randrange(1 << 30)}.json"
@@ -356,14 +357,19 @@ def run_engine_script(
     script_file = out_file.with_suffix(".py")
     script_file.write_text(script)
     env = apply_cpu_env({**os.environ, **(env or {})})
-    done = subprocess.run(
-        [sys.executable, str(script_file), json.dumps(args)],
-        cwd=cwd or here.parents[1], env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    log = (done.stdout + done.stderr)[-12000:]
-    if done.returncode != 0 or not out_file.exists():
-        raise AssertionError(f"engine script failed (rc={done.returncode}):\n{log}")
-    result: dict[str, Any] = json.loads(out_file.read_text())
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script_file), json.dumps(args)],
+            cwd=cwd or here.parents[1], env=env, capture_output=True, text=True,
+            timeout=timeout,
+        )
+        log = (done.stdout + done.stderr)[-12000:]
+        if done.returncode != 0 or not out_file.exists():
+            raise AssertionError(f"engine script failed (rc={done.returncode}):\n{log}")
+        result: dict[str, Any] = json.loads(out_file.read_text())
+    finally:
+        script_file.unlink(missing_ok=True)
+        out_file.unlink(missing_ok=True)
     result["_log"] = log
     return result
 
