@@ -387,9 +387,10 @@ class MmapBlob:
 class MmapBackend(LocalBackend):
     """:class:`LocalBackend` whose ``open`` maps the file instead of copying it.
 
-    The default backend for a plain path: a read costs page faults on the bytes
-    the reader actually touches and nothing else, and the page cache is shared by
-    every process reading the same segment.
+    The default backend for a plain path: opening costs nothing until bytes are
+    touched, the page cache is shared by every process reading the same
+    segment, and the blob's ``read_at`` serves bulk readers (the verified
+    restore) without faulting the mapping in.
     """
 
     scheme: ClassVar[str] = "mmap"
