@@ -217,7 +217,7 @@ def _copy_layers(store: SnapshotStore, copies: list[_Copy],
 
     def run(share: range) -> None:
         nonlocal reported
-        # This thread's chunk buffer for positional reads (a cached copy).
+        # Positional reads land here, one chunk at a time, reused by this thread.
         bounce = np.empty(seg.CHUNK_BYTES, np.uint8) if positional else None
         for i in share:
             if failure:
