@@ -280,9 +280,12 @@ def copy_verified(
     Without ``read_at`` each chunk is hashed where it lies in ``buf``.  With it
     (the backend's positional read), each chunk is read into ``bounce`` (a
     scratch array of at least ``CHUNK_BYTES``, one per thread) and verified
-    there: a mapped file is then not faulted in page by page, nor are those page
-    tables torn down afterwards, which costs more than the extra cached copy.
-    A short read (the file shrank) is a ``truncated`` CorruptSnapshot.
+    there.  A short read (the file shrank) is then a ``truncated``
+    CorruptSnapshot and an I/O error the backend's error, where touching a
+    mapping past the end of its file, or over a failing disk, raises SIGBUS.
+    It costs one more copy: ~10% slower for one thread on a warm page cache,
+    faster with two threads (no page faults, no unmapping) and on a cold one
+    (docs/benchmarks.md).
     """
     offset, total = header.tensors[name]
     if nbytes > total:

@@ -327,11 +327,11 @@ class MmapBlob:
 
     __slots__ = ("_fd", "_key", "_mmap", "_url", "_view")
 
-    def __init__(self, mapped: mmap.mmap, fd: int = -1, key: str = "", url: str = "") -> None:
+    def __init__(self, mapped: mmap.mmap, fd: int, key: str, url: str) -> None:
         self._mmap: mmap.mmap | None = mapped
         # ACCESS_READ mappings export read-only buffers, so writes raise TypeError.
         self._view: memoryview | None = memoryview(mapped)
-        self._fd = fd  # owned: closed by close(); -1 when there is none
+        self._fd = fd  # owned: closed by close()
         self._key = key
         self._url = url
 
@@ -344,7 +344,7 @@ class MmapBlob:
     def read_at(self, offset: int, out: Any) -> int:
         """Fill ``out`` (a writable buffer) from byte ``offset``; return the bytes
         read, fewer only where the file ends.  Safe from several threads."""
-        if self._view is None or self._fd < 0:
+        if self._view is None:
             raise ValueError("blob is closed; open the object again to read it")
         target = memoryview(out).cast("B")
         done = 0
