@@ -9,13 +9,22 @@ with the forward on that core alone.  :func:`widen_affinity` lets the calling
 thread run on every CPU that any thread of this process may use (the cores of
 the forward, plus whatever the process had before it was pinned), which is
 what a background thread of this process should get.
+
+A restore's read threads are placed the other way round (:func:`pinned_to`):
+while a worker step runs, vLLM's engine core busy-waits on one core, giving
+way (``sched_yield``) only to threads queued on that same core.  Two unpinned
+read threads may then share one core while the spinner keeps the other;
+each pinned to its own core of the rank's set - as vLLM pins its forward's
+threads - they get both (docs/connector-notes.md).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["process_cpus", "widen_affinity"]
+__all__ = ["pinned_to", "process_cpus", "widen_affinity"]
 
 
 def process_cpus() -> set[int]:
@@ -49,3 +58,27 @@ def widen_affinity() -> set[int] | None:
         return os.sched_getaffinity(0)
     except OSError:  # a CPU went offline meanwhile, or a seccomp policy forbids it
         return None
+
+
+@contextmanager
+def pinned_to(cpu: int | None) -> Iterator[bool]:
+    """Run the calling thread on ``cpu`` alone within the block, then give it
+    back its previous mask.  Yields whether it is pinned: not for ``None``, nor
+    where the platform or a policy refuses (the block then runs unpinned)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if cpu is None or getaffinity is None:
+        yield False
+        return
+    try:
+        before = getaffinity(0)
+        os.sched_setaffinity(0, {cpu})
+    except OSError:  # the CPU went offline, or a seccomp policy forbids it
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        try:
+            os.sched_setaffinity(0, before)
+        except OSError:  # a CPU of the old mask went offline: take what is left
+            widen_affinity()

