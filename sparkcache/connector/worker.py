@@ -168,7 +168,8 @@ class WorkerIO:
         # done, failed or not).  Unbounded: the step cannot run without them.
         self._in_step: queue.Queue[LoadJob | None] = queue.Queue()
         self._step_layers: dict[str, int] = {}
-        self._step_jobs: list[LoadJob] = []  # ended, awaiting finish_step_loads
+        # Ended in-step loads awaiting finish_step_loads, with whether each landed.
+        self._step_jobs: list[tuple[LoadJob, bool]] = []
         self._threads = [
             threading.Thread(target=self._load_loop, name="sparkcache-load", daemon=True),
             threading.Thread(target=self._save_loop, name="sparkcache-save", daemon=True),
@@ -243,9 +244,10 @@ class WorkerIO:
             jobs, self._step_jobs = self._step_jobs, []
             self._step_layers.clear()
             if not all_layers_waited:
-                self.counters.add("load_failures", len(jobs))
+                # A load that failed was counted (and its blocks reported) then.
+                self.counters.add("load_failures", sum(ok for _job, ok in jobs))
                 self.counters.add("loads_unwaited", len(jobs))
-                for job in jobs:
+                for job, _ok in jobs:
                     self._failed_blocks.update(job.block_ids)
         if not all_layers_waited:
             logger.warning("sparkcache: vLLM's forward did not wait for every restored layer; "
@@ -262,12 +264,13 @@ class WorkerIO:
                     self._step_layers[req_id] = layer + 1
                     self._progress.notify_all()
 
+            ok = False
             try:
-                self._run_load(job, report=False, on_layer=landed)
+                ok = self._run_load(job, report=False, on_layer=landed)
             finally:
                 with self._lock:
                     self._step_layers[req_id] = LOADED
-                    self._step_jobs.append(job)
+                    self._step_jobs.append((job, ok))
                     self._progress.notify_all()
                 self._in_step.task_done()
         self._in_step.task_done()

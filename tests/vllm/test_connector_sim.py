@@ -576,4 +576,18 @@ def test_an_in_step_load_that_fails_or_is_not_awaited_is_recomputed(tmp_path: Pa
         assert not kv.arr[1, :6].any()  # no unverified byte reached the cache
         assert io.take_failed_blocks() == set(range(6))
         assert store.snapshot(snap.id).state == "quarantined"
+        assert counters.take()["load_failures"] == 1
+        # Failed and not awaited either: still one failure (and one unwaited).
+        before = set((tmp_path / "s").glob("objects/*/*/*.safetensors"))
+        fresh = store.publish(identity(), 0, p[:96], pages).snapshot_id
+        (segment,) = set((tmp_path / "s").glob("objects/*/*/*.safetensors")) - before
+        data = bytearray(segment.read_bytes())
+        data[-96 * 4 - 10] ^= 0xFF
+        segment.write_bytes(bytes(data))
+        job = LoadJob("r", fresh, 96, job.token_ids, 0, job.block_ids, in_step=True)
+        io.start_step_loads([job])
+        io.finish_step_loads(all_layers_waited=False)
+        assert io.take_failed_blocks() == set(range(6))
+        got = counters.take()
+        assert got["load_failures"] == 1 and got["loads_unwaited"] == 1
         io.close()
