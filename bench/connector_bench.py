@@ -23,7 +23,8 @@ process (vLLM on CPU, enforce eager, block size 32):
    its prefill's forward).
    Rounds alternate the engines so that a slow spell of the machine or one
    unlucky process does not decide the comparison; each restore row pools
-   ``--rounds`` x ``--reps`` repetitions.  After every restore the engine
+   ``--rounds`` x ``--reps`` repetitions, and the last lines count the rounds
+   whose sparkcache engine had the lower median.  After every restore the engine
    answers the prompt once more from vLLM's own prefix cache: "over live" is
    the median of (restore - that), the restore's cost with the engine's own
    speed taken out (engines of one configuration differ by up to ~0.1 s).
@@ -258,6 +259,12 @@ def main() -> int:
         cold = medians[RESTORES[2]] / medians[RESTORES[3]]
         print(f"cold page cache: sparkcache {medians[RESTORES[2]]:.3f} s vs ExampleConnector "
               f"{medians[RESTORES[3]]:.3f} s ({cold:.2f}x)")
+        for label, ours_name, theirs_name in (("warm", RESTORES[0], RESTORES[1]),
+                                              ("cold", RESTORES[2], RESTORES[3])):
+            pairs = zip(runs[ours_name]["rounds"], runs[theirs_name]["rounds"], strict=True)
+            won = sum(a < b for a, b in pairs)
+            print(f"{label}: sparkcache's engine median below ExampleConnector's in {won} of "
+                  f"{opts.rounds} rounds")
     return 0 if ok else 1
 
 
