@@ -87,13 +87,14 @@ def pinned_to(cpu: int | None) -> Iterator[bool]:
     back its previous mask.  Yields whether it is pinned: not for ``None``, nor
     where the platform or a policy refuses (the block then runs unpinned)."""
     getaffinity = getattr(os, "sched_getaffinity", None)
-    if cpu is None or getaffinity is None:
-        yield False
-        return
-    try:
-        before = getaffinity(0)
-        os.sched_setaffinity(0, {cpu})
-    except OSError:  # the CPU went offline, or a seccomp policy forbids it
+    before: set[int] | None = None
+    if cpu is not None and getaffinity is not None:
+        try:
+            before = getaffinity(0)
+            os.sched_setaffinity(0, {cpu})
+        except OSError:  # the CPU went offline, or a seccomp policy forbids it
+            before = None
+    if before is None:
         yield False
         return
     try:
