@@ -119,15 +119,21 @@ def test_pinned_to_a_cpu_it_may_not_use_runs_unpinned() -> None:
 
 
 def _masks_seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[frozenset[int]]]:
-    """Record the CPU mask of every thread that verifies and copies a layer."""
+    """Record the CPU mask of every thread that verifies and copies a layer.
+
+    Each of the two threads takes one of the two layers: the first to take one
+    waits (a barrier) until the other has taken the second, however late it
+    starts."""
+    assert LAYERS == 2
     seen: dict[str, set[frozenset[int]]] = {}
+    both = threading.Barrier(2, timeout=10)
     real = seg.copy_verified
 
     def spy(buf: Any, header: Any, name: str, *args: Any, **kwargs: Any) -> None:
         if name.startswith("layer."):  # not the token ids, checked before
             seen.setdefault(threading.current_thread().name, set()).add(
                 frozenset(os.sched_getaffinity(0)))
-            time.sleep(0.05)  # long enough that both threads take a layer
+            both.wait()
         real(buf, header, name, *args, **kwargs)
 
     monkeypatch.setattr(seg, "copy_verified", spy)

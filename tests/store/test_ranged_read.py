@@ -517,8 +517,9 @@ def test_a_slow_thread_takes_fewer_layers(store: SnapshotStore,
     seen: list[int] = []
     assert store.read_into(m, 0, out, on_layer=seen.append, threads=2) == 4
     assert seen == list(range(8))
-    assert len(took["sparkcache-read-1"]) <= 2 < len(took[threading.current_thread().name])
-    assert sorted(took["sparkcache-read-1"] + took[threading.current_thread().name]) == list(
-        range(8))
+    helper = took.get("sparkcache-read-1", [])  # none if it started after the last layer
+    mine = took[threading.current_thread().name]
+    assert len(helper) <= 2 < len(mine)
+    assert sorted(helper + mine) == list(range(8))
     for got, want in zip(out, pages, strict=True):
         assert np.array_equal(got, want)
