@@ -565,6 +565,51 @@ class SnapshotStore:
             self._count(model_id, "misses")
         return None
 
+    def extend(
+        self, match: Match, token_ids: Sequence[int] | np.ndarray, *,
+        ranks: Iterable[int] | None = None,
+    ) -> Match | None:
+        """``match`` grown by one block, when the snapshot's next stored block
+        begins with the rest of ``token_ids`` (fewer than a block of tokens
+        after ``match.n_tokens``); else None.
+
+        A prompt's last partial block has no boundary hash, so ``lookup`` never
+        returns it; a snapshot that went on past the prompt (its answer) holds
+        it.  The new match's ``token_ids`` are ``token_ids`` followed by the
+        stored tokens completing the block: a read of it restores that whole
+        block (its slots past the prompt are the stored request's, which the
+        caller overwrites before use).  The stored token ids are read verified
+        from the first of ``ranks`` (default: all of the topology), every one
+        of which must be able to restore the grown match.  A segment failing
+        its checks is quarantined and raises CorruptSnapshot (a vanished
+        snapshot NotFound): the match itself is then no longer a hit.
+        """
+        tokens = as_token_array(token_ids)
+        identity = match.identity
+        bs = identity.block_size
+        n = match.n_tokens
+        if not n < tokens.size < n + bs:
+            raise InvalidArgument(f"token_ids must extend the match by 1 to {bs - 1} tokens "
+                                  f"(it has {n}), got {tokens.size}")
+        if not np.array_equal(tokens[:n], match.token_ids):
+            raise InvalidArgument("token_ids must begin with the match's token ids")
+        expected = sorted({identity.check_rank(r) for r in ranks} if ranks is not None
+                          else range(identity.world_size))
+        if not expected:
+            raise InvalidArgument("ranks must name at least one rank")
+        with self._read() as conn:
+            row = conn.execute(q.SNAPSHOT_BY_ID, (match.snapshot_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
+            if SnapshotInfo.from_row(row).n_tokens < n + bs or not self._restorable(
+                    conn, match.snapshot_id, n + bs, json.dumps(expected), len(expected)):
+                return None
+        stored = reader.tail_tokens(self, match, expected[0], n + bs)
+        if not np.array_equal(stored[:tokens.size - n], tokens[n:]):
+            return None
+        return Match(match.snapshot_id, n + bs, identity,
+                     np.concatenate([tokens, stored[tokens.size - n:]]), match.scope)
+
     @staticmethod
     def _matched_strides(
         conn: Any, model_id: int, hashes: Sequence[bytes], probe: list[int], bs: int

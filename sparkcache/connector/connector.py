@@ -208,7 +208,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.sched = SchedulerSide(
             self.store, self.identity, self.counters,
             restore=self.settings.restore, publish=self.settings.publish,
-            load_async=self.settings.load_async,
+            load_async=self.settings.load_async, tail_block=self.settings.tail_block,
             min_tokens=self.retention.settings.min_tokens if min_tokens is None else min_tokens,
         )
         if self.settings.sweep:

@@ -8,7 +8,10 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
 * **restore**: the prompt's block-boundary hashes are computed once per
   request; the index returns the longest snapshot every rank of this topology
   can restore; the tokens beyond vLLM's own prefix hit are offered, never the
-  last prompt token (vLLM must compute one to sample).
+  last prompt token (vLLM must compute one to sample).  When the snapshot goes
+  on past the prompt (it holds the answer to it), the block holding the
+  prompt's last tokens is restored too (``tail_block``): vLLM then computes
+  that one token, where its own prefix cache recomputes up to a block.
 * **lease**: a planned restore leases its snapshot until the load has
   landed (or the request is gone), so neither the sweeper nor another
   process's eviction can delete it between the lookup and the read.
@@ -40,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from sparkcache.connector.worker import Counters, LoadJob, SaveJob
-from sparkcache.errors import SparkCacheError
+from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.store import Match, SnapshotStore
@@ -118,15 +121,18 @@ class SchedulerSide:
         publish: bool = True,
         load_async: bool | None = True,
         min_tokens: int = 64,
+        tail_block: bool = True,
     ) -> None:
         self.store = store
         self.identity = identity
         self.counters = counters
         self.restore, self.publish, self.load_async = restore, publish, load_async
         self.min_tokens = min_tokens
+        self.tail_block = tail_block
         self.bs = identity.block_size
         self._reqs: dict[str, _ReqState] = {}
-        self._offers: dict[str, tuple[Match, int, bool]] = {}  # match, local hit, async
+        # match, local hit, async, tokens offered (up to the match, or into its last block)
+        self._offers: dict[str, tuple[Match, int, bool, int]] = {}
         self._live: set[str] = set()  # requests vLLM admitted and has not finished
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._saving: set[str] = set()  # blocks held until the workers copied them
@@ -172,8 +178,11 @@ class SchedulerSide:
         if not self.restore:
             return 0, False
         tokens = request.all_token_ids
-        limit = (len(tokens) - 1) // self.bs * self.bs
-        if limit <= num_computed:
+        want = len(tokens) - 1  # vLLM computes the last token itself, to sample
+        limit = want // self.bs * self.bs  # whole blocks: what the index can match
+        # Past vLLM's own hit, or only the block holding the prompt's end.
+        tail = self.tail_block and want > limit
+        if limit < num_computed or (limit == num_computed and not tail) or want <= 0:
             return 0, False
         hashes = self._hashes(request, limit)
         for other_id, loading in self._inflight.items():
@@ -195,7 +204,10 @@ class SchedulerSide:
         finally:
             self.counters.add("lookup_seconds", time.perf_counter() - started)
         self.counters.add("lookups")
-        if match is None or match.n_tokens <= num_computed:
+        claim = 0 if match is None else match.n_tokens
+        if match is not None and tail and match.n_tokens == limit:
+            match, claim = self._extend(match, tokens[:want])
+        if match is None or claim <= num_computed:
             self.counters.add("misses")
             return 0, False
         load_async = self.load_async
@@ -204,27 +216,44 @@ class SchedulerSide:
             # it (read layer by layer under the forward); with others running it
             # lands while the request waits, so their steps never wait for it.
             load_async = len(self._live) > 1
-        self._offers[request.request_id] = (match, num_computed, load_async)
-        return match.n_tokens - num_computed, load_async
+        self._offers[request.request_id] = (match, num_computed, load_async, claim)
+        return claim - num_computed, load_async
+
+    def _extend(self, match: Match, tokens: Any) -> tuple[Match | None, int]:
+        """The match grown by the stored block holding the rest of ``tokens``, and
+        the tokens it offers; (None, 0) when that snapshot turned out broken."""
+        started = time.perf_counter()
+        try:
+            longer = self.store.extend(match, np.asarray(tokens, np.uint32))
+        except (CorruptSnapshot, NotFound) as exc:  # quarantined or gone: a miss
+            logger.warning("sparkcache: snapshot %d not offered: %s", match.snapshot_id, exc)
+            return None, 0
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: could not check the stored tail block: %s", exc)
+            return match, match.n_tokens
+        finally:
+            self.counters.add("lookup_seconds", time.perf_counter() - started)
+        return (match, match.n_tokens) if longer is None else (longer, len(tokens))
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         """vLLM's ``update_state_after_alloc`` (``block_ids``: the request's group-0 blocks)."""
         offer = self._offers.pop(request.request_id, None)
         if num_external == 0 or offer is None:
             return
-        match, local, load_async = offer
-        if local + num_external != match.n_tokens or local % self.bs:
-            logger.warning("sparkcache: unexpected external token count %d (offered %d from "
-                           "%d); not loading", num_external, match.n_tokens - local, local)
-            return
+        match, local, load_async, claim = offer
         start, end = local // self.bs, match.n_tokens // self.bs
+        if local + num_external != claim or local % self.bs or len(block_ids) < end:
+            logger.warning("sparkcache: unexpected external token count %d (offered %d from "
+                           "%d, %d blocks); not loading", num_external, claim - local, local,
+                           len(block_ids))
+            return
         self._loads.append(LoadJob(
             req_id=request.request_id, snapshot_id=match.snapshot_id, n_tokens=match.n_tokens,
             token_ids=match.token_ids, start_block=start, block_ids=list(block_ids[start:end]),
             in_step=not load_async,
         ))
         if load_async:
-            self._inflight[request.request_id] = self._hashes(request, match.n_tokens)
+            self._inflight[request.request_id] = self._hashes(request, claim)
         try:
             self._leases[request.request_id] = self.store.acquire_lease(
                 match.snapshot_id, kind="restore", ttl=LOAD_LEASE_SECONDS)

@@ -113,6 +113,10 @@ class ConnectorSettings:
     ``max_queued_loads`` / ``max_queued_saves``: bounds of the worker queues.
     ``load_threads``: threads that verify and copy one restore (default 2).
     ``sweep``: run the retention sweeper thread in the scheduler process.
+    ``tail_block``: ``true`` (default) also restores the block holding the
+    prompt's last tokens when a snapshot goes on past the prompt, so vLLM
+    computes only the last token; ``false`` stops at the prompt's last whole
+    block, as vLLM's own prefix cache does (up to a block is recomputed).
     """
 
     folder: str
@@ -125,6 +129,7 @@ class ConnectorSettings:
     load_threads: int = DEFAULT_LOAD_THREADS
     max_queued_saves: int = DEFAULT_MAX_QUEUED
     sweep: bool = True
+    tail_block: bool = True
 
     @property
     def restore(self) -> bool:
@@ -177,4 +182,5 @@ class ConnectorSettings:
                 "max_queued_saves", extra.get("max_queued_saves", DEFAULT_MAX_QUEUED), 1
             ),
             sweep=_as_bool("sweep", extra.get("sweep", True)),
+            tail_block=_as_bool("tail_block", extra.get("tail_block", True)),
         )

@@ -5,7 +5,9 @@
   through get_block_ids_with_load_errors and vLLM recomputes them: same
   answer.  Both load paths: in the prefill step (layer by layer; vLLM drops
   that step's output) and asynchronous (before the request is scheduled).
-* deleted: the payload file of a ready snapshot removed: the same.
+* deleted: the payload file of a ready snapshot removed: found at lookup when
+  the block holding the prompt's end is checked (never offered), or, for a
+  prompt sharing only whole blocks with it, on the worker as above.
 * negative control: with SPARKCACHE_TEST_FAULT=flip-restored the worker
   scrambles restored pages *after* verification; the restore tests'
   comparison (tokens and logprobs) must then fail - proof that it would catch
@@ -20,7 +22,14 @@ from typing import Any
 
 import pytest
 from conftest import CHUNK
-from tiny_model import LONG_PROMPT, NEEDS_VLLM, SHARED_PREFIX_PROMPT, run_scenario, same_answer
+from tiny_model import (
+    CONCURRENT_PROMPTS,
+    LONG_PROMPT,
+    NEEDS_VLLM,
+    SHARED_PREFIX_PROMPT,
+    run_scenario,
+    same_answer,
+)
 
 from sparkcache.connector.worker import FAULT_ENV
 
@@ -45,27 +54,39 @@ def test_corrupt_and_deleted_snapshots_are_recomputed(
         {"op": "reset"},
         {"op": "delete_newest", "name": "delete"},
         {"op": "gen", "name": "deleted", "prompts": [LONG_PROMPT], "ready": 2},
+        {"op": "reset"},
+        {"op": "delete_newest", "name": "delete2"},
+        {"op": "gen", "name": "deleted2", "prompts": [CONCURRENT_PROMPTS[0]], "ready": 2},
     ]
     run = run_scenario(tiny_model_dir, tmp_path, ops, folder=folder, engine=CHUNK,
                        extra={"load_async": load_async})
-    (shared,), (long,), (again,) = (run[k]["outs"] for k in ("shared", "long", "deleted"))
+    (shared,), (long,), (again,), (other,) = (
+        run[k]["outs"] for k in ("shared", "long", "deleted", "deleted2"))
     assert same_answer(shared, baseline["shared"][0]) == "", run["_log"]
     assert same_answer(long, baseline["long"][0]) == ""
     assert same_answer(again, baseline["long"][0]) == ""
+    assert same_answer(other, baseline["concurrent"][0]) == ""
     # Corrupt: offered at admission (counted by vLLM), failed on the worker,
     # quarantined, recomputed; vLLM's cache then served LONG_PROMPT's first 288.
     assert run["shared"]["metrics"]["vllm:external_prefix_cache_hits"] == 256
     assert any(k.startswith("quarantined.") for k in run["shared"]["stats"]), run["shared"]
     assert "hits" not in run["long"]["stats"]
-    in_step = run["deleted"]["metrics"].get("vllm:sparkcache_loads_in_step", 0)
+    in_step = run["deleted2"]["metrics"].get("vllm:sparkcache_loads_in_step", 0)
     assert (in_step == 2) if not load_async else (in_step == 0)
     assert long["cached"] == 288
-    # Deleted: the answer recomputed anew was stored, its file removed, offered
-    # again (480 tokens), missing on the worker: quarantined, recomputed.
+    # Deleted: the answer recomputed anew was stored and its file removed.  The
+    # same prompt again: found missing when the block holding the prompt's end is
+    # checked at lookup, so quarantined and never offered; recomputed.
     stats = run["deleted"]["stats"]
     assert stats.get("quarantined.missing") == 1, stats
-    external = run["deleted"]["metrics"]["vllm:external_prefix_cache_hits"]
-    offered = external - run["long"]["metrics"]["vllm:external_prefix_cache_hits"]
+    assert run["deleted"]["metrics"]["vllm:external_prefix_cache_hits"] == \
+        run["long"]["metrics"]["vllm:external_prefix_cache_hits"]
+    # Again removed; a prompt sharing its 480-token alias (no tail block to check)
+    # is offered those, which are missing on the worker: quarantined, recomputed.
+    stats = run["deleted2"]["stats"]
+    assert stats.get("quarantined.missing") == 2, stats
+    external = run["deleted2"]["metrics"]["vllm:external_prefix_cache_hits"]
+    offered = external - run["deleted"]["metrics"]["vllm:external_prefix_cache_hits"]
     if load_async:
         # The failed load sends the request back to admission, where it is looked
         # up again: another ready snapshot sharing its prefix may restore.
@@ -75,8 +96,8 @@ def test_corrupt_and_deleted_snapshots_are_recomputed(
         # In the prefill step: vLLM drops the step's output and recomputes.
         assert offered == 480
         assert "hits" not in stats
-    states = sorted(s[2] for s in run["deleted"]["snapshots"])
-    assert states == ["quarantined", "quarantined", "ready", "ready"], run["deleted"]["snapshots"]
+    states = sorted(s[2] for s in run["deleted2"]["snapshots"])
+    assert states == ["quarantined"] * 3 + ["ready"] * 2, run["deleted2"]["snapshots"]
 
 
 def test_negative_control_a_scrambled_restore_is_caught(
@@ -88,7 +109,7 @@ def test_negative_control_a_scrambled_restore_is_caught(
     run = run_scenario(tiny_model_dir, tmp_path, ops, folder=folder, engine=CHUNK,
                        env={FAULT_ENV: "flip-restored"})
     (out,) = run["long"]["outs"]
-    assert out["cached"] == 480, run["_log"]  # restored (and verified) ...
+    assert out["cached"] == 499, run["_log"]  # restored (and verified) ...
     assert run["long"]["stats"]["hits"] == 1
     # ... then scrambled: the comparison the restore tests use must fail.
     assert same_answer(out, baseline["long"][0]) != ""

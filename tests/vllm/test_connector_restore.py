@@ -76,8 +76,10 @@ def test_restore_after_restart(
     answered; tokens and logprobs equal engine 1's and plain vLLM's."""
     (out,) = restored["restart"]["outs"]
     assert out["cached"] >= 0.9 * len(LONG_PROMPT), restored["_log"]
-    # Up to the last whole block below the last prompt token (the prompt-end alias).
-    assert out["cached"] == (len(LONG_PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # All but the last prompt token: the prompt-end alias (480 tokens) and the
+    # stored block holding tokens 480..511 (engine 1's prompt end and answer).
+    assert out["cached"] == len(LONG_PROMPT) - 1
+    blocks = -(-out["cached"] // BLOCK_SIZE)  # whole blocks read: 16
     assert same_answer(out, published["outs"][0]) == ""
     assert same_answer(out, baseline["long"][0]) == ""
     metrics = restored["restart"]["metrics"]
@@ -85,12 +87,11 @@ def test_restore_after_restart(
     assert metrics["vllm:prompt_tokens_cached_by_source[disk]"] == out["cached"]
     # The connector's own stats reach vLLM's Prometheus registry (build_prom_metrics).
     assert metrics.get("vllm:sparkcache_hit_tokens") == out["cached"], sorted(metrics)
-    assert metrics.get("vllm:sparkcache_loaded_bytes") == out["cached"] // BLOCK_SIZE * (
-        LAYERS * PAGE_BYTES)
+    assert metrics.get("vllm:sparkcache_loaded_bytes") == blocks * LAYERS * PAGE_BYTES
     # The default load_async: true - landed before the prefill step.
     assert metrics.get("vllm:sparkcache_loads_in_step", 0) == 0
     stats = restored["restart"]["stats"]
-    assert stats["hits"] == 1 and stats["restored_tokens"] == out["cached"]
+    assert stats["hits"] == 1 and stats["restored_tokens"] == blocks * BLOCK_SIZE
     assert not any(k.startswith("quarantined") for k in stats)
 
 

@@ -123,10 +123,11 @@ def test_two_ranks_publish_restore_and_availability(tmp_path: Path) -> None:
         assert sched.matched_tokens(Req("b", p), 0) == (0, False)
         workers[1].submit_save(save)
         assert workers[1].flush()
-        # Every rank ready: the prompt-end alias (99 -> 96 tokens) is offered, async.
+        # Every rank ready: all but the prompt's last token are offered, async: the
+        # prompt-end alias (96 tokens) and the stored block holding tokens 96..99.
         req = Req("c", p)
-        assert sched.matched_tokens(req, 0) == (96, True)
-        sched.after_alloc(req, [10, 11, 12, 13, 14, 15], 96)
+        assert sched.matched_tokens(req, 0) == (99, True)
+        sched.after_alloc(req, [9, 10, 11, 12, 13, 14, 15], 99)
         (load,), _ = sched.take_jobs()
         fresh = [FakePages(16, seed=7 + rank) for rank in (0, 1)]
         for rank in (0, 1):
@@ -135,7 +136,7 @@ def test_two_ranks_publish_restore_and_availability(tmp_path: Path) -> None:
             assert io.flush()
             assert io.poll()[1] == {"c"} and not io.take_failed_blocks()
             # Each rank restored its own bytes into the blocks vLLM allocated.
-            np.testing.assert_array_equal(fresh[rank].arr[:, 10:16], kv[rank].arr[:, 0:6])
+            np.testing.assert_array_equal(fresh[rank].arr[:, 9:16], kv[rank].arr[:, 0:7])
             io.close()
     finally:
         for w in workers:
@@ -179,6 +180,52 @@ def _save(sched: SchedulerSide, io: WorkerIO, req: Req) -> Any:
     assert io.poll() == (set(), set())  # reported exactly once (vLLM asserts otherwise)
     sched.on_output((), sent)
     return job
+
+
+def test_the_block_holding_the_prompts_end_is_restored(one_rank: Any) -> None:
+    """A stored answer goes on past the prompt: the block holding the prompt's
+    last tokens is restored too, so vLLM computes only the last token - also
+    after a hit in vLLM's own prefix cache on the whole blocks before it."""
+    store, sched, io, counters = one_rank
+    p = prompt(100, 31)
+    _save(sched, io, Req("a", p))  # 112 tokens stored: p and 12 answer tokens
+    (snap,) = store.snapshots()
+    assert snap.n_tokens == 112
+    again = Req("b", p)  # 99 offered: the 100th is the one vLLM computes
+    assert sched.matched_tokens(again, 96) == (3, True)  # 96 were a local hit
+    sched.after_alloc(again, [40, 41, 42, 43, 44, 45, 50], 3)
+    (load,), _ = sched.take_jobs()
+    assert (load.start_block, load.block_ids, load.n_tokens) == (6, [50], 112)
+    # The job's token ids: the prompt, then the stored answer tokens of that block.
+    np.testing.assert_array_equal(load.token_ids, [*p, *prompt(16, 999)[:12]])
+    fresh = FakePages(64, seed=9)
+    untouched = fresh.arr.copy()
+    restorer = WorkerIO(store, identity(), 0, fresh, counters)
+    try:
+        restorer.submit_load(load)
+        assert restorer.flush()
+        assert restorer.poll()[1] == {"b"} and not restorer.take_failed_blocks()
+        np.testing.assert_array_equal(fresh.arr[:, 50], io.pages.arr[:, 6])  # a's block 6
+        np.testing.assert_array_equal(np.delete(fresh.arr, 50, axis=1),
+                                      np.delete(untouched, 50, axis=1))
+    finally:
+        restorer.close()
+    sched.on_output({"b"}, ())
+    # The tail differs from the stored tokens: whole blocks only.
+    assert sched.matched_tokens(Req("c", [*p[:98], 7, 8]), 0) == (96, True)
+    # The prompt ends where the snapshot does: nothing past it to restore.
+    assert sched.matched_tokens(Req("d", [*p, *prompt(16, 999)[:12], 5]), 0) == (112, True)
+    # Switched off: whole blocks only, and nothing past a local hit on all of them.
+    whole = SchedulerSide(store, identity(), Counters(), min_tokens=BS, publish=False,
+                          tail_block=False)
+    assert whole.matched_tokens(Req("e", p), 0) == (96, True)
+    assert whole.matched_tokens(Req("f", p), 96) == (0, False)
+    # A snapshot whose file is found missing when its tail block is checked is
+    # quarantined and not offered at all (not even its whole blocks).
+    gone = Req("g", p)
+    store.backend.delete(next(iter(store.backend.list("objects"))))
+    assert sched.matched_tokens(gone, 0) == (0, False)
+    assert [(s.state, s.reason) for s in store.snapshots()] == [("quarantined", "missing")]
 
 
 def test_concurrent_requests_wait_for_one_load(one_rank: Any) -> None:
@@ -268,17 +315,17 @@ def test_a_corrupt_snapshot_reports_its_blocks(one_rank: Any, tmp_path: Path) ->
     _save(sched, io, Req("a", p))
     (segment,) = (tmp_path / "s").glob("objects/*/*/*.safetensors")
     data = bytearray(segment.read_bytes())
-    data[-200] ^= 0xFF
+    data[len(data) // 2] ^= 0xFF  # in a layer's payload: found on the worker
     segment.write_bytes(bytes(data))
     req = Req("b", p)
-    assert sched.matched_tokens(req, 32) == (64, True)  # 32 tokens are a local hit
-    sched.after_alloc(req, [20, 21, 22, 23, 24, 25], 64)
+    assert sched.matched_tokens(req, 32) == (67, True)  # 32 tokens are a local hit
+    sched.after_alloc(req, [20, 21, 22, 23, 24, 25, 26], 67)
     (load,), _ = sched.take_jobs()
-    assert load.start_block == 2 and load.block_ids == [22, 23, 24, 25]
+    assert load.start_block == 2 and load.block_ids == [22, 23, 24, 25, 26]
     io.submit_load(load)
     assert io.flush()
     assert io.poll()[1] == {"b"}
-    assert io.take_failed_blocks() == {22, 23, 24, 25}
+    assert io.take_failed_blocks() == {22, 23, 24, 25, 26}
     assert counters.take()["load_failures"] == 1
     assert sched.matched_tokens(Req("c", p), 0) == (None, False)  # b's load in flight
     sched.on_output({"b"}, ())
@@ -420,12 +467,12 @@ def test_a_planned_restore_leases_its_snapshot(one_rank: Any) -> None:
     _save(sched, io, Req("a", p))
     (snap,) = store.snapshots()
     req = Req("b", [*p, 1])
-    assert sched.matched_tokens(req, 0) == (96, True)
+    assert sched.matched_tokens(req, 0) == (100, True)
     assert store.evict(count=None) == [snap.id]  # not yet planned: evictable
     _save(sched, io, Req("a2", p))
     (snap,) = store.snapshots()
-    assert sched.matched_tokens(req, 0) == (96, True)
-    sched.after_alloc(req, list(range(7)), 96)
+    assert sched.matched_tokens(req, 0) == (100, True)
+    sched.after_alloc(req, list(range(7)), 100)
     assert store.evict(count=None) == []  # leased until the load lands
     with pytest.raises(Exception, match="leased"):
         store.delete(snap.id)
@@ -439,8 +486,8 @@ def test_a_planned_restore_leases_its_snapshot(one_rank: Any) -> None:
                          publish=False)
     _save(sched, io, Req("a3", p))
     req = Req("c", [*p, 2])
-    assert sync.matched_tokens(req, 0) == (96, False)
-    sync.after_alloc(req, list(range(7)), 96)
+    assert sync.matched_tokens(req, 0) == (100, False)
+    sync.after_alloc(req, list(range(7)), 100)
     assert store.evict(count=None) == []
     sync.finished(req, list(range(7)))
     assert len(store.evict(count=None)) == 1
@@ -477,20 +524,20 @@ def test_auto_restores_in_step_only_when_alone(tmp_path: Path) -> None:
         p = prompt(100, 20)
         _save(sched, io, Req("a", p))
         alone = Req("b", [*p, 1])
-        assert sched.matched_tokens(alone, 0) == (96, False)  # alone: in the step
-        sched.after_alloc(alone, list(range(7)), 96)
+        assert sched.matched_tokens(alone, 0) == (100, False)  # alone: in the step
+        sched.after_alloc(alone, list(range(7)), 100)
         (load,), _ = sched.take_jobs()
         assert load.in_step
         # b is still running: c's restore lands while c waits.
         c = Req("c", [*p, 2])
-        assert sched.matched_tokens(c, 0) == (96, True)
-        sched.after_alloc(c, list(range(7, 14)), 96)
+        assert sched.matched_tokens(c, 0) == (100, True)
+        sched.after_alloc(c, list(range(7, 14)), 100)
         (load,), _ = sched.take_jobs()
         assert not load.in_step
         sched.on_output({"c"}, ())
         for req in (alone, c):
             sched.finished(req, [])
-        assert sched.matched_tokens(Req("d", [*p, 3]), 0) == (96, False)
+        assert sched.matched_tokens(Req("d", [*p, 3]), 0) == (100, False)
         io.close()
 
 
