@@ -29,6 +29,13 @@ process (vLLM on CPU, enforce eager, block size 32):
    the median of (restore - that), the restore's cost with the engine's own
    speed taken out (engines of one configuration differ by up to ~0.1 s).
 
+sparkcache's snapshot holds the answer's first token too, so by default
+(``tail_block``) it restores the block holding the prompt's end and vLLM
+computes only the last prompt token (3999 cached tokens for 4000);
+ExampleConnector, like vLLM's own prefix cache, stops at the last whole block
+below it (3968) and vLLM computes 32.  For sparkcache's engine the "live"
+answer therefore also loads that one block from disk.
+
 Every engine is warmed up first (two short requests with logprobs: the first
 one compiles a helper).  TTFT is the wall time of ``generate`` with
 ``max_tokens=1``; the table shows the median and min and the ratio to

@@ -574,11 +574,12 @@ class SnapshotStore:
         after ``match.n_tokens``); else None.
 
         A prompt's last partial block has no boundary hash, so ``lookup`` never
-        returns it; a snapshot that went on past the prompt (its answer) holds
-        it.  The new match's ``token_ids`` are ``token_ids`` followed by the
-        stored tokens completing the block: a read of it restores that whole
-        block (its slots past the prompt are the stored request's, which the
-        caller overwrites before use).  The stored token ids are read verified
+        returns it; a snapshot that went on past those tokens (the same prompt,
+        answered and stored before) holds it.  The new match's ``token_ids``
+        are ``token_ids`` followed by the stored tokens completing the block: a
+        read of it restores that whole block (its slots past the prompt are the
+        stored request's, which the caller overwrites before use).  The stored
+        token ids are read verified
         from the first of ``ranks`` (default: all of the topology), every one
         of which must be able to restore the grown match.  A segment failing
         its checks is quarantined and raises CorruptSnapshot (a vanished

@@ -9,8 +9,8 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
   request; the index returns the longest snapshot every rank of this topology
   can restore; the tokens beyond vLLM's own prefix hit are offered, never the
   last prompt token (vLLM must compute one to sample).  When the snapshot goes
-  on past the prompt (it holds the answer to it), the block holding the
-  prompt's last tokens is restored too (``tail_block``): vLLM then computes
+  on past the match (the same prompt was answered and stored before), the
+  block holding the prompt's last tokens is restored too (``tail_block``): vLLM then computes
   that one token, where its own prefix cache recomputes up to a block.
 * **lease**: a planned restore leases its snapshot until the load has
   landed (or the request is gone), so neither the sweeper nor another
@@ -182,8 +182,8 @@ class SchedulerSide:
         limit = want // self.bs * self.bs  # whole blocks: what the index can match
         # Past vLLM's own hit, or only the block holding the prompt's end.
         tail = self.tail_block and want > limit
-        if limit < num_computed or (limit == num_computed and not tail) or want <= 0:
-            return 0, False
+        if limit == 0 or limit < num_computed or (limit == num_computed and not tail):
+            return 0, False  # (under a block: nothing the index can match)
         hashes = self._hashes(request, limit)
         for other_id, loading in self._inflight.items():
             if other_id != request.request_id and \

@@ -114,7 +114,7 @@ class ConnectorSettings:
     ``load_threads``: threads that verify and copy one restore (default 2).
     ``sweep``: run the retention sweeper thread in the scheduler process.
     ``tail_block``: ``true`` (default) also restores the block holding the
-    prompt's last tokens when a snapshot goes on past the prompt, so vLLM
+    prompt's last tokens when the snapshot holds it too, so vLLM
     computes only the last token; ``false`` stops at the prompt's last whole
     block, as vLLM's own prefix cache does (up to a block is recomputed).
     """

@@ -215,6 +215,10 @@ def test_the_block_holding_the_prompts_end_is_restored(one_rank: Any) -> None:
     assert sched.matched_tokens(Req("c", [*p[:98], 7, 8]), 0) == (96, True)
     # The prompt ends where the snapshot does: nothing past it to restore.
     assert sched.matched_tokens(Req("d", [*p, *prompt(16, 999)[:12], 5]), 0) == (112, True)
+    # A prompt under one block: nothing to match, not even looked up.
+    counters.take()
+    assert sched.matched_tokens(Req("s", p[:BS - 2]), 0) == (0, False)
+    assert "lookups" not in counters.take()
     # Switched off: whole blocks only, and nothing past a local hit on all of them.
     whole = SchedulerSide(store, identity(), Counters(), min_tokens=BS, publish=False,
                           tail_block=False)
