@@ -118,6 +118,15 @@ class SnapshotInfo:
                    nbytes, state, reason, bool(pinned), created_at, last_used, use_count)
 
 
+def _expected_ranks(identity: ModelIdentity, ranks: Iterable[int] | None) -> list[int]:
+    """``ranks`` checked and sorted; by default every rank of the topology."""
+    expected = sorted({identity.check_rank(r) for r in ranks} if ranks is not None
+                      else range(identity.world_size))
+    if not expected:
+        raise InvalidArgument("ranks must name at least one rank")
+    return expected
+
+
 class SnapshotStore:
     """The one API over the index and the payload backend.
 
@@ -526,10 +535,7 @@ class SnapshotStore:
         Read-only: it takes no write lock.  Token ids are compared on ``read``.
         """
         tokens = as_token_array(token_ids)
-        expected = sorted({identity.check_rank(r) for r in ranks} if ranks is not None
-                          else range(identity.world_size))
-        if not expected:
-            raise InvalidArgument("ranks must name at least one rank")
+        expected = _expected_ranks(identity, ranks)
         bs = identity.block_size
         if hashes is None:
             hashes = prefix_hashes(prefix_seed(identity, scope), tokens, bs)
@@ -594,10 +600,7 @@ class SnapshotStore:
                                   f"(it has {n}), got {tokens.size}")
         if not np.array_equal(tokens[:n], match.token_ids):
             raise InvalidArgument("token_ids must begin with the match's token ids")
-        expected = sorted({identity.check_rank(r) for r in ranks} if ranks is not None
-                          else range(identity.world_size))
-        if not expected:
-            raise InvalidArgument("ranks must name at least one rank")
+        expected = _expected_ranks(identity, ranks)
         with self._read() as conn:
             row = conn.execute(q.SNAPSHOT_BY_ID, (match.snapshot_id,)).fetchone()
             if row is None:
