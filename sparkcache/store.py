@@ -585,9 +585,9 @@ class SnapshotStore:
         are ``token_ids`` followed by the stored tokens completing the block: a
         read of it restores that whole block (its slots past the prompt are the
         stored request's, which the caller overwrites before use).  The stored
-        token ids are read verified
-        from the first of ``ranks`` (default: all of the topology), every one
-        of which must be able to restore the grown match.  A segment failing
+        token ids are read verified from the first of ``ranks`` (default: all
+        of the topology), every one of which must be able to restore the grown
+        match.  A segment failing
         its checks is quarantined and raises CorruptSnapshot (a vanished
         snapshot NotFound): the match itself is then no longer a hit.
         """

@@ -10,8 +10,9 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
   can restore; the tokens beyond vLLM's own prefix hit are offered, never the
   last prompt token (vLLM must compute one to sample).  When the snapshot goes
   on past the match (the same prompt was answered and stored before), the
-  block holding the prompt's last tokens is restored too (``tail_block``): vLLM then computes
-  that one token, where its own prefix cache recomputes up to a block.
+  block holding the prompt's last tokens is restored too (``tail_block``):
+  vLLM then computes that one token, where its own prefix cache recomputes up
+  to a block.
 * **lease**: a planned restore leases its snapshot until the load has
   landed (or the request is gone), so neither the sweeper nor another
   process's eviction can delete it between the lookup and the read.
