@@ -97,13 +97,16 @@ def read_into(
     return _read_chain(store, match, rank, n_tokens, check, skip_tokens=start_tokens,
                        on_layer=on_layer, threads=threads, cpus=cpus)
 
-def tail_tokens(store: SnapshotStore, match: Match, rank: int, n_tokens: int) -> np.ndarray:
-    """The snapshot's stored token ids ``[match.n_tokens, n_tokens)``, verified.
+def tail_tokens(
+    store: SnapshotStore, match: Match, rank: int, n_tokens: int
+) -> np.ndarray | None:
+    """The snapshot's stored token ids ``[match.n_tokens, n_tokens)``, verified,
+    or None when the snapshot ends before ``n_tokens``.
 
     Reads ``rank``'s segment holding them (header, identity and chunk digests
     checked, as on a restore); no payload is read.  Raises NotFound when the
-    snapshot ends before ``n_tokens`` or is no longer restorable, and
-    CorruptSnapshot (the link quarantined) when the segment fails its checks.
+    snapshot is no longer restorable, and CorruptSnapshot (the link
+    quarantined) when the segment fails its checks.
     """
     start = match.n_tokens
     if not start < n_tokens <= start + match.identity.block_size:
@@ -112,7 +115,7 @@ def tail_tokens(store: SnapshotStore, match: Match, rank: int, n_tokens: int) ->
     link = next((k for k in _chain_links(store, match, rank, n_tokens)
                  if k.start <= start < k.end), None)
     if link is None or link.end < n_tokens:
-        raise NotFound(f"snapshot {match.snapshot_id} ends before token {n_tokens}")
+        return None
     with _quarantine_on_failure(store, link), \
             _open_verified(store, link, match.identity, rank) as opened:
         stored = _verified_tokens(opened, (n_tokens - link.start) * 4)

@@ -602,14 +602,11 @@ class SnapshotStore:
             raise InvalidArgument("token_ids must begin with the match's token ids")
         expected = _expected_ranks(identity, ranks)
         with self._read() as conn:
-            row = conn.execute(q.SNAPSHOT_BY_ID, (match.snapshot_id,)).fetchone()
-            if row is None:
-                raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
-            if SnapshotInfo.from_row(row).n_tokens < n + bs or not self._restorable(
-                    conn, match.snapshot_id, n + bs, json.dumps(expected), len(expected)):
+            if not self._restorable(conn, match.snapshot_id, n + bs, json.dumps(expected),
+                                    len(expected)):
                 return None
         stored = reader.tail_tokens(self, match, expected[0], n + bs)
-        if not np.array_equal(stored[:tokens.size - n], tokens[n:]):
+        if stored is None or not np.array_equal(stored[:tokens.size - n], tokens[n:]):
             return None
         return Match(match.snapshot_id, n + bs, identity,
                      np.concatenate([tokens, stored[tokens.size - n:]]), match.scope)

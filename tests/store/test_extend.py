@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sparkcache import CorruptSnapshot, InvalidArgument, SnapshotStore
+from sparkcache.errors import NotFound
 
 from .helpers import BLOCK, LAYERS, identity, pages_for
 from .test_ranged_read import _flip, _publish_chain
@@ -90,3 +91,12 @@ def test_extend_reads_the_given_rank(tmp_path: object) -> None:
             store.extend(m, toks[:18])  # all ranks: read from rank 0's file
         (snap,) = store.snapshots()
         assert (snap.state, snap.reason) == ("quarantined", "missing")
+
+
+def test_a_vanished_snapshot_is_not_found(store: SnapshotStore) -> None:
+    c = _publish_chain(store, (8, 20))
+    m = store.lookup(c.ident, c.toks[:18])
+    assert m is not None
+    store.delete(m.snapshot_id)
+    with pytest.raises(NotFound):
+        store.extend(m, c.toks[:18])
