@@ -5,7 +5,8 @@ docs/connector.md for users and docs/connector-notes.md for the vLLM API.
 This module is the glue: the decisions live in
 :mod:`sparkcache.connector.scheduler` (scheduler process) and the disk I/O in
 :mod:`sparkcache.connector.worker` (each worker process), both testable
-without vLLM.
+without vLLM; the jobs the one plans and the other runs, in
+:mod:`sparkcache.connector.jobs`.
 
 Scheduler side (one per engine, in the engine-core process): looks prompts up,
 offers the restorable tokens as an asynchronous load, or (``load_async``
@@ -35,10 +36,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.layout import check_tensors, model_identity, rank_of
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
-from sparkcache.connector.worker import Counters, LoadJob, SaveJob, WorkerIO
+from sparkcache.connector.worker import WorkerIO
 from sparkcache.cuda import KVPages
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkcache.connector.worker import Counters, LoadJob, SaveJob
+from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope

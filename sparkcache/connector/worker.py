@@ -31,18 +31,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.cpus import read_cpus, widen_affinity
 from sparkcache.errors import NotFound, SparkCacheError
-from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.identity import ModelIdentity
 from sparkcache.segment import Pieces
 from sparkcache.store import Match, SnapshotStore
 
-__all__ = ["FAULT_ENV", "Counters", "LoadJob", "SaveJob", "WorkerIO"]
+__all__ = ["FAULT_ENV", "Pages", "WorkerIO"]
 
 logger = logging.getLogger("vllm.sparkcache")
 
@@ -70,54 +70,6 @@ class Pages(Protocol):
     def gather(self, block_ids: Sequence[int], after: object = None) -> list[np.ndarray]: ...
     def scatter(self, block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> None: ...
     def scatter_layer(self, layer: int, block_ids: Sequence[int], src: np.ndarray) -> None: ...
-
-
-@dataclass(frozen=True)
-class LoadJob:
-    """Restore blocks ``[start_block, start_block + len(block_ids))`` of a snapshot."""
-
-    req_id: str
-    snapshot_id: int
-    n_tokens: int  # the match: tokens [0, n_tokens) are read and verified
-    token_ids: np.ndarray  # uint32, the prompt's first n_tokens
-    start_block: int  # blocks below it are vLLM's own prefix hit
-    block_ids: list[int]
-    #: Feeds this step's forward (vLLM's synchronous load) instead of landing
-    #: while the request waits.
-    in_step: bool = False
-
-
-@dataclass(frozen=True)
-class SaveJob:
-    """Publish tokens ``[0, len(token_ids))``; the blocks hold ``[parent_tokens, end)``."""
-
-    req_id: str
-    token_ids: np.ndarray  # uint32, whole blocks
-    block_ids: list[int]
-    parent: int | None
-    scope: RequestScope | None
-    breakpoints: tuple[int, ...]  # alias boundaries (the prompt's end, API breakpoints)
-    #: False for a breakpoint save of a running request: not reported in
-    #: finished_sending (vLLM knows nothing of it); the request's release at its
-    #: finish waits until it was copied out.  A job without blocks is such a release.
-    report: bool = True
-
-
-class Counters:
-    """Thread-safe named counters, taken (and reset) by the stats report."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data: dict[str, float] = {}
-
-    def add(self, name: str, value: float = 1) -> None:
-        with self._lock:
-            self._data[name] = self._data.get(name, 0) + value
-
-    def take(self) -> dict[str, float]:
-        with self._lock:
-            data, self._data = self._data, {}
-        return data
 
 
 class WorkerIO:

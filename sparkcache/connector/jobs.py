@@ -1,0 +1,68 @@
+"""What the scheduler side hands the workers, and the counters both sides keep.
+
+The scheduler side (:mod:`sparkcache.connector.scheduler`) plans
+:class:`LoadJob` and :class:`SaveJob` objects; vLLM pickles them into each
+step's connector metadata; every worker (:mod:`sparkcache.connector.worker`)
+runs them on its own rank.  Both sides import this module and neither imports
+the other.  Plain data over numpy: no vLLM, no store.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparkcache.identity import RequestScope
+
+__all__ = ["Counters", "LoadJob", "SaveJob"]
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Restore blocks ``[start_block, start_block + len(block_ids))`` of a snapshot."""
+
+    req_id: str
+    snapshot_id: int
+    n_tokens: int  # the match: tokens [0, n_tokens) are read and verified
+    token_ids: np.ndarray  # uint32, the prompt's first n_tokens
+    start_block: int  # blocks below it are vLLM's own prefix hit
+    block_ids: list[int]
+    #: Feeds this step's forward (vLLM's synchronous load) instead of landing
+    #: while the request waits.
+    in_step: bool = False
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Publish tokens ``[0, len(token_ids))``; the blocks hold ``[parent_tokens, end)``."""
+
+    req_id: str
+    token_ids: np.ndarray  # uint32, whole blocks
+    block_ids: list[int]
+    parent: int | None
+    scope: RequestScope | None
+    breakpoints: tuple[int, ...]  # alias boundaries (the prompt's end, API breakpoints)
+    #: False for a breakpoint save of a running request: not reported in
+    #: finished_sending (vLLM knows nothing of it); the request's release at its
+    #: finish waits until it was copied out.  A job without blocks is such a release.
+    report: bool = True
+
+
+class Counters:
+    """Thread-safe named counters, taken (and reset) by the stats report."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, float] = {}
+
+    def add(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._data[name] = self._data.get(name, 0) + value
+
+    def take(self) -> dict[str, float]:
+        """The counts since the last take (name -> value); the counters restart at zero."""
+        with self._lock:
+            data, self._data = self._data, {}
+        return data
