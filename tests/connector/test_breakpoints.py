@@ -1,0 +1,144 @@
+"""Breakpoints: prefixes a request names are published at once, while it runs.
+
+Such a save is never reported to vLLM; the request's blocks are held at its
+finish until every one of its copies is done, and a preemption drops (or
+waits for) the copies before vLLM reuses the blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sparkcache import SnapshotStore
+from sparkcache.connector.jobs import Counters, SaveJob
+from sparkcache.connector.scheduler import SchedulerSide, breakpoints_of
+from sparkcache.connector.worker import WorkerIO
+
+from .helpers import BS, GatedPages, Req, identity, prompt, save, step
+
+
+def test_breakpoints_from_kv_transfer_params(one_rank: Any) -> None:
+    _store, sched, io, _counters = one_rank
+    p = prompt(120, 8)
+    req = Req("a", p, kv_transfer_params={"sparkcache": {"breakpoints": [40, 70]}})
+    assert breakpoints_of(req) == (40, 70)
+    assert breakpoints_of(Req("z", p, kv_transfer_params={"sparkcache": {"breakpoints": "x"}}))\
+        == ()
+    job = save(sched, io, req)
+    assert job.breakpoints == (119, 40, 70)
+    # A prompt sharing 70 tokens restores the 64-token breakpoint alias (the
+    # stride alias would give 0: the store's stride is 256 tokens).
+    assert sched.matched_tokens(Req("b", p[:70] + prompt(30, 9)), 0) == (64, True)
+
+
+def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
+    store, sched, io, counters = one_rank
+    p = prompt(300, 11)
+    req = Req("a", p, kv_transfer_params={"sparkcache": {"breakpoints": [100, 200, 10]}})
+    blocks = list(range(20, 40))
+    assert sched.matched_tokens(req, 0) == (0, False)  # notes the breakpoints (10: no whole block)
+    assert step(sched, req, 64, blocks) == []  # 64 computed: no breakpoint reached
+    (job,) = step(sched, req, 64, blocks)  # 128 computed: past 100
+    assert (len(job.token_ids), job.block_ids, job.report) == (96, blocks[:6], False)
+    io.submit_save(job)
+    assert io.flush()
+    assert io.poll() == (set(), set())  # vLLM is never told of a breakpoint save
+    (snap,) = store.snapshots()
+    assert snap.n_tokens == 96  # published before the request finished
+    # The prompt restores from it in another engine; bytes are the blocks' own.
+    assert sched.matched_tokens(Req("b", p[:100] + prompt(50, 12)), 0) == (96, True)
+    (job2,) = step(sched, req, 128, blocks)  # 256 computed: past 200
+    assert job2.parent == snap.id and job2.block_ids == blocks[6:12]  # the tail only
+    io.submit_save(job2)
+    assert io.flush()
+    assert step(sched, req, 44, blocks) == []  # no breakpoint left
+    # Finished: the final save is another tail; the blocks are held until copied.
+    req.output = prompt(16, 999)
+    req.num_computed_tokens = len(req.all_token_ids) - 1
+    held, _ = sched.finished(req, blocks)
+    assert held
+    _, (final,) = sched.take_jobs()
+    assert final.report and final.parent == store.snapshots()[-1].id
+    io.submit_save(final)
+    assert io.flush()
+    assert io.poll()[0] == {"a"}
+    assert counters.take()["breakpoint_saves_planned"] == 2
+    np.testing.assert_array_equal(
+        store.read(store.lookup(identity(), p[:192]), 0)[1], io.pages.arr[1, 20:32])
+
+
+def test_a_release_waits_for_the_breakpoint_copies(tmp_path: Path) -> None:
+    """The request finishes while its breakpoint save is queued behind another
+    copy and its final save is dropped: its blocks stay held until the
+    breakpoint copy is done."""
+    ident = identity()
+    with SnapshotStore(tmp_path / "s") as store:
+        pages = GatedPages(32, 4)
+        io = WorkerIO(store, ident, 0, pages, Counters())
+        sched = SchedulerSide(store, ident, Counters(), min_tokens=BS, load_async=True)
+        other = SaveJob("x", np.asarray(prompt(32, 13), np.uint32), [0, 1], None, None, ())
+        io.submit_save(other)
+        assert pages.entered.wait(10)  # the saver is busy copying "x"
+        req = Req("a", prompt(80, 14), kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
+        sched.matched_tokens(req, 0)
+        (mid,) = step(sched, req, 80, list(range(8, 14)))
+        assert mid.block_ids == [8, 9, 10, 11] and not mid.report
+        io.submit_save(mid)
+        held, _ = sched.finished(req, list(range(8, 14)))
+        assert held
+        _, (final,) = sched.take_jobs()
+        assert final.report and len(final.token_ids) == 80
+        io.max_pending_bytes = 0  # the final save is dropped: it reports at once...
+        io.submit_save(final)
+        assert "a" not in io.poll()[0]  # ...but not while "a"'s breakpoint copy is queued
+        pages.gate.set()
+        assert io.flush()
+        assert "a" in io.poll()[0]
+        assert pages.gathered == [[0, 1], [8, 9, 10, 11]]
+        # Finished with nothing more to save (the prefix is stored): a release
+        # job without blocks still holds the blocks until the copies are done.
+        again = Req("b", req.prompt_token_ids[:70],
+                    kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
+        sched.matched_tokens(again, 0)  # a hit on the stored 64 tokens
+        (mid,) = step(sched, again, 70, list(range(16, 21))) or [None]
+        assert mid is None  # the breakpoint prefix is already stored: nothing planned
+        held, _ = sched.finished(again, list(range(16, 21)))
+        assert not held and sched.take_jobs() == ([], [])
+        io.close()
+
+
+def test_preemption_cancels_queued_breakpoint_copies(tmp_path: Path) -> None:
+    ident = identity()
+    with SnapshotStore(tmp_path / "s") as store:
+        counters = Counters()
+        pages = GatedPages(32, 5)
+        io = WorkerIO(store, ident, 0, pages, counters)
+        tokens = np.asarray(prompt(64, 15), np.uint32)
+        io.submit_save(SaveJob("x", tokens, [0, 1, 2, 3], None, None, ()))
+        assert pages.entered.wait(10)
+        io.submit_save(SaveJob("a", tokens, [4, 5, 6, 7], None, None, (), report=False))
+        started = time.monotonic()
+        io.cancel_copies(["a"])  # queued, not started: dropped without waiting
+        assert time.monotonic() - started < 10  # waiting would have taken 60 s
+        assert counters.take()["saves_cancelled"] == 1
+        pages.gate.set()
+        assert io.flush()
+        assert pages.gathered == [[0, 1, 2, 3]]  # the freed blocks were never read
+        assert len(store.snapshots()) == 1
+        # A copy already running is waited for: the preempted blocks are read first.
+        pages.gate.clear()
+        pages.entered.clear()
+        io.submit_save(SaveJob("b", tokens, [8, 9, 10, 11], None, None, (), report=False))
+        assert pages.entered.wait(10)  # "b" is being copied, the gate shut
+        io.cancel_copies(["b"], timeout=0.1)  # waits, in vain: not cancelled
+        assert "saves_cancelled" not in counters.take()
+        assert pages.gathered == [[0, 1, 2, 3]]
+        pages.gate.set()
+        io.cancel_copies(["b"])  # returns once the copy is done
+        assert pages.gathered[-1] == [8, 9, 10, 11]
+        assert io.flush()
+        io.close()

@@ -1,0 +1,229 @@
+"""Restores without vLLM: what the scheduler side offers, and how a worker loads it.
+
+Simulated requests and KV caches (numpy pages) over a real store; the
+asynchronous path (the request waits while the loader thread reads).
+In-step loads are in test_in_step.py, tensor parallelism in test_ranks.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sparkcache import SnapshotStore
+from sparkcache.connector.jobs import Counters, LoadJob
+from sparkcache.connector.scheduler import SchedulerSide
+from sparkcache.connector.worker import WorkerIO
+
+from .helpers import BS, FakePages, Req, identity, prompt, save
+
+
+def test_the_block_holding_the_prompts_end_is_restored(one_rank: Any) -> None:
+    """A stored answer goes on past the prompt: the block holding the prompt's
+    last tokens is restored too, so vLLM computes only the last token - also
+    after a hit in vLLM's own prefix cache on the whole blocks before it."""
+    store, sched, io, counters = one_rank
+    p = prompt(100, 31)
+    save(sched, io, Req("a", p))  # 112 tokens stored: p and 12 answer tokens
+    (snap,) = store.snapshots()
+    assert snap.n_tokens == 112
+    again = Req("b", p)  # 99 offered: the 100th is the one vLLM computes
+    assert sched.matched_tokens(again, 96) == (3, True)  # 96 were a local hit
+    sched.after_alloc(again, [40, 41, 42, 43, 44, 45, 50], 3)
+    (load,), _ = sched.take_jobs()
+    assert (load.start_block, load.block_ids, load.n_tokens) == (6, [50], 112)
+    # The job's token ids: the prompt, then the stored answer tokens of that block.
+    np.testing.assert_array_equal(load.token_ids, [*p, *prompt(16, 999)[:12]])
+    fresh = FakePages(64, seed=9)
+    untouched = fresh.arr.copy()
+    restorer = WorkerIO(store, identity(), 0, fresh, counters)
+    try:
+        restorer.submit_load(load)
+        assert restorer.flush()
+        assert restorer.poll()[1] == {"b"} and not restorer.take_failed_blocks()
+        np.testing.assert_array_equal(fresh.arr[:, 50], io.pages.arr[:, 6])  # a's block 6
+        np.testing.assert_array_equal(np.delete(fresh.arr, 50, axis=1),
+                                      np.delete(untouched, 50, axis=1))
+    finally:
+        restorer.close()
+    sched.on_output({"b"}, ())
+    # The tail differs from the stored tokens: whole blocks only.
+    assert sched.matched_tokens(Req("c", [*p[:98], 7, 8]), 0) == (96, True)
+    # The prompt ends where the snapshot does: nothing past it to restore.
+    assert sched.matched_tokens(Req("d", [*p, *prompt(16, 999)[:12], 5]), 0) == (112, True)
+    # A prompt under one block: nothing to match, not even looked up.
+    counters.take()
+    assert sched.matched_tokens(Req("s", p[:BS - 2]), 0) == (0, False)
+    assert "lookups" not in counters.take()
+    # Switched off: whole blocks only, and nothing past a local hit on all of them.
+    whole = SchedulerSide(store, identity(), Counters(), min_tokens=BS, publish=False,
+                          tail_block=False)
+    assert whole.matched_tokens(Req("e", p), 0) == (96, True)
+    assert whole.matched_tokens(Req("f", p), 96) == (0, False)
+    # A snapshot whose file is found missing when its tail block is checked is
+    # quarantined and not offered at all (not even its whole blocks).
+    gone = Req("g", p)
+    store.backend.delete(next(iter(store.backend.list("objects"))))
+    assert sched.matched_tokens(gone, 0) == (0, False)
+    assert [(s.state, s.reason) for s in store.snapshots()] == [("quarantined", "missing")]
+
+
+def test_concurrent_requests_wait_for_one_load(one_rank: Any) -> None:
+    _store, sched, io, counters = one_rank
+    p = prompt(100, 4)
+    save(sched, io, Req("a", p))
+    leader, follower = Req("b", [*p, 1, 2]), Req("c", [*p, 3, 4])
+    assert sched.matched_tokens(leader, 0) == (96, True)
+    sched.after_alloc(leader, list(range(7)), 96)
+    # The follower shares the base being loaded: "ask again" (None), no lookup.
+    lookups = counters.take().get("lookups", 0)
+    assert sched.matched_tokens(follower, 0) == (None, False)
+    assert sched.matched_tokens(follower, 0) == (None, False)
+    assert counters.take().get("lookups", 0) == 0
+    sched.on_output({"b"}, ())
+    # Landed: vLLM's own prefix cache now covers the follower's 96 tokens.
+    assert sched.matched_tokens(follower, 96) == (0, False)
+    # A request not sharing the base is never held back.
+    assert sched.matched_tokens(Req("d", prompt(100, 5)), 0) == (0, False)
+    assert lookups == 1
+
+
+def test_a_corrupt_snapshot_reports_its_blocks(one_rank: Any, tmp_path: Path) -> None:
+    _store, sched, io, counters = one_rank
+    p = prompt(100, 10)
+    save(sched, io, Req("a", p))
+    (segment,) = (tmp_path / "s").glob("objects/*/*/*.safetensors")
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # in a layer's payload: found on the worker
+    segment.write_bytes(bytes(data))
+    req = Req("b", p)
+    assert sched.matched_tokens(req, 32) == (67, True)  # 32 tokens are a local hit
+    sched.after_alloc(req, [20, 21, 22, 23, 24, 25, 26], 67)
+    (load,), _ = sched.take_jobs()
+    assert load.start_block == 2 and load.block_ids == [22, 23, 24, 25, 26]
+    io.submit_load(load)
+    assert io.flush()
+    assert io.poll()[1] == {"b"}
+    assert io.take_failed_blocks() == {22, 23, 24, 25, 26}
+    assert counters.take()["load_failures"] == 1
+    assert sched.matched_tokens(Req("c", p), 0) == (None, False)  # b's load in flight
+    sched.on_output({"b"}, ())
+    assert sched.matched_tokens(Req("c", p), 0) == (0, False)  # quarantined: a miss
+
+
+def test_a_planned_restore_leases_its_snapshot(one_rank: Any) -> None:
+    """Between the lookup and the read nothing may evict the snapshot."""
+    store, sched, io, _counters = one_rank
+    p = prompt(100, 16)
+    save(sched, io, Req("a", p))
+    (snap,) = store.snapshots()
+    req = Req("b", [*p, 1])
+    assert sched.matched_tokens(req, 0) == (100, True)
+    assert store.evict(count=None) == [snap.id]  # not yet planned: evictable
+    save(sched, io, Req("a2", p))
+    (snap,) = store.snapshots()
+    assert sched.matched_tokens(req, 0) == (100, True)
+    sched.after_alloc(req, list(range(7)), 100)
+    assert store.evict(count=None) == []  # leased until the load lands
+    with pytest.raises(Exception, match="leased"):
+        store.delete(snap.id)
+    (load,), _ = sched.take_jobs()
+    io.submit_load(load)
+    assert io.flush()
+    sched.on_output(io.poll()[1], ())
+    assert store.evict(count=None) == [snap.id]
+    # A synchronous load (never reported) holds its lease until the request finishes.
+    sync = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=False,
+                         publish=False)
+    save(sched, io, Req("a3", p))
+    req = Req("c", [*p, 2])
+    assert sync.matched_tokens(req, 0) == (100, False)
+    sync.after_alloc(req, list(range(7)), 100)
+    assert store.evict(count=None) == []
+    sync.finished(req, list(range(7)))
+    assert len(store.evict(count=None)) == 1
+
+
+def test_asking_again_changes_nothing_but_the_offer(one_rank: Any) -> None:
+    """vLLM may ask ``get_num_new_matched_tokens`` several times for one request
+    (its blocks did not fit; another load was in flight): each answer stands
+    alone, and only the last offer is planned once blocks are allocated."""
+    _store, sched, io, counters = one_rank
+    p = prompt(100, 17)
+    save(sched, io, Req("a", p))
+    req = Req("b", [*p, 1])
+    counters.take()
+    assert sched.matched_tokens(req, 0) == (100, True)
+    assert sched.matched_tokens(req, 0) == (100, True)
+    assert sched.matched_tokens(req, 32) == (68, True)  # now 32 are a local hit
+    assert sched.take_jobs() == ([], [])  # nothing planned before the allocation
+    sched.after_alloc(req, list(range(7)), 68)
+    (load,), _ = sched.take_jobs()
+    assert (load.start_block, load.block_ids) == (2, [2, 3, 4, 5, 6])
+    got = counters.take()
+    assert (got["lookups"], got["hits"], got["hit_tokens"]) == (3, 1, 68)
+    assert "misses" not in got
+
+
+def test_a_full_load_queue_fails_the_load_at_once(tmp_path: Path) -> None:
+    ident = identity()
+    with SnapshotStore(tmp_path / "s") as store:
+        counters = Counters()
+        io = WorkerIO(store, ident, 0, FakePages(8, 1), counters, max_queued_loads=1)
+        started, release = threading.Event(), threading.Event()
+
+        def slow(job: LoadJob, on_layer: Any = None) -> None:
+            started.set()
+            release.wait(10)
+
+        io._load = slow  # type: ignore[method-assign]
+        tokens = np.zeros(BS, np.uint32)
+        jobs = [LoadJob(f"r{i}", 1, BS, tokens, 0, [i]) for i in range(3)]
+        io.submit_load(jobs[0])
+        assert started.wait(10)
+        io.submit_load(jobs[1])  # queued
+        io.submit_load(jobs[2])  # queue full: failed at once, its block reported
+        assert io.poll()[1] == {"r2"} and io.take_failed_blocks() == {2}
+        release.set()
+        assert io.flush()
+        assert io.poll()[1] == {"r0", "r1"}
+        assert counters.take()["loads_dropped"] == 1
+        io.close()
+
+
+def test_idle_steps_wait_for_a_landing_load(tmp_path: Path) -> None:
+    """An engine step with nothing to compute sleeps until the load lands
+    (instead of spinning), and never longer than asked."""
+    with SnapshotStore(tmp_path / "s") as store:
+        io = WorkerIO(store, identity(), 0, FakePages(8, 1), Counters())
+        started = time.monotonic()
+        io.wait_for_loads(60.0)  # nothing in flight: returns at once
+        assert time.monotonic() - started < 30
+        loading, gate = threading.Event(), threading.Event()
+
+        def slow(job: LoadJob, on_layer: Any = None) -> None:
+            loading.set()
+            assert gate.wait(30)
+
+        io._load = slow  # type: ignore[method-assign]
+        io.submit_load(LoadJob("r", 1, BS, np.zeros(BS, np.uint32), 0, [0]))
+        assert loading.wait(10)
+        started = time.monotonic()
+        io.wait_for_loads(0.2)  # still loading: the full timeout
+        assert time.monotonic() - started > 0.15
+        assert io.poll() == (set(), set())
+        # A step waiting with a long timeout is woken by the landing load.
+        waiter = threading.Thread(target=io.wait_for_loads, args=(60.0,))
+        waiter.start()
+        waiter.join(0.1)
+        assert waiter.is_alive()  # the load has not landed: the step waits
+        gate.set()
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert io.poll()[1] == {"r"}
+        io.close()
