@@ -6,6 +6,9 @@ or block-outermost, heads before or after tokens.  The tensors here are built
 the same way (one physical allocation, permuted to the logical order), and
 both paths of the mover - numpy views (CPU, dense pages) and torch copies
 (what a GPU runs) - must copy exactly the bytes plain torch indexing sees.
+
+Torch is needed (every test skips without it); the tests marked ``gpu`` also
+need a CUDA device (``pytest -m gpu`` selects them, and they skip without one).
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import pytest
 
 from sparkcache.errors import InvalidArgument
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                                reason="needs torch (bash scripts/install-vllm.sh)")
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_CUDA = HAS_TORCH and __import__("torch").cuda.is_available()
+
+pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="needs torch (bash scripts/install-vllm.sh)")
 
 LAYERS, BLOCKS, HEADS, TOKENS, CONTENT = 3, 40, 2, 4, 6
 #: KVCacheLayout values: the physical order of the logical axes (L, B, H, N, C).
@@ -146,8 +151,8 @@ def test_bad_input_is_refused() -> None:
                  "model.layers.1.attn": torch.zeros(5, 2, 8)})
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None
-                    or not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_cuda_pages_equal_cpu_pages(layout: str) -> None:
     """On a GPU: the same bytes as the CPU path, through pinned host memory."""
