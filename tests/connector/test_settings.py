@@ -1,0 +1,49 @@
+"""ConnectorSettings: vLLM's ``kv_connector_extra_config``, checked key by key."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkcache.connector.settings import ConnectorSettings
+from sparkcache.errors import InvalidArgument
+
+
+def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = ConnectorSettings.from_extra_config(
+        {"folder": "/x", "mode": "restore-only", "min_tokens": "32", "load_async": "false"}
+    )
+    assert (s.folder, s.publish, s.restore, s.min_tokens, s.load_async) == (
+        "/x", False, True, 32, False)
+    default = ConnectorSettings.from_extra_config({"folder": "/x"})
+    assert (default.mode, default.publish, default.restore, default.load_async) == (
+        "read-write", True, True, True)
+    for value, expect in (("auto", None), ("AUTO", None), (True, True), ("on", True),
+                          ("0", False)):
+        got = ConnectorSettings.from_extra_config({"folder": "/x", "load_async": value})
+        assert got.load_async is expect
+    assert default.load_threads == 2
+    assert ConnectorSettings.from_extra_config({"folder": "/x", "load_threads": "4"}
+                                               ).load_threads == 4
+    with pytest.raises(InvalidArgument, match="load_threads"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "load_threads": 0})
+    with pytest.raises(InvalidArgument, match="true, false or 'auto'"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "load_async": "sometimes"})
+    assert default.min_tokens is None  # SPARK_KV_CACHE_MIN_TOKENS decides
+    for mode, expect in (("store-only", (False, True)), ("off", (False, False)),
+                         ("read_write", (True, True))):
+        got = ConnectorSettings.from_extra_config({"folder": "/x", "mode": mode})
+        assert (got.restore, got.publish) == expect
+    with pytest.raises(InvalidArgument, match="mode"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "mode": "write-only"})
+    with pytest.raises(InvalidArgument, match="unknown sparkcache settings"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "publish": False})
+    monkeypatch.delenv("SPARK_KV_CACHE_FOLDER", raising=False)
+    monkeypatch.setenv("SPARK_STORAGE", "/data")
+    assert ConnectorSettings.from_extra_config({}).folder == "/data/kvcache"
+    with pytest.raises(InvalidArgument, match="unknown sparkcache settings"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "fodler": "/y"})
+    with pytest.raises(InvalidArgument, match="min_tokens"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "min_tokens": 0})
+    monkeypatch.delenv("SPARK_STORAGE")
+    with pytest.raises(InvalidArgument, match="folder"):
+        ConnectorSettings.from_extra_config({})
