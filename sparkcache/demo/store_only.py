@@ -1,11 +1,11 @@
 """The store-only demo: publish a conversation, restart, restore it verified, survive damage.
 
 Run with ``python -m sparkcache.demo --store-only`` (or ``python -m
-sparkcache.demo_store``); needs neither vLLM nor torch.  Each phase runs in a
+sparkcache.demo.store_only``); needs neither vLLM nor torch.  Each phase runs in a
 fresh process, as a restarted server would: nothing is shared but the folder.
 The "KV cache" is synthetic (a deterministic function of the token prefix, like
 a real one), so every restored byte can be checked.  The main demo
-(:mod:`sparkcache.demo`) does the same through vLLM with a real model.
+(:mod:`sparkcache.demo.chat`) does the same through vLLM with a real model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparkcache import CorruptSnapshot, ModelIdentity, SnapshotStore
+from sparkcache import CorruptSnapshot, ModelIdentity, SnapshotStore, admin
 
 BLOCK = 32
 LAYERS = 12
@@ -102,8 +102,8 @@ def phase_damage(root: Path) -> None:
     ident = demo_identity()
     with SnapshotStore(root) as store:
         newest = max(store.snapshots(), key=lambda s: s.id)
-        (key,) = [k for k in store.backend.list("objects") if f"{newest.snap_key}-" in k]
-        path = root / key
+        (segment,) = admin.show(store, newest.id).segments
+        path = root / segment.object_key
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sparkcache-demo-") as tmp:
         root = args.root or Path(tmp) / "store"
         for phase in ("publish", "restore", "damage"):
-            subprocess.run([sys.executable, "-m", "sparkcache.demo_store", "--phase", phase,
+            subprocess.run([sys.executable, "-m", "sparkcache.demo.store_only", "--phase", phase,
                             "--root", str(root)], check=True)
     return 0
 

@@ -1,6 +1,6 @@
 """One engine of the demo: vLLM with the sparkcache connector, in a process of its own.
 
-:mod:`sparkcache.demo` runs ``python -m sparkcache.demo_engine SPEC.json`` twice:
+:mod:`sparkcache.demo.chat` runs ``python -m sparkcache.demo.engine SPEC.json`` twice:
 engine 1 holds the first turns of a chat, engine 2 — a new process on the same
 store, i.e. the restart — continues it.  The spec (JSON) says what to ask; what
 the engine measured goes to the JSON file the spec names, and the engine's own
@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkcache.store import SnapshotStore
+from sparkcache import SnapshotStore
 
 __all__ = ["ENGINE_ENV", "RECOMPUTE_SALT", "connector_config", "run"]
-
 
 
 def _all_cpus() -> str:
@@ -40,7 +39,7 @@ def _all_cpus() -> str:
     return "auto"
 
 
-#: What vLLM on CPU needs (as the tests' engines); the caller's values win.
+#: What vLLM on CPU needs, offline; the caller's values win.
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
     "VLLM_CPU_OMP_THREADS_BIND": _all_cpus(),
@@ -178,7 +177,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m sparkcache.demo_engine SPEC.json (run by sparkcache.demo)",
+        print("usage: python -m sparkcache.demo.engine SPEC.json (run by sparkcache.demo)",
               file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text())

@@ -1,14 +1,14 @@
 """A random-weight Llama and a locally trained tokenizer that vLLM can serve offline.
 
-No model can be downloaded on the machines the demo and the tests run on, so
-they build one: a byte-level BPE tokenizer (2048 tokens, trained on
+No model can be downloaded on the machines the demo runs on, so it builds
+one: a byte-level BPE tokenizer (2048 tokens, trained on
 pseudo-English made of :data:`WORDS`) with a chat template, and a Llama of the
 size a :class:`ModelSize` names.  The weights are drawn with
 ``initializer_range=0.5`` so that greedy outputs depend visibly on the prompt
 (with the usual 0.02 every prompt decodes to the same token).  Everything is
 seeded: building twice gives the same files.
 
-:data:`TINY` is the test model (tests/vllm); :data:`DEMO` is big enough that
+:data:`TINY` is ``--quick``'s model; :data:`DEMO` is big enough that
 prefilling a few thousand tokens takes seconds on a couple of CPU cores, so the
 demo's time to first token with and without a restore differ visibly.
 
@@ -96,7 +96,7 @@ class ModelSize:
                 f"{self.kv_heads} KV heads, {self.parameters / 1e6:.0f}M parameters, float32")
 
 
-#: The tests' model (tests/vllm/tiny_model.py): engines start fast, prefill is instant.
+#: ``--quick``'s model (the tests' size): engines start fast, prefill is instant.
 TINY = ModelSize(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256,
                  max_model_len=2048)
 #: The demo's model: ~40M float32 parameters, a 3000-token prefill takes seconds
