@@ -222,6 +222,25 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """How many tokens past vLLM's own prefix hit a restore can supply.
+
+        vLLM calls it when it admits a waiting request that has computed nothing
+        (new, or preempted), after its own prefix-cache lookup:
+        ``num_computed_tokens`` is that local hit, whole blocks.  It may call it
+        again for the same request on later steps (the blocks did not fit, or the
+        answer was None) before :meth:`update_state_after_alloc`.
+
+        Returns ``(tokens, load_async)``: ``(0, False)`` nothing to restore;
+        ``(None, False)`` ask again on a later step (another request's restore
+        of this prefix is in flight); else the tokens offered (never the
+        prompt's last: vLLM computes one to sample) and whether they land while
+        the request waits (True) or within its prefill step (False).
+
+        Changes nothing of vLLM's; what it changes here (the request's pending
+        offer, counters, a quarantine) is listed in
+        :meth:`SchedulerSide.matched_tokens`.  Modes ``off`` and ``store-only``
+        always answer ``(0, False)``.
+        """
         if self.sched is None:
             return 0, False
         return self.sched.matched_tokens(request, num_computed_tokens)
@@ -229,6 +248,17 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
+        """vLLM allocated the request's blocks; ``num_external_tokens`` of the
+        offer are to be loaded (0: none, e.g. vLLM skipped the offer).
+
+        Called in the step that admits the request, after
+        :meth:`get_num_new_matched_tokens`; for an asynchronous load possibly
+        again (with 0) once it landed.  With tokens to load it plans the load
+        (sent in this step's :meth:`build_connector_meta`), leases the
+        snapshot until the load landed or the request is gone, and counts the
+        hit; either way the request's pending offer is used up
+        (:meth:`SchedulerSide.after_alloc`).
+        """
         if self.sched is None:
             return
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
@@ -237,9 +267,18 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
     ) -> dict[Any, int]:
+        """Every restored token comes from the disk tier (vLLM's metrics); no state."""
         return {CacheHitSource.DISK: num_external_tokens} if num_external_tokens else {}
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
+        """This step's work for every worker: loads, saves, preempted requests.
+
+        Called once per step at the end of vLLM's ``schedule()``, after every
+        allocation; the result is pickled to each worker.  Plans the saves of
+        breakpoints that this step computes past, then hands over (and forgets)
+        every load and save planned since the last call.  Reads
+        ``scheduler_output``, never changes it.
+        """
         if self.sched is None:
             return SparkCacheMetadata()
         self.sched.plan_breakpoints(scheduler_output.num_scheduled_tokens, self._block_ids_of)
@@ -250,6 +289,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted, idle=idle)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Once, at scheduler start: breakpoint saves read running requests' blocks from it."""
         super().bind_kv_cache_manager(kv_cache_manager)
         self._kv_manager = kv_cache_manager
 
@@ -261,6 +301,12 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return list(manager.get_block_ids(req_id)[0])
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """After each step: what the workers reported in :meth:`get_finished`.
+
+        An id in ``finished_recving`` ends its asynchronous load: its lease goes
+        and requests waiting for that prefix are answered again.  An id in
+        ``finished_sending`` no longer holds blocks (vLLM frees them).
+        """
         if self.sched is not None:
             self.sched.on_output(connector_output.finished_recving or (),
                                  connector_output.finished_sending or ())
@@ -268,17 +314,36 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Plan a save of the request's computed whole blocks; hold them until copied."""
+        """Plan a save of the request's computed whole blocks; hold them until copied.
+
+        vLLM calls it exactly once per request, when it finishes or is aborted
+        (also while waiting), before it frees the blocks; ``block_ids`` are its
+        computed blocks.  The request is forgotten here (its offer, its
+        breakpoints, the lease of a load that is not in flight), and a save of
+        its whole computed blocks is planned for the next
+        :meth:`build_connector_meta` unless they are too few or already stored.
+
+        Returns ``(True, None)`` when the blocks must stay allocated until every
+        worker reports the id in ``finished_sending`` (a save is planned, or a
+        breakpoint copy may still read them), else ``(False, None)`` - also for a
+        request aborted while its restore is in flight (vLLM holds those blocks
+        until the load reports).  No transfer params are returned.
+        """
         if self.sched is None:
             return False, None
         return self.sched.finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
+        """True while blocks that :meth:`request_finished` held are not copied out
+        yet: vLLM may wait for them instead of preempting."""
         return self.sched is not None and self.sched.pending_block_frees
 
     def reset_cache(self) -> bool | None:
-        # The store is persistent and shared with other engines: a reset of vLLM's
-        # prefix cache must not delete snapshots (use `sparkcache clear` for that).
+        """``reset_prefix_cache(reset_connector=True)``: changes nothing, returns True.
+
+        The store is persistent and shared with other engines: a reset of vLLM's
+        prefix cache must not delete snapshots (``sparkcache clear`` does that).
+        """
         return True
 
     # ==============================================================================
@@ -292,6 +357,12 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._step_loading = False
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Once per worker, after vLLM allocated the KV cache (layer name -> tensor).
+
+        Checks the tensors against the identity and starts this rank's I/O
+        threads.  A cache that does not fit turns this worker off (logged):
+        its loads fail (vLLM recomputes) and its saves are skipped, never an error.
+        """
         if self.store is None:
             return
         parallel = importlib.import_module("vllm.distributed.parallel_state")
@@ -323,6 +394,16 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         self.identity.page_shape, pages.where)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Each step, with the step's metadata bound: before the forward when the
+        step has an in-step (synchronous) load, else after vLLM launched it.
+
+        Queues the asynchronous loads on the loader thread (reported later in
+        :meth:`get_finished`) and starts the in-step ones: on a CPU cache the
+        in-step thread reads them layer by layer while the forward runs
+        (:meth:`wait_for_layer_load`); on a GPU they are done before this
+        returns.  A failed or dropped load is never raised: its blocks are
+        reported by :meth:`get_block_ids_with_load_errors`.
+        """
         meta = self._get_connector_metadata()
         if self.io is None:
             return
@@ -337,7 +418,13 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.io.start_step_loads(in_step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Before a layer's attention: its pages of this step's in-step loads."""
+        """Block until this step's in-step loads have ``layer_name``'s pages in place.
+
+        vLLM calls it inside each attention layer, before the layer reads the
+        KV cache.  A layer name not registered waits for every layer; a step
+        without in-step loads returns at once.  Only notes which layers were
+        waited for (see :meth:`wait_for_save`).
+        """
         if self.io is None or not self._step_loading:
             return
         layer = self._layer_index.get(layer_name)
@@ -357,15 +444,32 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # saves copy whole blocks after the request finished (wait_for_save)
+        """Called inside each attention layer after it wrote the KV cache: does
+        nothing.  Saves copy whole blocks after the step (:meth:`wait_for_save`)."""
+        return
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Before the forward that may overwrite preempted requests' freed blocks."""
+        """Before the forward that may overwrite preempted requests' freed blocks.
+
+        vLLM calls it with the step's metadata before :meth:`start_load_kv`.
+        Breakpoint copies of the preempted requests that are still queued are
+        dropped (counted as ``saves_cancelled``); one being copied right now is
+        waited for (at most 60 s), so no copy reads a block after vLLM reused it.
+        """
         if self.io is not None and kv_connector_metadata.preempted:
             self.io.cancel_copies(kv_connector_metadata.preempted)
 
     def wait_for_save(self) -> None:
-        """Hand this step's saves to the saver thread; nothing waits for the disk."""
+        """Hand this step's saves to the saver thread; nothing waits for the disk.
+
+        vLLM calls it once per step after the forward (also on empty steps),
+        with the metadata still bound.  First it ends this step's in-step loads
+        (waits for them; if the forward skipped :meth:`wait_for_layer_load` for
+        some layer, they are reported failed), then queues the saves.  vLLM
+        keeps a save's blocks until :meth:`get_finished` reports its id, which
+        happens once they are copied into host memory; a dropped save is
+        reported at once (a future miss).
+        """
         meta = self._get_connector_metadata()
         if self.io is None:
             return
@@ -376,6 +480,18 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
+        """After each step: ``(finished_sending, finished_recving)``, None for empty.
+
+        ``finished_sending``: requests whose held blocks were copied out (or
+        their save dropped) since the last call - each exactly once, never
+        before the step whose metadata carried the save.  ``finished_recving``:
+        requests whose asynchronous load ended since the last call, landed or
+        failed (failures in :meth:`get_block_ids_with_load_errors`).  Ends this
+        step's in-step loads if :meth:`wait_for_save` did not; on a step that
+        computes nothing it first waits up to ``IDLE_WAIT_SECONDS`` for a load
+        to land, instead of letting the engine spin.  ``finished_req_ids`` is
+        not needed: the ids come from this worker's own jobs.
+        """
         if self.io is None:  # mode off: nothing is ever planned
             return None, None
         self._finish_step_loads()  # before wait_for_save when vLLM defers it
@@ -385,6 +501,12 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return (sent or None), (recved or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads that failed since the last call (verification, a full
+        queue, a forward that skipped a layer's wait); vLLM recomputes them.
+
+        An asynchronous load's blocks are reported no later than the step whose
+        :meth:`get_finished` reports its id; an in-step load's in its own step.
+        """
         return set() if self.io is None else self.io.take_failed_blocks()
 
     # ==============================================================================
@@ -392,6 +514,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==============================================================================
 
     def get_kv_connector_stats(self) -> SparkCacheStats | None:
+        """The counters since the last call (they restart at zero); None when nothing
+        was counted."""
         data = self.counters.take()
         return SparkCacheStats(data=data) if data else None
 
@@ -410,6 +534,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return True if self.io is None else self.io.flush(timeout)
 
     def shutdown(self) -> None:
+        """Scheduler: stop the sweeper.  Worker: finish queued loads and saves (up
+        to 60 s), stop the threads.  Both close the store."""
         if self.is_scheduler:
             if self.sweeper is not None:
                 self.sweeper.stop()
@@ -420,4 +546,5 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.store.close()
 
     def take_events(self) -> Iterable[Any]:
+        """No KV cache events: the store is not part of vLLM's block pool."""
         return ()

@@ -134,7 +134,7 @@ class SchedulerSide:
         self._reqs: dict[str, _ReqState] = {}
         # match, local hit, async, tokens offered (up to the match, or into its last block)
         self._offers: dict[str, tuple[Match, int, bool, int]] = {}
-        self._live: set[str] = set()  # requests vLLM admitted and has not finished
+        self._live: set[str] = set()  # requests vLLM asked about and has not finished
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._saving: set[str] = set()  # blocks held until the workers copied them
         self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
@@ -170,7 +170,31 @@ class SchedulerSide:
     # -- restore -----------------------------------------------------------------------
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
-        """vLLM's ``get_num_new_matched_tokens``: side-effect free for vLLM."""
+        """vLLM's ``get_num_new_matched_tokens``: ``(tokens past num_computed that a
+        restore supplies, whether they load asynchronously)``.
+
+        ``(0, False)``: nothing to offer; ``(None, False)``: ask again on a later
+        step (another request's asynchronous restore of a shared prefix is in
+        flight).  Never the prompt's last token (vLLM computes one to sample).
+
+        vLLM may ask several times for one request before :meth:`after_alloc`
+        (its blocks did not fit this step, or the answer was None).  Each call
+        answers afresh from the index, so an answer can change as the store
+        does; nothing of vLLM's is touched.  What a call changes here:
+
+        * the request's pending offer is replaced by this call's (or dropped):
+          :meth:`after_alloc` plans the last one;
+        * the request counts as live (``load_async`` auto) until :meth:`finished`;
+        * memos, the same on every call: the request's scope, its breakpoints
+          (noted on the first call; :meth:`plan_breakpoints` sees only requests
+          asked about) and its block hashes;
+        * counters: ``lookups``, ``misses``, ``lookup_errors`` and
+          ``lookup_seconds`` count every call that reaches the index;
+          ``coalesced`` counts a request once, however often it is told to wait;
+        * the store: a lookup that finds nothing counts a miss in the store's
+          own counters, and a snapshot whose stored tail block fails its checks
+          (``tail_block``) is quarantined - for every engine of the store.
+        """
         self._offers.pop(request.request_id, None)
         self._live.add(request.request_id)
         if request.prompt_token_ids is None:
@@ -237,7 +261,14 @@ class SchedulerSide:
         return (match, match.n_tokens) if longer is None else (longer, len(tokens))
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
-        """vLLM's ``update_state_after_alloc`` (``block_ids``: the request's group-0 blocks)."""
+        """vLLM's ``update_state_after_alloc`` (``block_ids``: the request's group-0 blocks).
+
+        Uses up the request's pending offer.  When ``num_external`` tokens of it
+        are to be loaded: plans the load (:meth:`take_jobs`), marks an
+        asynchronous one in flight (followers wait), leases the snapshot until
+        the load landed or the request is gone, and counts ``hits`` and
+        ``hit_tokens``.  A count other than the one offered plans nothing (logged).
+        """
         offer = self._offers.pop(request.request_id, None)
         if num_external == 0 or offer is None:
             return
@@ -303,17 +334,19 @@ class SchedulerSide:
     def preempted(self, req_ids: Iterable[str]) -> list[str]:
         """Of vLLM's preempted requests, those whose breakpoint saves may still be
         copying: their workers wait for (or cancel) those copies before the
-        freed blocks are written again (``handle_preemptions``)."""
+        freed blocks are written again (``handle_preemptions``).  Changes nothing."""
         return [r for r in req_ids if (state := self._reqs.get(r)) and state.mid_saves]
 
     def take_jobs(self) -> tuple[list[LoadJob], list[SaveJob]]:
-        """The loads and saves planned since the last step (``build_connector_meta``)."""
+        """The loads and saves planned since the last call (``build_connector_meta``);
+        they are forgotten here, each handed out once."""
         loads, saves = self._loads, self._saves
         self._loads, self._saves = [], []
         return loads, saves
 
     def on_output(self, finished_recving: Iterable[str], finished_sending: Iterable[str]) -> None:
-        """``update_connector_output``: loads landed (followers may go), saves copied."""
+        """``update_connector_output``: loads landed (their leases go, followers
+        are answered again), saves copied (their blocks are no longer held)."""
         for req_id in finished_recving:
             self._inflight.pop(req_id, None)
             self._release_lease(req_id)
@@ -330,12 +363,21 @@ class SchedulerSide:
 
     @property
     def pending_block_frees(self) -> bool:
+        """Whether finished requests' blocks are held until the workers copied them."""
         return bool(self._saving)
 
     # -- save --------------------------------------------------------------------------
 
     def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's ``request_finished``: plan a save; True holds the blocks until copied."""
+        """vLLM's ``request_finished`` (once per request): plan a save; True holds
+        the blocks until the workers report them copied.
+
+        Forgets the request: its offer, its state, its lease unless its
+        asynchronous load is still in flight (that lease goes in
+        :meth:`on_output`; the blocks are not saved then).  Returns ``(True,
+        None)`` when a save is planned or a breakpoint save may still copy the
+        blocks (a release job without blocks is then planned), else ``(False, None)``.
+        """
         req_id = request.request_id
         self._offers.pop(req_id, None)
         self._live.discard(req_id)
