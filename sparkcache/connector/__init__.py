@@ -9,7 +9,8 @@ vLLM loads it with::
 
 Importing this package does not import vLLM: :class:`SparkCacheConnector`
 (which subclasses vLLM's ``KVConnectorBase_V1``) is resolved on first access,
-so the settings and layout helpers work, and are tested, without vLLM.
+so the settings, the layout helpers and both sides' logic (``scheduler``,
+``worker``, the ``jobs`` they share) work, and are tested, without vLLM.
 """
 
 from __future__ import annotations
