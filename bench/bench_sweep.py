@@ -85,24 +85,33 @@ class SweepStore:
     built: int  # snapshots when the sweeps started
 
 
-def age_cutoff(index: Database, due: int) -> float:
+def age_cutoff(sw: SweepStore, due: int) -> float:
     """A ``last_used`` cutoff below which exactly ``due`` snapshots can go.
 
     A snapshot goes by age when it and every descendant were last used before
     the cutoff (a parent waits for its children) and none of them is pinned:
-    the subtree's latest use, computed deepest first, is the key."""
-    with index.read() as conn:
-        rows = conn.execute(READY_DEEPEST_FIRST).fetchall()
-    latest: dict[int, float] = {}
-    for sid, pid, _depth, used, pinned in rows:
-        mine = max(latest.get(sid, float("-inf")), float("inf") if pinned else used)
-        latest[sid] = mine
-        if pid is not None:
-            latest[pid] = max(latest.get(pid, float("-inf")), mine)
-    keys = sorted(latest.values())
-    if len(keys) <= due or keys[due - 1] == keys[due]:
-        raise SystemExit(f"cannot make exactly {due} snapshots due by age")
-    return (keys[due - 1] + keys[due]) / 2
+    the subtree's latest use, computed deepest first, is the key.  Where the
+    ``due``-th key and the next are equal (a parent and the child it waits for
+    straddle the cutoff), the snapshot used at that moment is pinned, which keeps
+    its ancestors too, and the keys are computed again."""
+    while True:
+        with sw.index.read() as conn:
+            rows = conn.execute(READY_DEEPEST_FIRST).fetchall()
+        latest: dict[int, float] = {}
+        for sid, pid, _depth, used, pinned in rows:
+            mine = max(latest.get(sid, float("-inf")), float("inf") if pinned else used)
+            latest[sid] = mine
+            if pid is not None:
+                latest[pid] = max(latest.get(pid, float("-inf")), mine)
+        keys = sorted(latest.values())
+        if len(keys) <= due or keys[due] == float("inf"):
+            raise SystemExit(f"cannot make exactly {due} snapshots due by age")
+        if keys[due - 1] < keys[due]:
+            return (keys[due - 1] + keys[due]) / 2
+        tied = next(sid for sid, _pid, _depth, used, pinned in rows
+                    if not pinned and used == keys[due])
+        sw.store.pin(tied)
+        log(f"pinned snapshot {tied}: it and a parent straddled the cutoff of {due} by age")
 
 
 def set_total(sw: SweepStore, over: int) -> int:
@@ -145,7 +154,7 @@ def prepare_sweep(sw: SweepStore, kind: str, due: int) -> None:
     assert store.retention is not None
     hours = MAX_AGE_HOURS
     if kind == "age":
-        sw.now[0] = age_cutoff(sw.index, due) + hours * 3600
+        sw.now[0] = age_cutoff(sw, due) + hours * 3600
         store.retention = store.retention.with_settings(max_age_hours=hours, total_mb=0)
     elif kind == "total":
         total_mb = set_total(sw, due * BULK_NBYTES)
