@@ -254,9 +254,9 @@ for op in args["ops"]:
     elif kind == "reset":
         llm.reset_prefix_cache()
     elif kind == "breakpoint_abort":
-        # One request with a breakpoint, stepped by hand until the store holds its
-        # prefix up to the breakpoint; then aborted: it never finishes.
-        import time
+        # One request with a breakpoint; the store is looked at after each of its
+        # outputs (step() hands over the engine core's next one, no sooner) until
+        # it holds the prefix up to the breakpoint; then aborted: it never finishes.
         marks = {"sparkcache": {"breakpoints": [op["breakpoint"]]}}
         sp = SamplingParams(temperature=0, max_tokens=op["max_tokens"], ignore_eos=True,
                             extra_args={"kv_transfer_params": marks})
@@ -264,12 +264,13 @@ for op in args["ops"]:
         engine.add_request("bp", {"prompt_token_ids": op["prompt"]}, sp)
         want = op["breakpoint"] // 32 * 32
         deadline = time.monotonic() + 120
+        rec["generated"] = 0
         while not any(s.n_tokens == want for s in ready()):
             assert time.monotonic() < deadline, "no breakpoint snapshot"
             outs = engine.step()
             assert not any(o.finished for o in outs), "finished before the breakpoint save"
-            rec["generated"] = max([len(o.outputs[0].token_ids) for o in outs] or [0])
-            time.sleep(0.05)
+            rec["generated"] = max([rec["generated"]] + [len(o.outputs[0].token_ids)
+                                                         for o in outs])
         engine.abort_request(["bp"])
         while engine.has_unfinished_requests():
             engine.step()
