@@ -22,8 +22,7 @@ from sparkcache.errors import (
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.store import Match, PublishResult, SnapshotInfo, SnapshotStore
-
-__version__ = "0.1.0"
+from sparkcache.version import VERSION as __version__
 
 __all__ = [
     "CorruptSnapshot",

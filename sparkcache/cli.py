@@ -25,9 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from sparkcache import __version__, admin
+from sparkcache import admin
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
-from sparkcache.store import SnapshotStore
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -93,10 +92,6 @@ def fields(pairs: Sequence[tuple[str, Any]]) -> str:
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def _mb(nbytes: int) -> str:
-    return f"{nbytes / 1e6:.1f}"
 
 
 class ProgressBar:
@@ -177,18 +172,10 @@ class Context:
 
     @property
     def folder(self) -> Path:
-        if self.args.folder:
-            return Path(self.args.folder).expanduser()
-        from sparkcache.retention import PREFIX, RetentionSettings, default_folder
-
-        try:
-            return RetentionSettings.from_env().folder
-        except InvalidArgument:  # a bad limit must not stop `ls`; `sweep` reports it
-            folder = os.environ.get(PREFIX + "FOLDER")
-            return Path(folder).expanduser() if folder else default_folder()
+        return admin.resolve_folder(self.args.folder)
 
     @contextlib.contextmanager
-    def store(self, *, create: bool = False) -> Iterator[SnapshotStore]:
+    def store(self, *, create: bool = False) -> Iterator[admin.SnapshotStore]:
         store = admin.open_store(self.folder, storage=self.args.storage, create=create)
         try:
             yield store
@@ -258,7 +245,7 @@ def cmd_show(ctx: Context) -> int:
             ("children", ", ".join(map(str, d.children)) or None),
         ])
         segs = table(["RANK", "STATE", "TOKENS", "MB", "DIGEST", "FILE"],
-                     [[g.rank, g.state, f"{g.token_start}-{g.token_end}", float(_mb(g.nbytes)),
+                     [[g.rank, g.state, f"{g.token_start}-{g.token_end}", admin.mb(g.nbytes),
                        g.digest, g.object_key] for g in d.segments])
         parts = [head, "", segs]
         if d.leases:
@@ -279,8 +266,8 @@ def cmd_stats(ctx: Context) -> int:
         pairs: list[tuple[str, Any]] = [
             ("model", st.model or "(all)"), ("hits", st.hits), ("misses", st.misses),
             ("hit rate", rate), ("publishes", st.publishes), ("skipped", st.skipped),
-            ("written", f"{st.written_tokens} tokens, {_mb(st.written_bytes)} MB"),
-            ("restored", f"{st.restored_tokens} tokens, {_mb(st.restored_bytes)} MB"),
+            ("written", f"{st.written_tokens} tokens, {admin.mb(st.written_bytes)} MB"),
+            ("restored", f"{st.restored_tokens} tokens, {admin.mb(st.restored_bytes)} MB"),
             ("evictions", ", ".join(f"{k} {v}" for k, v in st.evictions.items()) or 0),
             ("quarantines", ", ".join(f"{k} {v}" for k, v in st.quarantined_counts.items())
              or 0),
@@ -303,7 +290,7 @@ def cmd_verify(ctx: Context) -> int:
             bar.close()
 
     def text() -> str:
-        head = (f"verified {plural(report.segments, 'segment')} ({_mb(report.nbytes)} MB): "
+        head = (f"verified {plural(report.segments, 'segment')} ({admin.mb(report.nbytes)} MB): "
                 + ("all intact" if report.clean else
                    f"{len(report.corrupt)} corrupt, quarantined: "
                    + ", ".join(map(str, report.quarantined))))
@@ -377,14 +364,12 @@ def cmd_pin(ctx: Context) -> int:
 
 
 def cmd_sweep(ctx: Context) -> int:
-    from sparkcache.retention import Retention, RetentionSettings
-
     overrides = {k: v for k, v in (("max_age_hours", ctx.args.max_age_hours),
                                    ("total_mb", ctx.args.total_mb),
                                    ("min_free_mb", ctx.args.min_free_mb)) if v is not None}
-    settings = RetentionSettings.from_env(folder=ctx.folder, **overrides)
+    settings = admin.retention_settings(ctx.folder, **overrides)
     with ctx.store() as store, ctx.bar("sweep").spin():
-        r = admin.sweep(store, Retention(settings))
+        r = admin.sweep(store, settings)
 
     def text() -> str:
         if not r.count and not r.folders_removed:
@@ -415,7 +400,7 @@ def cmd_export(ctx: Context) -> int:
     ctx.emit(r, lambda: (
         f"exported {plural(len(r.snapshots), 'snapshot')} of {r.model} "
         f"({plural(r.segments, 'file')}, "
-        f"{_mb(r.nbytes)} MB) to {r.dest}"
+        f"{admin.mb(r.nbytes)} MB) to {r.dest}"
         + (f"\nleft out {len(r.skipped)}:\n{_problems(r.skipped)}" if r.skipped else "")))
     return EXIT_PROBLEMS if r.skipped else EXIT_OK
 
@@ -428,7 +413,7 @@ def cmd_import(ctx: Context) -> int:
         finally:
             bar.close()
     ctx.emit(r, lambda: (
-        f"imported {plural(len(r.imported), 'snapshot')} of {r.model} ({_mb(r.nbytes)} MB, "
+        f"imported {plural(len(r.imported), 'snapshot')} of {r.model} ({admin.mb(r.nbytes)} MB, "
         f"{sum(i.deduplicated for i in r.imported)} already present)"
         + (f"\nrefused {len(r.refused)}:\n{_problems(r.refused)}" if r.refused else "")))
     return EXIT_PROBLEMS if r.refused else EXIT_OK
@@ -539,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparkcache", formatter_class=fmt, epilog=EPILOG,
         description="Inspect and maintain a sparkcache KV-cache snapshot store.")
-    parser.add_argument("--version", action="version", version=f"sparkcache {__version__}",
+    parser.add_argument("--version", action="version", version=f"sparkcache {admin.VERSION}",
                         help="print the version and exit")
     _global_options(parser, suppress=False)
     common = argparse.ArgumentParser(add_help=False)

@@ -11,6 +11,7 @@ __all__ = [
     "CorruptSnapshot",
     "InvalidArgument",
     "LeaseError",
+    "NotABuffer",
     "NotFound",
     "SchemaMismatch",
     "SparkCacheError",
@@ -31,6 +32,10 @@ class InvalidArgument(SparkCacheError, ValueError):
 
 class UnsafeName(InvalidArgument):
     """A name or key would escape the store root or is not representable on disk."""
+
+
+class NotABuffer(InvalidArgument, TypeError):
+    """A page, destination or chunk that has no buffer protocol (also a TypeError)."""
 
 
 class NotFound(SparkCacheError, KeyError):

@@ -1,90 +1,129 @@
-"""Deleting, evicting and checking: the store's housekeeping.
+"""The store's housekeeping: quarantine, delete, evict, check, verify, remove models.
 
-Deletions follow one rule (STYLE habit 6): rows go in one write transaction,
-and the files those rows named are deleted only after it commits.  A crash in
-between leaves orphan files, never an index row naming a missing file.
+Every function takes the narrow :class:`~sparkcache.core.Core`.  Deletions
+follow one rule (STYLE habit 6): rows go in one write transaction, and the
+files those rows named are deleted only after it commits.  A crash in between
+leaves orphan files, never an index row naming a missing file.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import NamedTuple
 
+from sparkcache import segment as seg
 from sparkcache.backends import is_temp_key
 from sparkcache.backends.keys import temp_key_pid
-from sparkcache.errors import LeaseError, NotFound
-from sparkcache.holders import holder_alive, pid_alive
+from sparkcache.core import (
+    OBJECTS,
+    Conn,
+    Core,
+    LeaseInfo,
+    ModelInfo,
+    SegmentInfo,
+    SnapshotInfo,
+    fetch,
+    ids,
+    scalar,
+)
+from sparkcache.errors import CorruptSnapshot, LeaseError, NotFound
+from sparkcache.holders import pid_alive
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
 
-if TYPE_CHECKING:
-    from sparkcache.store import SnapshotStore
-
 __all__ = [
-    "CheckReport", "check", "clear_model", "delete_model", "delete_snapshots", "evict_lru",
-    "remove_deleted_models",
+    "CheckReport", "Problem", "VerifyReport", "check", "clear_model", "delete_model",
+    "delete_snapshots", "evict_lru", "quarantine", "remove_deleted_models", "verify",
 ]
 
 #: A pending snapshot with no live publisher is abandoned after this long.
 PENDING_GRACE_SECONDS = 600.0
 #: Eviction candidates read per query.
-_EVICT_BATCH = 64
+EVICT_BATCH = 64
+
+#: ``progress(done_bytes, total_bytes)``, called as work advances.
+Progress = Callable[[int, int], None]
 
 
-def _lease_blocks(holder: str) -> bool:
-    """An unexpired lease blocks unless its holder is a dead process on this host."""
-    return holder_alive(holder) is not False
+class _Candidate(NamedTuple):
+    """A row of ``queries.EVICTABLE``."""
+
+    id: int
+    nbytes: int
 
 
-def _delete_rows(conn: Any, store: SnapshotStore, snapshot_id: int, reason: str) -> list[str]:
-    """Delete one snapshot's rows (cascading to segments, boundaries, leases)."""
-    row = conn.execute(q.SNAPSHOT_BY_ID, (snapshot_id,)).fetchone()
-    if row is None:
-        return []
-    keys = [k for (k,) in conn.execute(q.SEGMENT_KEYS, (snapshot_id,))]
+class _VerifyRow(NamedTuple):
+    """A row of ``queries.ADMIN_VERIFY_SEGMENTS``: a segment and what its header must say."""
+
+    snapshot_id: int
+    rank: int
+    object_key: str
+    token_start: int
+    token_end: int
+    nbytes: int
+    digest: str
+    snap_key: str
+    identity_json: str
+
+
+def quarantine(core: Core, snapshot_id: int, reason: str) -> None:
+    """Never offer this snapshot (nor its descendants) again; count the reason."""
+    with core.write() as conn:
+        info = core.snapshot(conn, snapshot_id)
+        if info is None:
+            return
+        for sub_id in ids(conn, q.SUBTREE, (snapshot_id,)):
+            why = reason if sub_id == snapshot_id else "parent"
+            conn.execute(q.QUARANTINE, (why, sub_id))
+            conn.execute(q.DELETE_BOUNDARIES, (sub_id,))
+        conn.execute(q.BUMP_COUNTER, (info.model_id, f"quarantined.{reason}", 1))
+
+
+def _delete_rows(core: Core, conn: Conn, snapshot_id: int, reason: str) -> None:
+    """Delete one snapshot's rows (cascading to segments, boundaries, leases);
+    its files go after the commit."""
+    info = core.snapshot(conn, snapshot_id)
+    if info is None:
+        return
+    keys = [segment.object_key for segment in core.segments(conn, snapshot_id)]
     conn.execute(q.DELETE_SNAPSHOT, (snapshot_id,))
-    conn.execute(q.BUMP_COUNTER, (row[1], f"evictions.{reason}", 1))
-    return keys
-
-
-def _delete_files_after_commit(store: SnapshotStore, keys: Iterable[str]) -> None:
-    for key in keys:
-        store.db.on_commit(functools.partial(store._delete_object, key))
+    conn.execute(q.BUMP_COUNTER, (info.model_id, f"evictions.{reason}", 1))
+    core.delete_after_commit(keys)
 
 
 def delete_snapshots(
-    store: SnapshotStore, snapshot_ids: Iterable[int], *, force: bool = False,
-    reason: str = "deleted",
+    core: Core, snapshot_ids: Iterable[int], *, force: bool = False, reason: str = "deleted",
 ) -> list[int]:
-    """Delete snapshots with their descendants, deepest first.  See SnapshotStore.delete."""
-    now = store._clock()
+    """Delete snapshots with their descendants (they cannot be restored without
+    them), deepest first, in one transaction; files go after the commit.
+
+    Refuses (LeaseError) while any of them holds a lease that still protects
+    it, unless ``force``.  Returns the deleted ids.
+    """
+    now = core.clock()
     deleted: list[int] = []
-    with store._write() as conn:
+    with core.write() as conn:
         for snapshot_id in snapshot_ids:
-            subtree = [i for (i,) in conn.execute(q.SUBTREE, (snapshot_id,)).fetchall()]
+            subtree = ids(conn, q.SUBTREE, (snapshot_id,))
             if not subtree:
                 raise NotFound(f"no snapshot {snapshot_id}")
             if not force:
                 for sub in subtree:
-                    for (holder,) in conn.execute(q.LIVE_LEASES_OF, (sub, now)).fetchall():
-                        if _lease_blocks(holder):
-                            raise LeaseError(
-                                f"snapshot {sub} is leased by {holder}; wait for the lease to "
-                                "expire or pass force=True"
-                            )
+                    for holder in core.leased(conn, sub, now):
+                        raise LeaseError(
+                            f"snapshot {sub} is leased by {holder}; wait for the lease to "
+                            "expire or pass force=True"
+                        )
             for sub in subtree:
-                _delete_files_after_commit(store, _delete_rows(conn, store, sub, reason))
+                _delete_rows(core, conn, sub, reason)
                 deleted.append(sub)
     return deleted
 
 
 def evict_lru(
-    store: SnapshotStore, *, model: ModelIdentity | None = None, model_id: int | None = None,
+    core: Core, *, model: ModelIdentity | None = None, model_id: int | None = None,
     count: int | None = None, free_bytes: int | None = None, older_than: float | None = None,
     keep: Iterable[int] = (), reason: str = "lru",
 ) -> list[int]:
@@ -102,7 +141,7 @@ def evict_lru(
     """
     if count is not None and count <= 0:
         return []
-    now = store._clock()
+    now = core.clock()
     evicted: list[int] = []
     freed = 0
     skipped = [int(i) for i in keep]
@@ -111,11 +150,11 @@ def evict_lru(
         return ((count is not None and len(evicted) >= count)
                 or (free_bytes is not None and freed >= free_bytes))
 
-    with store._write() as conn:
+    with core.write() as conn:
         filters: list[str] = []
         params: list[float] = []
         if model is not None:
-            model_id = store._model_id(conn, model)
+            model_id = core.model_id(conn, model)
             if model_id is None:
                 return []
         if model_id is not None:
@@ -127,15 +166,14 @@ def evict_lru(
         sql = q.EVICTABLE.format(filters=" ".join(filters))
         for state in ("quarantined", "ready"):
             while not done():
-                batch = conn.execute(
-                    sql, (state, *params, json.dumps(skipped), _EVICT_BATCH)
-                ).fetchall()
+                batch = fetch(conn, sql, (state, *params, json.dumps(skipped), EVICT_BATCH),
+                              into=_Candidate)
                 progressed = False
                 for sid, nbytes in batch:
-                    if _leased_by_live(conn, sid, now):
+                    if core.leased(conn, sid, now):
                         skipped.append(sid)
                         continue
-                    _delete_files_after_commit(store, _delete_rows(conn, store, sid, reason))
+                    _delete_rows(core, conn, sid, reason)
                     evicted.append(sid)
                     freed += nbytes
                     progressed = True
@@ -143,15 +181,12 @@ def evict_lru(
                         break
                 # A short batch means no candidate was left, unless deleting
                 # children just turned their parents into leaves: query again.
-                if not batch or (len(batch) < _EVICT_BATCH and not progressed):
+                if not batch or (len(batch) < EVICT_BATCH and not progressed):
                     break
     return evicted
 
 
-def _leased_by_live(conn: Any, snapshot_id: int, now: float) -> bool:
-    return any(
-        _lease_blocks(h) for (h,) in conn.execute(q.LIVE_LEASES_OF, (snapshot_id, now)).fetchall()
-    )
+# -- check ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -171,7 +206,7 @@ class CheckReport:
                     or self.missing_files or self.orphan_files)
 
 
-def check(store: SnapshotStore, *, fix: bool = False) -> CheckReport:
+def check(core: Core, *, fix: bool = False) -> CheckReport:
     """Compare the index with the files and with the living processes.
 
     Finds expired or orphaned leases, publishes whose process died, snapshots
@@ -182,45 +217,43 @@ def check(store: SnapshotStore, *, fix: bool = False) -> CheckReport:
     report = CheckReport(fixed=fix)
     # Files are listed *before* the rows are read: a publisher inserts its row
     # before it creates its file, so a live publish is never taken for an orphan.
-    files = list(store.backend.list("objects"))
-    now = store._clock()
-    doomed: list[str] = []
-    with store._write() as conn:
-        for lease_id, _sid, holder, _kind, expires in conn.execute(q.ALL_LEASES).fetchall():
-            if expires <= now or not _lease_blocks(holder):
-                report.expired_leases.append(lease_id)
-                if fix:
-                    conn.execute(q.DELETE_LEASE, (lease_id,))
-        live_publishers = {
-            (sid, kind) for _id, sid, holder, kind, expires in conn.execute(q.ALL_LEASES)
-            if expires > now and _lease_blocks(holder)
-        }
-        for sid, rank, key in conn.execute(q.WRITING_SEGMENTS).fetchall():
+    files = list(core.backend.list(OBJECTS))
+    now = core.clock()
+    with core.write() as conn:
+        live_publishers: set[tuple[int, str]] = set()
+        for lease in fetch(conn, q.ALL_LEASES, into=LeaseInfo):
+            if lease.blocks(now):
+                live_publishers.add((lease.snapshot_id, lease.kind))
+                continue
+            report.expired_leases.append(lease.id)
+            if fix:
+                conn.execute(q.DELETE_LEASE, (lease.id,))
+        for segment in fetch(conn, q.WRITING_SEGMENTS, into=SegmentInfo):
+            sid, rank = segment.snapshot_id, segment.rank
             if (sid, f"publish.r{rank}") not in live_publishers:
                 report.dead_publishes.append((sid, rank))
                 if fix:
                     conn.execute(q.DELETE_SEGMENT, (sid, rank))
-                    doomed.append(key)
+                    core.delete_after_commit([segment.object_key])
         busy = {sid for sid, kind in live_publishers if kind.startswith("publish.")}
-        for sid, created in conn.execute(q.PENDING_SNAPSHOTS).fetchall():
-            if sid in busy:
+        for info in fetch(conn, q.PENDING_SNAPSHOTS, into=SnapshotInfo):
+            if info.id in busy:
                 continue
-            remaining = conn.execute(q.COUNT_SEGMENTS, (sid,)).fetchone()[0]
+            remaining = scalar(conn, q.COUNT_SEGMENTS, (info.id,))
             if not fix:  # with fix, the dead segments' rows are already gone
-                remaining -= sum(1 for s, _r in report.dead_publishes if s == sid)
-            if remaining == 0 or now - created > PENDING_GRACE_SECONDS:
-                report.stuck_pending.append(sid)
+                remaining -= sum(1 for s, _r in report.dead_publishes if s == info.id)
+            if remaining == 0 or now - info.created_at > PENDING_GRACE_SECONDS:
+                report.stuck_pending.append(info.id)
                 if fix:
-                    doomed.extend(_delete_rows(conn, store, sid, "abandoned"))
-        referenced = {k for (k,) in conn.execute(q.ALL_SEGMENT_KEYS)}
-        for sid, _rank, key, _nbytes in conn.execute(q.READY_SEGMENTS).fetchall():
-            if not store.backend.exists(key) and sid not in report.missing_files:
+                    _delete_rows(core, conn, info.id, "abandoned")
+        referenced = {str(k) for (k,) in conn.execute(q.ALL_SEGMENT_KEYS)}
+        for segment in fetch(conn, q.READY_SEGMENTS, into=SegmentInfo):
+            sid = segment.snapshot_id
+            if not core.backend.exists(segment.object_key) and sid not in report.missing_files:
                 report.missing_files.append(sid)
-        if fix:
-            _delete_files_after_commit(store, doomed)
     if fix:
         for sid in report.missing_files:
-            store.quarantine(sid, "missing")
+            quarantine(core, sid, "missing")
     for key in files:
         if is_temp_key(key):
             base = key.rsplit(".tmp.", 1)[0]
@@ -232,41 +265,123 @@ def check(store: SnapshotStore, *, fix: bool = False) -> CheckReport:
         report.orphan_files.append(key)
     if fix:
         for key in report.orphan_files:
-            store._delete_object(key)
+            core.delete_object(key)
     return report
 
 
-def _remove_folder(store: SnapshotStore, folder: str) -> None:
-    """Delete every object under ``folder``, then its empty local directories."""
-    from sparkcache.backends import LocalBackend
-
-    for key in list(store.backend.list(folder)):
-        store._delete_object(key)
-    if isinstance(store.backend, LocalBackend):
-        top = os.path.join(store.backend.root, *folder.split("/"))
-        for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
-            with contextlib.suppress(OSError):
-                os.rmdir(dirpath)
+# -- verify --------------------------------------------------------------------------
 
 
-def delete_model(store: SnapshotStore, model_id: int) -> bool:
+@dataclass(frozen=True)
+class Problem:
+    """One snapshot (and rank, where known) that failed, and why."""
+
+    snapshot_id: int
+    rank: int | None
+    reason: str  # digest, tokens, identity, shape, missing, truncated, header, parent, scope
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    segments: int = 0
+    nbytes: int = 0
+    corrupt: list[Problem] = field(default_factory=list)
+    quarantined: list[int] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.corrupt
+
+
+def verify_file(
+    buf: memoryview, digest: str, identity: ModelIdentity, rank: int, snap_key: str,
+    token_start: int, token_end: int, tick: Callable[[int], None] = lambda n: None,
+) -> seg.SegmentHeader:
+    """Check one whole segment file: its header (:func:`sparkcache.segment.check_header`,
+    as a read does) and every chunk of every tensor, tokens included.
+
+    Raises CorruptSnapshot with the reason a read would give.
+    """
+    header = seg.check_header(buf, digest, identity, rank, snap_key, token_start, token_end)
+    tick(header.data_start)
+    for name, (_offset, nbytes) in header.tensors.items():
+        view = seg.verified_view(buf, header, name, nbytes)
+        del view  # the buffer may be an mmap: drop views before the blob closes
+        tick(nbytes)
+    return header
+
+
+def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
+    """Re-hash every written segment of every snapshot not yet quarantined.
+
+    A failure quarantines the snapshot (and its descendants) exactly as a failed
+    read would, and is listed in the report.  ``progress(done, total)`` counts
+    payload bytes.  Snapshots deleted meanwhile are skipped silently.
+    """
+    report = VerifyReport()
+    with core.read() as conn:
+        rows = fetch(conn, q.ADMIN_VERIFY_SEGMENTS, into=_VerifyRow)
+    total = sum(r.nbytes for r in rows)
+    identities: dict[str, ModelIdentity] = {}
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(min(done, total), total)
+
+    tick(0)
+    lost: set[int] = set()  # quarantined by this run, descendants included
+    for sid, rank, key, start, end, nbytes, digest, snap_key, identity_json in rows:
+        expected_done = done + nbytes
+        if sid not in lost:
+            identity = identities.get(identity_json) or identities.setdefault(
+                identity_json, ModelIdentity.from_dict(json.loads(identity_json)))
+            try:
+                with seg.open_segment(core.backend, key) as blob:
+                    buf = blob.buffer
+                    if buf.nbytes != nbytes:
+                        raise CorruptSnapshot(
+                            f"segment file holds {buf.nbytes} bytes, the index says {nbytes}",
+                            "truncated")
+                    verify_file(buf, digest, identity, rank, snap_key, start, end, tick)
+                    del buf
+            except CorruptSnapshot as exc:
+                with core.read() as conn:
+                    subtree = ids(conn, q.SUBTREE, (sid,))
+                if subtree:  # else it was deleted meanwhile: nothing to report
+                    quarantine(core, sid, exc.reason)
+                    lost.update(subtree)
+                    report.quarantined.append(sid)
+                    report.corrupt.append(Problem(sid, rank, exc.reason, str(exc)))
+            report.segments += 1
+            report.nbytes += nbytes
+        done = expected_done - nbytes
+        tick(nbytes)
+    return report
+
+
+# -- models --------------------------------------------------------------------------
+
+
+def delete_model(core: Core, model_id: int) -> bool:
     """Delete a model: its snapshots, its row and its folder.
 
     Marks the model deleted first, so lookups stop at once.  Leased snapshots
     stay until their lease ends; then the sweeper finishes the job.  Returns
     True when the model is completely gone.
     """
-    now = store._clock()
-    with store._write() as conn:
-        row = conn.execute(q.MODEL_BY_ID, (model_id,)).fetchone()
-        if row is None:
+    with core.write() as conn:
+        if core.model(conn, model_id) is None:
             raise NotFound(f"no model {model_id}")
-        conn.execute(q.MARK_MODEL_DELETED, (now, model_id))
-    return _finish_model_deletion(store, model_id)
+        conn.execute(q.MARK_MODEL_DELETED, (core.clock(), model_id))
+    return _finish_model_deletion(core, model_id)
 
 
 def clear_model(
-    store: SnapshotStore, model_id: int, *, keep_pinned: bool = False, reason: str = "cleared",
+    core: Core, model_id: int, *, keep_pinned: bool = False, reason: str = "cleared",
 ) -> tuple[list[int], list[int], list[int]]:
     """Delete every snapshot of a model in one transaction, deepest first.
 
@@ -274,63 +389,56 @@ def clear_model(
     them), and pinned ones too with ``keep_pinned``.  Files go after the commit.
     Returns (deleted, kept because leased, kept because pinned).
     """
-    now = store._clock()
+    now = core.clock()
     deleted: list[int] = []
-    with store._write() as conn:
-        ids = [i for (i,) in conn.execute(q.MODEL_SNAPSHOTS_DEEPEST_FIRST, (model_id,))]
+    with core.write() as conn:
+        deepest_first = ids(conn, q.MODEL_SNAPSHOTS_DEEPEST_FIRST, (model_id,))
 
         def with_ancestors(chosen: set[int]) -> set[int]:
-            return {i for sid in chosen for i, *_ in conn.execute(q.CHAIN, (sid,))}
+            return {link.id for sid in chosen for link in core.chain(conn, sid)}
 
-        leased = with_ancestors({i for i in ids if _leased_by_live(conn, i, now)})
-        pinned = with_ancestors({i for i in ids if keep_pinned and conn.execute(
-            q.SNAPSHOT_BY_ID, (i,)).fetchone()[11]}) - leased
-        for sid in ids:
+        leased = with_ancestors({i for i in deepest_first if core.leased(conn, i, now)})
+        pinned = with_ancestors({i for i in deepest_first if keep_pinned and (
+            (info := core.snapshot(conn, i)) is not None and info.pinned)}) - leased
+        for sid in deepest_first:
             if sid not in leased | pinned:
-                _delete_files_after_commit(store, _delete_rows(conn, store, sid, reason))
+                _delete_rows(core, conn, sid, reason)
                 deleted.append(sid)
     return sorted(deleted), sorted(leased), sorted(pinned)
 
 
-def _finish_model_deletion(store: SnapshotStore, model_id: int) -> bool:
-    with store._read() as conn:
-        row = conn.execute(q.MODEL_BY_ID, (model_id,)).fetchone()
-    if row is None:
+def _finish_model_deletion(core: Core, model_id: int) -> bool:
+    with core.read() as conn:
+        model = core.model(conn, model_id)
+    if model is None:
         return True
-    _deleted, leased, _pinned = clear_model(store, model_id, reason="model_deleted")
+    _deleted, leased, _pinned = clear_model(core, model_id, reason="model_deleted")
     if leased:
         return False
-    with store._write() as conn:
-        if conn.execute(q.COUNT_MODEL_SNAPSHOTS, (model_id,)).fetchone()[0]:
+    with core.write() as conn:
+        if scalar(conn, q.COUNT_MODEL_SNAPSHOTS, (model_id,)):
             return False  # published again meanwhile: the model is back in use
         conn.execute(q.DELETE_MODEL, (model_id,))
-    _remove_folder(store, row[2])
+    core.backend.remove_tree(model.folder)
     return True
 
 
-def remove_deleted_models(store: SnapshotStore) -> tuple[list[str], list[str]]:
+def remove_deleted_models(core: Core) -> tuple[list[str], list[str]]:
     """The sweeper's first step: finish deleting models marked deleted, and remove
     model folders that no model row names (left by a lost or replaced index).
 
     Returns (names of models removed, folders removed)."""
-    from sparkcache.backends import LocalBackend
-
     models: list[str] = []
     folders: list[str] = []
-    with store._read() as conn:
-        marked = conn.execute(q.DELETED_MODELS).fetchall()
-        known = {f for (f,) in conn.execute(q.MODEL_FOLDERS).fetchall()}
-    for model_id, name, folder in marked:
-        if _finish_model_deletion(store, model_id):
-            models.append(name)
+    with core.read() as conn:
+        marked = fetch(conn, q.DELETED_MODELS, into=ModelInfo)
+        known = {str(f) for (f,) in conn.execute(q.MODEL_FOLDERS)}
+    for model in marked:
+        if _finish_model_deletion(core, model.id):
+            models.append(model.name)
+            folders.append(model.folder)
+    for folder in core.backend.folders(OBJECTS):
+        if folder.startswith(f"{OBJECTS}/m-") and folder not in known:
+            core.backend.remove_tree(folder)
             folders.append(folder)
-    if isinstance(store.backend, LocalBackend):
-        objects = os.path.join(store.backend.root, "objects")
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(objects):
-                folder = f"objects/{entry.name}"
-                if (entry.is_dir(follow_symlinks=False) and entry.name.startswith("m-")
-                        and folder not in known):
-                    _remove_folder(store, folder)
-                    folders.append(folder)
     return models, folders

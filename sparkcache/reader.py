@@ -19,18 +19,18 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sparkcache import segment as seg
+from sparkcache.buffers import as_byte_view
+from sparkcache.core import Core, Match
 from sparkcache.cpus import pinned_to
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
-
-if TYPE_CHECKING:
-    from sparkcache.store import Match, SnapshotStore
+from sparkcache.maintenance import quarantine
 
 __all__ = ["read_into", "read_pages", "tail_tokens"]
 
@@ -45,11 +45,12 @@ class _Link:
     digest: str
 
 
-
-
 def read_pages(
-    store: SnapshotStore, match: Match, rank: int, n_tokens: int | None, *, touch: bool
+    core: Core, match: Match, rank: int, n_tokens: int | None, *, touch: bool
 ) -> list[np.ndarray]:
+    """Verified pages of the first ``n_tokens`` (default all matched) for ``rank``:
+    one fresh uint8 array ``[n_blocks, page_nbytes]`` per layer.  ``touch``
+    records the use (a hit); a compaction's internal read does not."""
     out: list[np.ndarray] = []
 
     def alloc(n_layers: int, n_blocks: int) -> list[np.ndarray]:
@@ -57,11 +58,12 @@ def read_pages(
                    for _ in range(n_layers))
         return [a.reshape(-1) for a in out]
 
-    _read_chain(store, match, rank, n_tokens, alloc, touch=touch)
+    _read_chain(core, match, rank, n_tokens, alloc, touch=touch)
     return out
 
+
 def read_into(
-    store: SnapshotStore, match: Match, rank: int, out: Sequence[Any], *,
+    core: Core, match: Match, rank: int, out: Sequence[Any], *,
     n_tokens: int | None = None, start_tokens: int = 0,
     on_layer: Callable[[int], None] | None = None, threads: int = 1,
     cpus: Sequence[int] = (),
@@ -78,7 +80,7 @@ def read_into(
     leave ``out`` partly written with *verified* bytes only; treat it as a
     miss."""
     dests: list[np.ndarray | seg.Pieces] = [
-        seg.Pieces(o) if isinstance(o, (list, tuple)) else seg.as_byte_view(o, writable=True)
+        seg.Pieces(o) if isinstance(o, (list, tuple)) else as_byte_view(o, writable=True)
         for o in out
     ]
     page = match.identity.page_nbytes
@@ -94,11 +96,12 @@ def read_into(
             )
         return dests
 
-    return _read_chain(store, match, rank, n_tokens, check, skip_tokens=start_tokens,
+    return _read_chain(core, match, rank, n_tokens, check, skip_tokens=start_tokens,
                        on_layer=on_layer, threads=threads, cpus=cpus)
 
+
 def tail_tokens(
-    store: SnapshotStore, match: Match, rank: int, n_tokens: int
+    core: Core, match: Match, rank: int, n_tokens: int
 ) -> np.ndarray | None:
     """The snapshot's stored token ids ``[match.n_tokens, n_tokens)``, verified,
     or None when the snapshot ends before ``n_tokens``.
@@ -112,32 +115,33 @@ def tail_tokens(
     if not start < n_tokens <= start + match.identity.block_size:
         raise InvalidArgument(f"n_tokens must be in ({start}, {start + match.identity.block_size}]"
                               f", got {n_tokens}")
-    link = next((k for k in _chain_links(store, match, rank, n_tokens)
+    link = next((k for k in _chain_links(core, match, rank, n_tokens)
                  if k.start <= start < k.end), None)
     if link is None or link.end < n_tokens:
         return None
-    with _quarantine_on_failure(store, link), \
-            _open_verified(store, link, match.identity, rank) as opened:
+    with _quarantine_on_failure(core, link), \
+            _open_verified(core, link, match.identity, rank) as opened:
         stored = _verified_tokens(opened, (n_tokens - link.start) * 4)
         tail = stored.view("<u4")[start - link.start:].copy()  # before the mapping closes
         del stored
     return tail
 
 
-def _chain_links(store: SnapshotStore, match: Match, rank: int, n: int) -> list[_Link]:
+def _chain_links(core: Core, match: Match, rank: int, n: int) -> list[_Link]:
     links: list[_Link] = []
-    with store._read() as conn:
-        chain = conn.execute(q.CHAIN, (match.snapshot_id,)).fetchall()
-        for link_id, start, end, key, state in chain:
-            if start >= n:
+    with core.read() as conn:
+        for link in core.chain(conn, match.snapshot_id):
+            if link.start >= n:
                 continue
-            segrow = conn.execute(q.SEGMENT, (link_id, rank)).fetchone()
-            if state != "ready" or segrow is None or segrow[5] != "ready":
+            segment = core.segment(conn, link.id, rank)
+            if link.state != "ready" or segment is None or segment.state != "ready":
                 raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
-            links.append(_Link(link_id, start, end, key, segrow[0], segrow[4]))
+            links.append(_Link(link.id, link.start, link.end, link.snap_key,
+                               segment.object_key, str(segment.digest)))
     if not links or links[0].start != 0:
         raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
     return links
+
 
 @dataclass(frozen=True)
 class _Opened:
@@ -161,7 +165,7 @@ class _Copy:
 
 
 def _read_chain(
-    store: SnapshotStore, match: Match, rank: int, n_tokens: int | None,
+    core: Core, match: Match, rank: int, n_tokens: int | None,
     dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Pieces]], *, touch: bool = True,
     skip_tokens: int = 0, on_layer: Callable[[int], None] | None = None, threads: int = 1,
     cpus: Sequence[int] = (),
@@ -188,7 +192,7 @@ def _read_chain(
             f"start_tokens must be a multiple of the block size {bs} in [0, {n}) "
             f"(below n_tokens), got {skip_tokens}"
         )
-    links = _chain_links(store, match, rank, n)
+    links = _chain_links(core, match, rank, n)
     page = identity.page_nbytes
     skip_blocks = skip_tokens // bs
     dests: Sequence[np.ndarray | seg.Pieces] | None = None
@@ -197,8 +201,8 @@ def _read_chain(
         try:
             for link in links:
                 stop = min(link.end, n)
-                with _quarantine_on_failure(store, link):
-                    opened = stack.enter_context(_open_verified(store, link, identity, rank))
+                with _quarantine_on_failure(core, link):
+                    opened = stack.enter_context(_open_verified(core, link, identity, rank))
                     stored = _verified_tokens(opened, (stop - link.start) * 4)
                     if not np.array_equal(stored.view("<u4"), match.token_ids[link.start:stop]):
                         raise CorruptSnapshot("stored token ids differ from the prompt",
@@ -217,16 +221,16 @@ def _read_chain(
                         nbytes=(stop - link.start) // bs * page, at=(first - skip_blocks) * page))
                 del opened
             assert dests is not None
-            _copy_layers(store, copies, dests, on_layer, threads, cpus)
+            _copy_layers(core, copies, dests, on_layer, threads, cpus)
         finally:
             copies.clear()  # drop the views before the mmaps close
     n_blocks = n // bs - skip_blocks
     if touch:
-        _touch(store, match, links, n - skip_tokens, n_blocks * page * len(dests))
+        _touch(core, match, links, n - skip_tokens, n_blocks * page * len(dests))
     return n_blocks
 
 
-def _copy_layers(store: SnapshotStore, copies: list[_Copy],
+def _copy_layers(core: Core, copies: list[_Copy],
                  dests: Sequence[np.ndarray | seg.Pieces],
                  on_layer: Callable[[int], None] | None, threads: int,
                  cpus: Sequence[int] = ()) -> None:
@@ -269,7 +273,7 @@ def _copy_layers(store: SnapshotStore, copies: list[_Copy],
         while (i := take()) is not None:
             try:
                 for c in copies:
-                    with _quarantine_on_failure(store, c.link):
+                    with _quarantine_on_failure(core, c.link):
                         seg.copy_verified(c.opened.buf, c.opened.header, f"layer.{i}",
                                           c.nbytes, dests[i], skip=c.skip, at=c.at,
                                           read_at=c.opened.read_at, bounce=bounce)
@@ -307,50 +311,35 @@ def _verified_tokens(opened: _Opened, nbytes: int) -> np.ndarray:
 
 
 @contextmanager
-def _quarantine_on_failure(store: SnapshotStore, link: _Link) -> Iterator[None]:
+def _quarantine_on_failure(core: Core, link: _Link) -> Iterator[None]:
     try:
         yield
     except CorruptSnapshot as exc:
-        store.quarantine(link.id, exc.reason)
+        quarantine(core, link.id, exc.reason)
         raise
+
 
 @contextmanager
 def _open_verified(
-    store: SnapshotStore, link: _Link, identity: ModelIdentity, rank: int
+    core: Core, link: _Link, identity: ModelIdentity, rank: int
 ) -> Iterator[_Opened]:
-    try:
-        blob = store.backend.open(link.object_key)
-    except NotFound as exc:
-        raise CorruptSnapshot(f"segment file {link.object_key} is missing", "missing") from exc
-    buf: memoryview | None = None
-    try:
+    with seg.open_segment(core.backend, link.object_key) as blob:
         buf = blob.buffer
-        header = seg.parse_header(buf, link.digest)
-        meta = header.meta
-        expected = {
-            "model": identity.digest(), "rank": rank, "snap_key": link.snap_key,
-            "token_start": link.start, "token_end": link.end,
-            "block_size": identity.block_size, "dtype": identity.kv_cache_dtype,
-            "page_shape": list(identity.page_shape),
-        }
-        for key, value in expected.items():
-            if meta.get(key) != value:
-                raise CorruptSnapshot(
-                    f"segment {key} is {meta.get(key)!r}, expected {value!r}", "identity"
-                )
-        yield _Opened(buf, header, getattr(blob, "read_at", None))
-    finally:
-        del buf
-        blob.close()
+        try:
+            header = seg.check_header(buf, link.digest, identity, rank, link.snap_key,
+                                      link.start, link.end)
+            yield _Opened(buf, header, getattr(blob, "read_at", None))
+        finally:
+            del buf
 
-def _touch(store: SnapshotStore, match: Match, links: list[_Link], n: int, nbytes: int) -> None:
-    now = store._clock()
-    with store._write() as conn:
+
+def _touch(core: Core, match: Match, links: list[_Link], n: int, nbytes: int) -> None:
+    now = core.clock()
+    with core.write() as conn:
         for link in links:
             conn.execute(q.TOUCH, (now, link.id))
-        row = conn.execute(q.SNAPSHOT_BY_ID, (match.snapshot_id,)).fetchone()
-        if row is not None:
-            model_id = row[1]
+        info = core.snapshot(conn, match.snapshot_id)
+        if info is not None:
             for name, value in (("hits", 1), ("restored_tokens", n),
                                 ("restored_bytes", nbytes)):
-                conn.execute(q.BUMP_COUNTER, (model_id, name, value))
+                conn.execute(q.BUMP_COUNTER, (info.model_id, name, value))

@@ -10,28 +10,33 @@ docs/retention.md); users who know them get exactly that behaviour:
   the disk margin (least recently used of every model first) and the total.
 
 Leased and pinned snapshots never go, and a copy-on-write parent goes only
-after its children.  The clock, the disk-usage source and the RAM size are
-injectable so that every limit is testable.
+after its children.  Free space is measured on the medium that holds the
+payloads (the backend's ``disk_usage``), which is not the root's disk when the
+store's ``storage`` points elsewhere; a backend that cannot say (object
+stores) has no disk margin and an auto budget of a quarter of RAM.  The
+clock, the disk-usage source and the RAM size are injectable so that every
+limit is testable.  :class:`Retention` is the store's
+:class:`~sparkcache.core.PublishPolicy`; every function here takes the narrow
+:class:`~sparkcache.core.Core`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
+from sparkcache.backends import Backend, DiskUsage
+from sparkcache.core import Core
 from sparkcache.cpus import widen_affinity
 from sparkcache.errors import InvalidArgument
-from sparkcache.index import queries as q
-
-if TYPE_CHECKING:
-    from sparkcache.store import SnapshotStore
+from sparkcache.folder import resolve_folder
+from sparkcache.maintenance import evict_lru, remove_deleted_models
 
 __all__ = [
     "DiskUsage",
@@ -39,7 +44,6 @@ __all__ = [
     "RetentionSettings",
     "SweepReport",
     "Sweeper",
-    "default_folder",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,28 +56,15 @@ AUTO_MIN_FREE_FRACTION = 0.05
 AUTO_MIN_FREE_CLAMP = (1 * GB, 10 * GB)
 
 
-class DiskUsage(NamedTuple):
-    total: int
-    free: int
+DiskProbe = Callable[[Backend], DiskUsage | None]
 
 
-DiskProbe = Callable[[Path], DiskUsage]
-
-
-def _disk_usage(path: Path) -> DiskUsage:
-    usage = shutil.disk_usage(path)
-    return DiskUsage(usage.total, usage.free)
+def _disk_usage(backend: Backend) -> DiskUsage | None:
+    return backend.disk_usage()
 
 
 def _ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def default_folder(env: Mapping[str, str] | None = None) -> Path:
-    """``$SPARK_STORAGE/kvcache``; SPARK_STORAGE defaults to ``~/.local/share/spark``."""
-    env = os.environ if env is None else env
-    storage = env.get("SPARK_STORAGE") or str(Path.home() / ".local" / "share" / "spark")
-    return Path(storage).expanduser() / "kvcache"
 
 
 def _parse(env: Mapping[str, str], name: str, kind: type, *, auto: bool = False,
@@ -113,7 +104,7 @@ class RetentionSettings:
     ======================  ========  ==========================================
     """
 
-    folder: Path = field(default_factory=default_folder)
+    folder: Path = field(default_factory=resolve_folder)
     mb: int | None = None
     entries: int = 64
     min_tokens: int = 64
@@ -163,9 +154,8 @@ class RetentionSettings:
             "sweep_seconds": _parse(env, "SWEEP_SECONDS", float, minimum=1e-3,
                                     hint="a number of seconds > 0"),
         }
-        folder = env.get(PREFIX + "FOLDER")
         kwargs = {k: v for k, v in found.items() if v is not ...}
-        kwargs["folder"] = Path(folder).expanduser() if folder else default_folder(env)
+        kwargs["folder"] = resolve_folder(env=env)
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -222,19 +212,22 @@ class Retention:
         lo, hi = AUTO_MIN_FREE_CLAMP
         return int(min(max(disk.total * AUTO_MIN_FREE_FRACTION, lo), hi))
 
-    def model_budget_bytes(self, disk: DiskUsage, model_bytes: int) -> int:
+    def model_budget_bytes(self, disk: DiskUsage | None, model_bytes: int) -> int:
         """MB, or auto: a quarter of RAM, at most half the disk space the cache may
         use (what is free plus what this model's snapshots already take)."""
         if self.settings.mb is not None and self.settings.mb >= 0:
             return self.settings.mb * MB
-        return int(min(self.ram_bytes() / 4, (disk.free + model_bytes) / 2))
+        quarter_ram = self.ram_bytes() / 4
+        if disk is None:
+            return int(quarter_ram)
+        return int(min(quarter_ram, (disk.free + model_bytes) / 2))
 
-    def _disk(self, store: SnapshotStore) -> DiskUsage:
-        return self.disk_usage(store.root)
+    def _disk(self, core: Core) -> DiskUsage | None:
+        return self.disk_usage(core.backend)
 
-    # -- on save ---------------------------------------------------------------------
+    # -- on save (the store's PublishPolicy) -------------------------------------------
 
-    def refuse(self, store: SnapshotStore, n_tokens: int, nbytes: int) -> str | None:
+    def refuse(self, core: Core, n_tokens: int, nbytes: int) -> str | None:
         """Why a publish of ``n_tokens`` (``nbytes`` on this rank) must not be saved,
         or None.  The reason is a sentence for logs and the publish result."""
         s = self.settings
@@ -242,63 +235,64 @@ class Retention:
             return f"snapshots are off ({PREFIX}MB=-1)"
         if n_tokens < s.min_tokens:
             return f"{n_tokens} tokens is shorter than {PREFIX}MIN_TOKENS={s.min_tokens}"
-        disk = self._disk(store)
+        disk = self._disk(core)
+        if disk is None:
+            return None
         margin = self.min_free_bytes(disk)
         if disk.free - nbytes < margin:
             return (f"only {disk.free // MB} MB free on the cache disk, below the "
                     f"{margin // MB} MB margin ({PREFIX}MIN_FREE_MB); nothing new is saved")
         return None
 
-    def trim_model(self, store: SnapshotStore, model_id: int, keep: int) -> SweepReport:
-        """After a save: the model's entry count and budget, least recently used first."""
+    def after_publish(self, core: Core, model_id: int, snapshot_id: int) -> SweepReport:
+        """After a save: the model's entry count and budget, least recently used
+        first, never the snapshot just saved."""
         report = SweepReport()
-        with store._read() as conn:
-            row = conn.execute(q.MODEL_USAGE, (model_id,)).fetchone()
-        if row is None:
-            return report
-        count, nbytes = row
+        with core.read() as conn:
+            count, nbytes = core.usage(conn, model_id)
+        keep = (snapshot_id,)
         extra = count - self.settings.entries
         if extra > 0:
-            report.add("entries", store._evict(model_id=model_id, count=extra, keep=(keep,),
-                                               reason="entries"))
-            with store._read() as conn:
-                count, nbytes = conn.execute(q.MODEL_USAGE, (model_id,)).fetchone()
-        budget = self.model_budget_bytes(self._disk(store), nbytes)
+            report.add("entries", evict_lru(core, model_id=model_id, count=extra, keep=keep,
+                                            reason="entries"))
+            with core.read() as conn:
+                count, nbytes = core.usage(conn, model_id)
+        budget = self.model_budget_bytes(self._disk(core), nbytes)
         if nbytes > budget:
-            report.add("budget", store._evict(model_id=model_id, free_bytes=nbytes - budget,
-                                              count=None, keep=(keep,), reason="budget"))
+            report.add("budget", evict_lru(core, model_id=model_id, free_bytes=nbytes - budget,
+                                           count=None, keep=keep, reason="budget"))
         return report
 
     # -- the sweeper -------------------------------------------------------------------
 
-    def sweep(self, store: SnapshotStore) -> SweepReport:
+    def sweep(self, core: Core) -> SweepReport:
         """One pass: deleted models' folders, age, disk margin, total.  Idempotent."""
-        from sparkcache.maintenance import remove_deleted_models
-
         report = SweepReport()
         s = self.settings
-        now = (self.clock or store._clock)()
-        removed_models, removed_folders = remove_deleted_models(store)
+        now = (self.clock or core.clock)()
+        removed_models, removed_folders = remove_deleted_models(core)
         report.models_removed.extend(removed_models)
         report.folders_removed.extend(removed_folders)
         if s.max_age_hours > 0:
             cutoff = now - s.max_age_hours * 3600
-            report.add("age", _in_chunks(store, "age", lambda: {"older_than": cutoff}))
+            report.add("age", _in_chunks(core, "age", lambda: {"older_than": cutoff}))
 
         def disk_short() -> dict[str, Any] | None:
-            disk = self._disk(store)  # read again after each chunk's files went
+            disk = self._disk(core)  # read again after each chunk's files went
+            if disk is None:
+                return None
             short = self.min_free_bytes(disk) - disk.free
             return {"free_bytes": short} if short > 0 else None
 
-        report.add("disk", _in_chunks(store, "disk", disk_short))
+        report.add("disk", _in_chunks(core, "disk", disk_short))
         if s.total_mb > 0:
             def over_total() -> dict[str, Any] | None:
-                with store._read() as conn:
-                    _count, total = conn.execute(q.TOTAL_USAGE).fetchone()
+                with core.read() as conn:
+                    _count, total = core.usage(conn)
                 over = total - s.total_mb * MB
                 return {"free_bytes": over} if over > 0 else None
 
-            report.add("total", _in_chunks(store, "total", over_total))
+            report.add("total", _in_chunks(core, "total", over_total))
         if report.count or report.folders_removed:
             log.info("sparkcache sweep: %s, folders removed: %d", report.counts(),
                      len(report.folders_removed))
@@ -310,13 +304,13 @@ class Retention:
 SWEEP_CHUNK = 256
 
 
-def _in_chunks(store: SnapshotStore, reason: str,
+def _in_chunks(core: Core, reason: str,
                limit: Callable[[], dict[str, Any] | None]) -> list[int]:
     """Evict for ``reason`` in transactions of at most SWEEP_CHUNK snapshots while
     ``limit()`` gives the evict_lru arguments still needed (None: done)."""
     out: list[int] = []
     while (kwargs := limit()) is not None:
-        ids = store._evict(count=SWEEP_CHUNK, reason=reason, **kwargs)
+        ids = evict_lru(core, count=SWEEP_CHUNK, reason=reason, **kwargs)
         out += ids
         if len(ids) < SWEEP_CHUNK:
             break
@@ -326,15 +320,17 @@ def _in_chunks(store: SnapshotStore, reason: str,
 class Sweeper:
     """Runs :meth:`Retention.sweep` every ``sweep_seconds`` on a daemon thread.
 
-    The connector and the server start one in the scheduler process.  Errors
-    are logged, never raised into the serving process; ``stop`` returns once the
-    thread has finished its current pass.
+    The connector and the server start one in the scheduler process, on the
+    store's core (``SnapshotStore.core``).  Errors are logged, never raised
+    into the serving process; ``stop`` returns once the thread has finished its
+    current pass.
     """
 
-    def __init__(self, store: SnapshotStore, retention: Retention) -> None:
-        self.store = store
+    def __init__(self, core: Core, retention: Retention) -> None:
+        self.core = core
         self.retention = retention
         self._stop = threading.Event()
+        self._passed = threading.Condition()
         self._thread: threading.Thread | None = None
         self.passes = 0
         self.last_report: SweepReport | None = None
@@ -352,11 +348,13 @@ class Sweeper:
         widen_affinity()  # not the one core of the thread that started it
         while not self._stop.is_set():
             try:
-                self.last_report = self.retention.sweep(self.store)
+                self.last_report = self.retention.sweep(self.core)
             except Exception as exc:  # a bad pass must not kill the thread
                 self.last_error = exc
                 log.warning("sparkcache sweep failed: %s", exc)
-            self.passes += 1
+            with self._passed:
+                self.passes += 1
+                self._passed.notify_all()
             self._stop.wait(self.retention.settings.sweep_seconds)
 
     def stop(self, timeout: float | None = 10.0) -> None:
@@ -364,6 +362,11 @@ class Sweeper:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    def wait(self, passes: int, timeout: float | None = None) -> bool:
+        """Block until ``passes`` sweeps have finished (True) or ``timeout`` ran out."""
+        with self._passed:
+            return self._passed.wait_for(lambda: self.passes >= passes, timeout)
 
     @property
     def running(self) -> bool:

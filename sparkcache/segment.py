@@ -25,15 +25,18 @@ from __future__ import annotations
 import bisect
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import xxhash
 
-from sparkcache.errors import CorruptSnapshot, InvalidArgument
-from sparkcache.identity import DTYPE_SIZES, canonical_json
+from sparkcache.backends import Backend, Blob
+from sparkcache.buffers import as_byte_view
+from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound
+from sparkcache.identity import DTYPE_SIZES, ModelIdentity, canonical_json
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -44,9 +47,12 @@ __all__ = [
     "Pieces",
     "ReadAt",
     "SegmentHeader",
-    "as_byte_view",
     "build_header",
+    "check_header",
+    "copy_verified",
+    "open_segment",
     "parse_header",
+    "verified_view",
 ]
 
 FORMAT = "sparkcache-segment-1"
@@ -55,24 +61,6 @@ CHUNK_BYTES = 1 << 20
 #: Refuse headers larger than this (safetensors itself caps at 100 MB).
 MAX_HEADER_BYTES = 64 << 20
 _DIGEST_HEX = 32
-
-
-def as_byte_view(buf: Any, *, writable: bool = False) -> np.ndarray:
-    """A flat uint8 numpy view of any C-contiguous buffer, without copying."""
-    try:
-        mv = memoryview(cast("Buffer", buf))
-    except TypeError as exc:
-        raise InvalidArgument(
-            f"pages must support the buffer protocol (numpy array, bytes, memoryview), "
-            f"got {type(buf).__name__}"
-        ) from exc
-    if not mv.c_contiguous:
-        raise InvalidArgument("page buffers must be C-contiguous; pass a contiguous copy")
-    if writable and mv.readonly:
-        raise InvalidArgument("destination buffers must be writable")
-    if not mv.nbytes:
-        return np.zeros(0, np.uint8)
-    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
 
 
 def _hexdigest(view: np.ndarray) -> str:
@@ -203,6 +191,47 @@ def parse_header(buf: memoryview, expected_digest: str) -> SegmentHeader:
     if set(tensors) != expected_names:
         raise _fail("segment tensors do not match its layer count", "header")
     return SegmentHeader(meta=meta, data_start=data_start, tensors=tensors, digest=digest)
+
+
+def check_header(
+    buf: memoryview, digest: str, identity: ModelIdentity, rank: int, snap_key: str,
+    token_start: int, token_end: int,
+) -> SegmentHeader:
+    """The one verification of a segment's header, for every reader of a segment.
+
+    Checks the header against the index ``digest`` and the file size
+    (:func:`parse_header`), then that it says what the index expects: the
+    model identity's digest, ``rank``, ``snap_key``, the token range, the block
+    size, the KV dtype and the page shape.  Raises :class:`CorruptSnapshot`
+    (reason ``identity`` for a field that differs).  The payload chunks are
+    checked as they are read (:func:`verified_view`, :func:`copy_verified`).
+    """
+    header = parse_header(buf, digest)
+    expected = {
+        "model": identity.digest(), "rank": rank, "snap_key": snap_key,
+        "token_start": token_start, "token_end": token_end,
+        "block_size": identity.block_size, "dtype": identity.kv_cache_dtype,
+        "page_shape": list(identity.page_shape),
+    }
+    for key, value in expected.items():
+        if header.meta.get(key) != value:
+            raise _fail(f"segment {key} is {header.meta.get(key)!r}, expected {value!r}",
+                        "identity")
+    return header
+
+
+@contextmanager
+def open_segment(backend: Backend, key: str) -> Iterator[Blob]:
+    """Open a segment file; the one missing-file rule: a segment the index
+    names and the backend lacks is corrupt (reason ``missing``), not a bug."""
+    try:
+        blob = backend.open(key)
+    except NotFound as exc:
+        raise _fail(f"segment file {key} is missing", "missing") from exc
+    try:
+        yield blob
+    finally:
+        blob.close()
 
 
 def verified_view(buf: memoryview, header: SegmentHeader, name: str, nbytes: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Export and import a model's snapshots to and from a folder or fsspec URL.
 
-Split from :mod:`sparkcache.admin` (which re-exports both verbs).  An export is
+:mod:`sparkcache.admin` re-exports both verbs for the command line.  An export is
 one file per segment and a ``manifest.json`` written last; an import verifies
 every file (size, header digest, header fields, every chunk, the snapshot key
 against its tokens) and then re-publishes through
@@ -12,41 +12,68 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from sparkcache import __version__
 from sparkcache import segment as seg
-from sparkcache.admin import (
-    _HEX32,
-    EXPORT_FORMAT,
-    EXPORT_LEASE_SECONDS,
-    EXPORT_VERSION,
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    ExportReport,
-    Imported,
-    ImportReport,
-    Problem,
-    Progress,
-    SegmentRow,
-    _model_identity,
-    _no_progress,
-    _opened,
-    _verify_file,
-    resolve_model,
-)
 from sparkcache.backends import Backend, Blob, open_backend, validate_key
+from sparkcache.catalog import model_identity, resolve_model
+from sparkcache.core import SegmentInfo
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity
-from sparkcache.index import queries as q
+from sparkcache.maintenance import Problem, Progress, verify_file
 from sparkcache.store import SnapshotInfo, SnapshotStore
+from sparkcache.version import VERSION
 
-__all__ = ["export_model", "import_model"]
+__all__ = [
+    "EXPORT_FORMAT", "EXPORT_VERSION", "MANIFEST", "ExportReport", "ImportReport", "Imported",
+    "export_model", "import_model",
+]
+
+MANIFEST = "manifest.json"
+EXPORT_FORMAT = "sparkcache-export"
+EXPORT_VERSION = 1
+#: A manifest larger than this is refused before it is read.
+MAX_MANIFEST_BYTES = 64 << 20
+#: How long an export protects the snapshots it copies from eviction.
+EXPORT_LEASE_SECONDS = 3600.0
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass
+class ExportReport:
+    model: str
+    dest: str
+    snapshots: list[int] = field(default_factory=list)
+    segments: int = 0
+    nbytes: int = 0
+    skipped: list[Problem] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Imported:
+    source_id: int  # the snapshot's id in the exporting store
+    id: int  # its id here
+    deduplicated: bool  # it was already here: nothing written
+
+
+@dataclass
+class ImportReport:
+    model: str
+    src: str
+    model_id: int | None = None
+    imported: list[Imported] = field(default_factory=list)
+    nbytes: int = 0
+    refused: list[Problem] = field(default_factory=list)
+
+
+def _no_progress(done: int, total: int) -> None:
+    """The default progress callback: nothing."""
 
 
 # -- export ----------------------------------------------------------------------
@@ -69,8 +96,8 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
     rebuild their keys.  The snapshots are leased while they are copied.
     """
     tick = progress or _no_progress
-    row = resolve_model(store, model)
-    identity = _model_identity(store, row.id)
+    row = resolve_model(store.core, model)
+    identity = model_identity(store.core, row.id)
     out = open_backend(dest)
     try:
         if out.exists(MANIFEST):
@@ -79,12 +106,10 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
                 "or remove the old export first"
             )
         report = ExportReport(row.name, dest)
-        with store._read() as conn:
-            rows = conn.execute(q.ADMIN_MODEL_SNAPSHOTS, (row.id,)).fetchall()
-            infos = sorted((s for s in map(SnapshotInfo.from_row, rows) if s.state == "ready"),
-                           key=lambda s: (s.depth, s.id))  # parents first
-            segments = {s.id: [SegmentRow(*r) for r in conn.execute(q.ADMIN_SEGMENTS, (s.id,))]
-                        for s in infos}
+        infos = sorted((s for s in store.snapshots(identity) if s.state == "ready"),
+                       key=lambda s: (s.depth, s.id))  # parents first
+        with store.core.read() as conn:
+            segments = {s.id: store.core.segments(conn, s.id) for s in infos}
         total = sum(g.nbytes for segs in segments.values() for g in segs)
         done = 0
         tick(0, total)
@@ -111,7 +136,7 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
                 with contextlib.suppress(SparkCacheError):
                     store.release_lease(lease_id)
         manifest = {
-            "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "sparkcache": __version__,
+            "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "sparkcache": VERSION,
             "created_at": time.time(),
             "model": {"digest": row.digest, "name": row.name, "identity": identity.to_dict()},
             "snapshots": entries,
@@ -123,7 +148,7 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
     return report
 
 
-def _manifest_entry(info: SnapshotInfo, segs: list[SegmentRow]) -> dict[str, Any]:
+def _manifest_entry(info: SnapshotInfo, segs: list[SegmentInfo]) -> dict[str, Any]:
     return {
         "id": info.id, "parent": info.parent_id, "start_token": info.start_token,
         "n_tokens": info.n_tokens, "snap_key": info.snap_key, "pinned": info.pinned,
@@ -138,7 +163,7 @@ def _manifest_entry(info: SnapshotInfo, segs: list[SegmentRow]) -> dict[str, Any
 
 def _export_one(
     store: SnapshotStore, out: Backend, identity: ModelIdentity, info: SnapshotInfo,
-    segs: list[SegmentRow], exported: set[int], leases: list[int],
+    segs: list[SegmentInfo], exported: set[int], leases: list[int],
 ) -> Problem | None:
     """Verify and copy one snapshot's files; a Problem when it must be left out."""
     if info.parent_id is not None and info.parent_id not in exported:
@@ -153,9 +178,10 @@ def _export_one(
     written: list[str] = []
     for g in segs:
         try:
-            with _opened(store.backend, g.object_key) as buf:
-                header = _verify_file(buf, str(g.digest), identity, g.rank, info.snap_key,
-                                      g.token_start, g.token_end)
+            with seg.open_segment(store.backend, g.object_key) as blob:
+                buf = blob.buffer
+                header = verify_file(buf, str(g.digest), identity, g.rank, info.snap_key,
+                                     g.token_start, g.token_end)
                 if g.rank == 0:
                     _check_key(identity, store, info, buf, header)
                 out.put(_segment_key(info.snap_key, g.rank), [buf])
@@ -320,8 +346,8 @@ def _import_one(
                 return Problem(sid, g["rank"], "missing", f"{g['key']} is missing")
             buf = blobs[-1].buffer
             try:
-                header = _verify_file(buf, g["digest"], identity, g["rank"], snap["snap_key"],
-                                      g["token_start"], g["token_end"])
+                header = verify_file(buf, g["digest"], identity, g["rank"], snap["snap_key"],
+                                     g["token_start"], g["token_end"])
             except CorruptSnapshot as exc:
                 return Problem(sid, g["rank"], exc.reason, str(exc))
             stored = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1])

@@ -81,7 +81,7 @@ def test_worker_and_sweeper_threads_run_on_every_cpu(pinned: int, tmp_path: Path
                           retention=Retention(RetentionSettings(sweep_seconds=3600)))
     io = WorkerIO(store, identity(), 0, None, Counters())
     assert store.retention is not None
-    sweeper = Sweeper(store, store.retention).start()
+    sweeper = Sweeper(store.core, store.retention).start()
     try:
         threads = [*io._threads, sweeper._thread]
         masks = {t.name: _wait_for_mask(t, ALL) for t in threads if t is not None}

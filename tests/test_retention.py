@@ -20,25 +20,17 @@ from sparkcache.retention import (
     Retention,
     RetentionSettings,
     Sweeper,
-    default_folder,
 )
+from sparkcache.folder import resolve_folder
 
 from .store.helpers import identity, pages_for, tokens
-
-
-def wait_for_passes(sweeper: Sweeper, n: int, timeout: float = 10.0) -> bool:
-    """Wait until the sweeper finished ``n`` passes."""
-    deadline = time.monotonic() + timeout
-    while sweeper.passes < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return sweeper.passes >= n
 
 
 class FakeDisk:
     def __init__(self, total: int = 100 * GB, free: int = 50 * GB) -> None:
         self.total, self.free = total, free
 
-    def __call__(self, path: Path) -> DiskUsage:
+    def __call__(self, backend: object) -> DiskUsage:
         return DiskUsage(self.total, self.free)
 
 
@@ -87,7 +79,7 @@ def publish(store: SnapshotStore, seed: int, n: int = 64, model: str = "tiny-lla
 
 def test_defaults_are_sparks() -> None:
     s = RetentionSettings.from_env({})
-    assert s.folder == default_folder({})
+    assert s.folder == resolve_folder(env={})
     assert (s.mb, s.entries, s.min_tokens, s.min_free_mb) == (None, 64, 64, None)
     assert (s.max_age_hours, s.total_mb, s.sweep_seconds) == (168, 0, 300)
     assert s.enabled
@@ -213,7 +205,7 @@ def test_age(tmp_path: Path, clock: Clock, disk: FakeDisk) -> None:
         clock.now += 1800
         young = publish(store, 2)
         clock.now += 1900  # old: 3700 s unused, young: 1900 s
-        report = store.retention.sweep(store)  # type: ignore[union-attr]
+        report = store.sweep()
         assert report.evicted == {"age": [old]}
         assert [s.id for s in store.snapshots()] == [young]
 
@@ -222,7 +214,7 @@ def test_age_zero_keeps(tmp_path: Path, clock: Clock, disk: FakeDisk) -> None:
     with make_store(tmp_path, clock, disk, max_age_hours=0) as store:
         publish(store, 1)
         clock.now += 10 * 365 * 86400
-        assert store.retention.sweep(store).count == 0  # type: ignore[union-attr]
+        assert store.sweep().count == 0
 
 
 def test_disk_margin_evicts_lru_of_every_model(tmp_path: Path, clock: Clock,
@@ -235,7 +227,7 @@ def test_disk_margin_evicts_lru_of_every_model(tmp_path: Path, clock: Clock,
         c = publish(store, 3, model="a")
         size = store.snapshot(a).nbytes
         disk.free = 1000 * MB - size - 1  # one snapshot's worth short of the margin
-        report = store.retention.sweep(store)  # type: ignore[union-attr]
+        report = store.sweep()
         assert report.evicted == {"disk": [a, b]}  # bytes freed >= missing: 2 go (LRU order)
         assert [s.id for s in store.snapshots()] == [c]
 
@@ -246,7 +238,7 @@ def test_total_across_models(tmp_path: Path, clock: Clock, disk: FakeDisk) -> No
         for i in range(12):
             clock.now += 1
             ids.append(publish(store, i, n=1024, model=f"m{i % 3}"))
-        report = store.retention.sweep(store)  # type: ignore[union-attr]
+        report = store.sweep()
         gone = report.evicted["total"]
         assert gone == ids[: len(gone)]  # least recently used first, whatever the model
         assert sum(s.nbytes for s in store.snapshots()) <= 1 * MB
@@ -266,7 +258,7 @@ def test_leased_and_pinned_never_go_parent_after_child(tmp_path: Path, clock: Cl
         child = store.publish(ident, 0, t2, pages_for(ident, t2, start=32),
                               parent=parent).snapshot_id
         clock.now += 2 * 3600
-        report = store.retention.sweep(store)  # type: ignore[union-attr]
+        report = store.sweep()
         assert report.evicted["age"] == [child, parent]
         assert {s.id for s in store.snapshots()} == {pinned, leased}
 
@@ -280,13 +272,13 @@ def test_deleted_models_and_orphan_folders(tmp_path: Path, clock: Clock, disk: F
         leased = publish(store, 3, model="gone")
         lease = store.acquire_lease(leased, ttl=60)
         model_id = store.snapshot(gone).model_id
-        assert delete_model(store, model_id) is False  # one snapshot is leased
+        assert delete_model(store.core, model_id) is False  # one snapshot is leased
         assert store.lookup(identity(model="gone"), tokens(64, seed=3)) is None
         store.release_lease(lease)
         orphan = store.root / "objects" / ("m-" + "0" * 32)
         (orphan / "ab").mkdir(parents=True)
         (orphan / "ab" / "x.r0.safetensors").write_bytes(b"junk")
-        report = store.retention.sweep(store)  # type: ignore[union-attr]
+        report = store.sweep()
         assert report.models_removed == ["gone"]
         assert "objects/m-" + "0" * 32 in report.folders_removed
         assert not orphan.exists()
@@ -299,10 +291,10 @@ def test_sweeper_thread_starts_and_stops(tmp_path: Path, clock: Clock, disk: Fak
     with make_store(tmp_path, clock, disk, max_age_hours=1, sweep_seconds=0.05) as store:
         old = publish(store, 1)
         clock.now += 7200
-        sweeper = Sweeper(store, store.retention)  # type: ignore[arg-type]
+        sweeper = Sweeper(store.core, store.retention)  # type: ignore[arg-type]
         with sweeper:
             assert sweeper.running
-            assert wait_for_passes(sweeper, 3)
+            assert sweeper.wait(3, timeout=10)
         assert not sweeper.running
         assert sweeper.last_error is None
         assert all(s.id != old for s in store.snapshots())
@@ -318,5 +310,5 @@ def test_changing_the_folder_leaves_the_old_one_alone(tmp_path: Path, clock: Clo
     before = sorted(p for p in (tmp_path / "old").rglob("*"))
     with make_store(tmp_path / "new", clock, disk, max_age_hours=1) as new_store:
         clock.now += 10 * 3600
-        new_store.retention.sweep(new_store)  # type: ignore[union-attr]
+        new_store.sweep()
     assert sorted(p for p in (tmp_path / "old").rglob("*")) == before

@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Callable
 
-from sparkcache.backends.base import Backend, Blob, BufferLike
+from sparkcache.backends.base import Backend, Blob, BufferLike, DiskUsage
 from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX, FsspecBackend
 from sparkcache.backends.keys import is_temp_key, temp_key, validate_key
 from sparkcache.backends.local import LocalBackend, MmapBackend
@@ -34,6 +34,7 @@ __all__ = [
     "Backend",
     "Blob",
     "BufferLike",
+    "DiskUsage",
     "FsspecBackend",
     "LocalBackend",
     "MmapBackend",

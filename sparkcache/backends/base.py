@@ -18,7 +18,7 @@ import errno
 from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, TypeAlias, runtime_checkable
 
 from sparkcache.errors import BackendError, NotFound, SparkCacheError, StoreFull
 
@@ -31,7 +31,7 @@ __all__ = [
     "Blob",
     "BufferBlob",
     "BufferLike",
-    "as_byte_view",
+    "DiskUsage",
     "translate_os_error",
 ]
 
@@ -41,6 +41,13 @@ BufferLike: TypeAlias = "Buffer | np.ndarray[Any, Any]"
 numpy arrays are named explicitly because numpy's stubs declare ``__buffer__`` only
 for Python >= 3.12, so on 3.11 mypy would not see them as ``Buffer``.
 """
+
+class DiskUsage(NamedTuple):
+    """Size and free bytes (for this process) of the medium holding a backend's objects."""
+
+    total: int
+    free: int
+
 
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 """OS errors that mean "no room": reported as :class:`~sparkcache.errors.StoreFull`."""
@@ -142,8 +149,25 @@ class Backend(Protocol):
         """Size of the object in bytes; ``NotFound`` if it does not exist."""
         ...
 
-    def free_space(self) -> int | None:
-        """Bytes available to this process on the medium, or None if unknown."""
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Keys of the folders directly inside folder ``prefix`` (not recursive).
+
+        ``folders("objects")`` yields ``objects/m-1``, ``objects/m-2``, ...; a
+        missing ``prefix`` yields nothing.  Names that are not valid keys are skipped.
+        """
+        ...
+
+    def remove_tree(self, prefix: str) -> int:
+        """Delete every object under folder ``prefix``, then the folder itself where
+        the medium has folders; return the number of objects deleted.
+
+        For a folder nothing writes to any more (a deleted model's); a missing
+        folder is not an error.
+        """
+        ...
+
+    def disk_usage(self) -> DiskUsage | None:
+        """Total and free bytes of the medium holding the objects, or None if unknown."""
         ...
 
     def close(self) -> None:
@@ -183,26 +207,6 @@ class BufferBlob:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def as_byte_view(chunk: BufferLike) -> memoryview:
-    """Return a flat, unsigned-byte view of ``chunk`` without copying when possible.
-
-    Accepts anything with the buffer protocol (bytes, bytearray, memoryview, numpy
-    arrays, ...).  C-contiguous buffers in a native format are cast in place; only
-    non-contiguous or non-native-format buffers (rare: strided numpy views,
-    big-endian dtypes) are copied once via ``tobytes``.
-    """
-    # cast: numpy arrays are buffers at runtime, whatever 3.11's stubs say.
-    view = memoryview(cast("Buffer", chunk))
-    if view.format == "B" and view.ndim == 1:
-        return view
-    if view.c_contiguous:
-        try:
-            return view.cast("B")
-        except TypeError:
-            pass  # non-native format such as '>f': cast refuses, copy below
-    return memoryview(view.tobytes())
 
 
 def translate_os_error(

@@ -14,7 +14,7 @@ the filesystem allows:
   object; ``durable`` is the store's own guarantee.
 
 ``open`` copies the object into memory (``fs.cat_file``); ``zero_copy`` is False and
-``free_space`` is None (fsspec has no portable way to ask).  fsspec is imported
+``disk_usage`` is None (fsspec has no portable way to ask).  fsspec is imported
 when the first backend is created, so ``import sparkcache`` stays cheap.
 """
 
@@ -25,8 +25,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
-from sparkcache.backends.base import BufferBlob, as_byte_view, translate_os_error
+from sparkcache.backends.base import BufferBlob, translate_os_error
 from sparkcache.backends.keys import temp_key, validate_key
+from sparkcache.buffers import as_byte_view
 from sparkcache.errors import BackendError, NotFound, UnsafeName
 
 if TYPE_CHECKING:
@@ -95,9 +96,9 @@ class FsspecBackend:
             handle = self.fs.open(tmp, "wb")
             total = 0
             for chunk in chunks:
-                view = as_byte_view(chunk)
+                view = as_byte_view(chunk, copy=True)
                 handle.write(view)
-                total += len(view)
+                total += view.size
             handle, closing = None, handle
             closing.close()
             self.fs.mv(tmp, path)
@@ -187,7 +188,33 @@ class FsspecBackend:
             except UnsafeName:
                 continue
 
-    def free_space(self) -> None:
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Keys of the folders directly inside ``prefix`` (``fs.ls``)."""
+        base = validate_key(prefix.removesuffix("/"))
+        try:
+            entries = self.fs.ls(f"{self._root}/{base}", detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return iter(())
+        except OSError as exc:
+            raise translate_os_error(exc, "listing", base, self.url) from exc
+        found = []
+        for entry in entries:
+            if entry.get("type") == "directory":
+                name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+                with suppress(UnsafeName):
+                    found.append(validate_key(f"{base}/{name}"))
+        return iter(found)
+
+    def remove_tree(self, prefix: str) -> int:
+        """Delete every object under ``prefix``, then the folder where the filesystem
+        has folders (object stores have none left once their objects are gone)."""
+        base = validate_key(prefix.removesuffix("/"))
+        removed = sum(1 for key in list(self.list(base)) if self.delete(key))
+        with suppress(OSError):
+            self.fs.rm(f"{self._root}/{base}", recursive=True)
+        return removed
+
+    def disk_usage(self) -> None:
         """Unknown: fsspec has no portable free-space query."""
         return None
 

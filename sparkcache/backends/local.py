@@ -24,6 +24,8 @@ follows symlinks.
 
 Deleting leaves empty folders in place on purpose: pruning them would race with a
 concurrent ``put`` that just created the folder and is about to open its temp file.
+Only ``remove_tree``, for a folder nothing writes to any more (a deleted model's),
+removes folders.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from contextlib import suppress
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from sparkcache.backends.base import BufferBlob, as_byte_view, translate_os_error
+from sparkcache.backends.base import BufferBlob, DiskUsage, translate_os_error
 from sparkcache.backends.keys import temp_key, validate_key
+from sparkcache.buffers import as_byte_view
 from sparkcache.errors import BackendError, InvalidArgument, NotFound, UnsafeName
 
 if TYPE_CHECKING:
@@ -159,7 +162,7 @@ class LocalBackend:
             fd = os.open(tmp, _WRITE_FLAGS, _FILE_MODE)
             total = 0
             for chunk in chunks:
-                total += _write_all(fd, as_byte_view(chunk))
+                total += _write_all(fd, as_byte_view(chunk, copy=True).data)
             if durable:
                 os.fsync(fd)
             fd, closing = -1, fd
@@ -299,13 +302,40 @@ class LocalBackend:
                 elif entry.is_file(follow_symlinks=False):
                     yield key
 
-    def free_space(self) -> int:
-        """Bytes an unprivileged writer may still use on the root's filesystem."""
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Keys of the folders directly inside ``prefix`` (symlinks are not folders)."""
+        base = validate_key(prefix.removesuffix("/"))
+        folder = self._resolve(base)
+        try:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            return iter(())
+        except OSError as exc:
+            raise translate_os_error(exc, "listing", base, self.url) from exc
+        found = []
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                with suppress(UnsafeName):
+                    found.append(validate_key(f"{base}/{entry.name}"))
+        return iter(found)
+
+    def remove_tree(self, prefix: str) -> int:
+        """Unlink every file under ``prefix``, then its folders, deepest first."""
+        base = validate_key(prefix.removesuffix("/"))
+        removed = sum(1 for key in list(self.list(base)) if self.delete(key))
+        top = self._resolve(base)
+        for folder, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
+            with suppress(OSError):  # not empty (a stray non-key file), or gone already
+                os.rmdir(folder)
+        return removed
+
+    def disk_usage(self) -> DiskUsage:
+        """Size of the root's filesystem and the bytes an unprivileged writer may still use."""
         try:
             info = os.statvfs(self.root)
         except OSError as exc:
             raise BackendError(f"cannot read free space of {self.root!r}: {exc}") from exc
-        return info.f_bavail * info.f_frsize
+        return DiskUsage(info.f_blocks * info.f_frsize, info.f_bavail * info.f_frsize)
 
     def close(self) -> None:
         """Nothing to release: every call opens and closes its own descriptors."""
@@ -414,7 +444,7 @@ class MmapBackend(LocalBackend):
 
 def _write_all(fd: int, view: memoryview) -> int:
     """Write all of ``view`` to ``fd`` (``os.write`` may write less); return its size."""
-    total = len(view)
+    total = view.nbytes
     done = 0
     while done < total:
         written = os.write(fd, view[done:])

@@ -217,7 +217,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # Its own store (own index connection): a long sweep never holds the
             # lock that the scheduler's lookups take.
             sweep_store = SnapshotStore(self.settings.folder, retention=self.retention)
-            self.sweeper = Sweeper(sweep_store, self.retention).start()
+            self.sweeper = Sweeper(sweep_store.core, self.retention).start()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -539,7 +539,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.is_scheduler:
             if self.sweeper is not None:
                 self.sweeper.stop()
-                self.sweeper.store.close()
+                self.sweeper.core.close()
         elif self.io is not None:
             self.io.close()
         if self.store is not None:

@@ -14,19 +14,18 @@ typo must not silently turn a feature off).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from sparkcache.errors import InvalidArgument
+from sparkcache.folder import resolve_folder
 
 __all__ = [
     "DEFAULT_MAX_PENDING_MB",
     "DEFAULT_MAX_QUEUED",
     "MODES",
     "ConnectorSettings",
-    "default_folder",
 ]
 
 #: Host bytes of copied-out pages waiting for their disk write, per worker; past
@@ -44,15 +43,6 @@ MODES: dict[str, tuple[bool, bool]] = {
     "store-only": (False, True),
     "off": (False, False),
 }
-
-
-def default_folder() -> str | None:
-    """SPARK_KV_CACHE_FOLDER, else $SPARK_STORAGE/kvcache, else None."""
-    folder = os.environ.get("SPARK_KV_CACHE_FOLDER")
-    if folder:
-        return folder
-    storage = os.environ.get("SPARK_STORAGE")
-    return os.path.join(storage, "kvcache") if storage else None
 
 
 def _as_bool(key: str, value: Any) -> bool:
@@ -94,8 +84,9 @@ def _as_int(key: str, value: Any, minimum: int) -> int:
 class ConnectorSettings:
     """What the connector does; every field is a ``kv_connector_extra_config`` key.
 
-    ``folder``: the store root (default SPARK_KV_CACHE_FOLDER or
-    $SPARK_STORAGE/kvcache).  ``mode``: ``read-write`` (default),
+    ``folder``: the store root (default SPARK_KV_CACHE_FOLDER, else
+    $SPARK_STORAGE/kvcache, SPARK_STORAGE defaulting to ~/.local/share/spark:
+    :func:`sparkcache.folder.resolve_folder`).  ``mode``: ``read-write`` (default),
     ``restore-only``, ``store-only`` or ``off``.  ``min_tokens``: shorter
     contexts are not saved (default SPARK_KV_CACHE_MIN_TOKENS, 64).
     ``load_async``: ``true`` (default) restores on a worker thread between
@@ -149,11 +140,11 @@ class ConnectorSettings:
                 f"unknown sparkcache settings {unknown} in kv_connector_extra_config; "
                 f"known: {sorted(known)}"
             )
-        folder = extra.get("folder") or default_folder()
-        if not folder or not isinstance(folder, str):
+        folder = extra.get("folder")
+        if folder is not None and not isinstance(folder, str):
             raise InvalidArgument(
-                "sparkcache needs a store folder: set kv_connector_extra_config "
-                '{"folder": "/path/to/kvcache"} or SPARK_KV_CACHE_FOLDER'
+                "kv_connector_extra_config['folder'] must be a path string, got "
+                f"{folder!r}; or leave it out for SPARK_KV_CACHE_FOLDER"
             )
         mode = str(extra.get("mode", "read-write")).lower().replace("_", "-")
         if mode not in MODES:
@@ -164,7 +155,7 @@ class ConnectorSettings:
             raise InvalidArgument("kv_connector_extra_config['revision'] must be a string")
         min_tokens = extra.get("min_tokens")
         return cls(
-            folder=folder,
+            folder=str(resolve_folder(folder)),
             mode=mode,
             min_tokens=None if min_tokens is None else _as_int("min_tokens", min_tokens, 1),
             load_async=_load_async(extra.get("load_async", True)),

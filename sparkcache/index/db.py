@@ -198,7 +198,7 @@ class Database:
         if after is not None:
             after.extend(callbacks)
         else:
-            self._run_callbacks(callbacks)
+            self.run_callbacks(callbacks)
 
     def on_commit(self, callback: Callable[[], object]) -> None:
         """Run ``callback()`` after the enclosing write() commits; never on rollback.
@@ -391,7 +391,8 @@ class Database:
         finally:
             self._levels.pop()
 
-    def _run_callbacks(self, callbacks: list[Callable[[], object]]) -> None:
+    def run_callbacks(self, callbacks: list[Callable[[], object]]) -> None:
+        """Run callbacks that write(after=...) handed back, logging (not raising) failures."""
         for callback in callbacks:
             try:
                 callback()

@@ -12,10 +12,11 @@ INSERT_MODEL = (
     "INSERT INTO models (digest, name, folder, identity_json, created_at) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (digest) DO UPDATE SET deleted_at = NULL RETURNING id"
 )
-MODEL_BY_ID = "SELECT id, name, folder, deleted_at FROM models WHERE id = ?"
+MODEL_COLUMNS = "id, digest, name, folder, identity_json, created_at, deleted_at"
+MODEL_BY_ID = f"SELECT {MODEL_COLUMNS} FROM models WHERE id = ?"
 MARK_MODEL_DELETED = "UPDATE models SET deleted_at = ? WHERE id = ? AND deleted_at IS NULL"
 DELETE_MODEL = "DELETE FROM models WHERE id = ?"
-DELETED_MODELS = "SELECT id, name, folder FROM models WHERE deleted_at IS NOT NULL"
+DELETED_MODELS = f"SELECT {MODEL_COLUMNS} FROM models WHERE deleted_at IS NOT NULL"
 MODEL_FOLDERS = "SELECT folder FROM models"
 COUNT_MODEL_SNAPSHOTS = "SELECT count(*) FROM snapshots WHERE model_id = ?"
 MODEL_SNAPSHOTS_DEEPEST_FIRST = (
@@ -71,7 +72,7 @@ TOUCH = "UPDATE snapshots SET last_used = ?, use_count = use_count + 1 WHERE id 
 SET_PINNED = "UPDATE snapshots SET pinned = ? WHERE id = ?"
 DELETE_SNAPSHOT = "DELETE FROM snapshots WHERE id = ?"
 LIST_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots"
-PENDING_SNAPSHOTS = "SELECT id, created_at FROM snapshots WHERE state = 'pending'"
+PENDING_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE state = 'pending'"
 # Eviction candidates of one state, least recently used first: leaves only (a
 # parent still needed by a child goes after it), never pinned.  Leases are
 # checked per row (a dead holder's lease blocks nothing).  ``{filters}`` is
@@ -89,10 +90,11 @@ EVICT_FILTER_MODEL = "AND s.model_id = ?"
 EVICT_FILTER_OLDER = "AND s.last_used < ?"
 
 # -- segments -----------------------------------------------------------------
-SEGMENT = (
-    "SELECT object_key, token_start, token_end, nbytes, digest, state FROM segments "
-    "WHERE snapshot_id = ? AND rank = ?"
+SEGMENT_COLUMNS = (
+    "snapshot_id, rank, object_key, token_start, token_end, nbytes, digest, state, created_at"
 )
+SEGMENT = f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE snapshot_id = ? AND rank = ?"
+SEGMENTS_OF = f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE snapshot_id = ? ORDER BY rank"
 INSERT_SEGMENT = (
     "INSERT INTO segments (snapshot_id, rank, object_key, token_start, token_end, nbytes, "
     "digest, state, created_at) VALUES (?, ?, ?, ?, ?, 0, NULL, 'writing', ?)"
@@ -106,10 +108,8 @@ SEGMENT_KEYS = "SELECT object_key FROM segments WHERE snapshot_id = ?"
 COUNT_SEGMENTS = "SELECT count(*) FROM segments WHERE snapshot_id = ?"
 COUNT_READY_SEGMENTS = "SELECT count(*) FROM segments WHERE snapshot_id = ? AND state = 'ready'"
 ALL_SEGMENT_KEYS = "SELECT object_key FROM segments"
-READY_SEGMENTS = (
-    "SELECT snapshot_id, rank, object_key, nbytes FROM segments WHERE state = 'ready'"
-)
-WRITING_SEGMENTS = "SELECT snapshot_id, rank, object_key FROM segments WHERE state = 'writing'"
+READY_SEGMENTS = f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE state = 'ready'"
+WRITING_SEGMENTS = f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE state = 'writing'"
 # Restorable: every expected rank has a ready segment of this link.
 READY_RANKS = (
     "SELECT count(*) FROM segments WHERE snapshot_id = ? AND state = 'ready' "
@@ -139,10 +139,9 @@ INSERT_LEASE = (
     "VALUES (?, ?, ?, ?, ?) RETURNING id"
 )
 DELETE_LEASE = "DELETE FROM leases WHERE id = ?"
-RENEW_LEASE = "UPDATE leases SET expires_at = ? WHERE id = ? AND expires_at > ?"
-LIVE_LEASES_OF = "SELECT holder FROM leases WHERE snapshot_id = ? AND expires_at > ?"
-LEASE_OF_KIND = "SELECT id, holder, expires_at FROM leases WHERE snapshot_id = ? AND kind = ?"
-ALL_LEASES = "SELECT id, snapshot_id, holder, kind, expires_at FROM leases"
+LEASE_COLUMNS = "id, snapshot_id, holder, kind, created_at, expires_at"
+LEASES_OF = f"SELECT {LEASE_COLUMNS} FROM leases WHERE snapshot_id = ? ORDER BY id"
+ALL_LEASES = f"SELECT {LEASE_COLUMNS} FROM leases"
 
 # -- counters and settings ----------------------------------------------------
 BUMP_COUNTER = (
@@ -165,15 +164,7 @@ ADMIN_MODELS = (
 )
 ADMIN_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots ORDER BY id"
 ADMIN_MODEL_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE model_id = ? ORDER BY id"
-ADMIN_SEGMENTS = (
-    "SELECT rank, object_key, token_start, token_end, nbytes, digest, state, created_at "
-    "FROM segments WHERE snapshot_id = ? ORDER BY rank"
-)
 ADMIN_CHILDREN = "SELECT id FROM snapshots WHERE parent_id = ? ORDER BY id"
-ADMIN_LEASES = (
-    "SELECT id, holder, kind, created_at, expires_at FROM leases WHERE snapshot_id = ? "
-    "ORDER BY id"
-)
 ADMIN_QUARANTINED = (
     f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE state = 'quarantined' ORDER BY id"
 )

@@ -10,6 +10,7 @@ import pytest
 
 from sparkcache.backends import (
     Backend,
+    DiskUsage,
     Blob,
     is_temp_key,
     open_backend,
@@ -202,12 +203,33 @@ def test_list_empty_store(backend: Backend) -> None:
     assert list(backend.list()) == []
 
 
-# -- free space ------------------------------------------------------------------------
+# -- disk usage, folders, removing a tree ------------------------------------------------
 
 
-def test_free_space_type(backend: Backend) -> None:
-    free = backend.free_space()
-    assert free is None or (isinstance(free, int) and free > 0)
+def test_disk_usage_type(backend: Backend) -> None:
+    usage = backend.disk_usage()
+    assert usage is None or (isinstance(usage, DiskUsage) and usage.total >= usage.free > 0)
+
+
+def test_folders_lists_direct_subfolders_only(backend: Backend) -> None:
+    assert list(backend.folders("objects")) == []  # no such folder yet: nothing
+    for key in ("objects/m-1/ab/x", "objects/m-1/cd/y", "objects/m-2/ef/z", "objects/top"):
+        backend.put(key, [b"x"])
+    assert sorted(backend.folders("objects")) == ["objects/m-1", "objects/m-2"]
+    assert sorted(backend.folders("objects/m-1")) == ["objects/m-1/ab", "objects/m-1/cd"]
+    with pytest.raises(UnsafeName):
+        backend.folders("../up")
+
+
+def test_remove_tree_removes_only_that_folder(backend: Backend) -> None:
+    for key in ("objects/m-1/ab/x", "objects/m-1/cd/y", "objects/m-12/ab/z"):
+        backend.put(key, [b"x"])
+    assert backend.remove_tree("objects/m-1") == 2
+    assert list(backend.list()) == ["objects/m-12/ab/z"]  # a sibling sharing the prefix stays
+    assert list(backend.folders("objects")) == ["objects/m-12"]
+    assert backend.remove_tree("objects/m-1") == 0  # gone already: not an error
+    with pytest.raises(UnsafeName):
+        backend.remove_tree("../up")
 
 
 # -- failures --------------------------------------------------------------------------
@@ -239,8 +261,9 @@ def test_failed_overwrite_keeps_old_object(backend: Backend) -> None:
 
 
 def test_non_buffer_chunk_is_type_error(backend: Backend) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError) as info:
         backend.put("t", [b"ok", "text is not bytes"])  # type: ignore[list-item]
+    assert isinstance(info.value, InvalidArgument)  # and a SparkCacheError
     assert list(backend.list()) == []
 
 

@@ -149,7 +149,7 @@ def test_put_on_full_disk_raises_store_full(
 
     if small_disk.real:
         # The temp file's blocks were given back: the disk takes a small object again.
-        free = backend.free_space()
-        assert free is None or free > DISK_BYTES // 2
+        usage = backend.disk_usage()
+        assert usage is None or usage.free > DISK_BYTES // 2
         backend.put("objects/after", [SMALL])
         assert backend.size("objects/after") == len(SMALL)

@@ -140,9 +140,11 @@ def test_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
         LocalBackend(tmp_path / "file")
 
 
-def test_free_space_is_statvfs(disk: LocalBackend) -> None:
+def test_disk_usage_is_statvfs(disk: LocalBackend) -> None:
     info = os.statvfs(disk.root)
-    assert abs(disk.free_space() - info.f_bavail * info.f_frsize) < 64 * 1024 * 1024
+    usage = disk.disk_usage()
+    assert usage.total == info.f_blocks * info.f_frsize
+    assert abs(usage.free - info.f_bavail * info.f_frsize) < 64 * 1024 * 1024
 
 
 # -- path safety -----------------------------------------------------------------------

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sparkcache.connector.settings import ConnectorSettings
 from sparkcache.errors import InvalidArgument
+from sparkcache.folder import resolve_folder
 
 
 def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,5 +48,8 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidArgument, match="min_tokens"):
         ConnectorSettings.from_extra_config({"folder": "/x", "min_tokens": 0})
     monkeypatch.delenv("SPARK_STORAGE")
+    # Spark's default, as for retention and the CLI (one resolver: sparkcache.folder).
+    assert ConnectorSettings.from_extra_config({}).folder == str(resolve_folder(env={}))
+    assert resolve_folder(env={}) == Path.home() / ".local" / "share" / "spark" / "kvcache"
     with pytest.raises(InvalidArgument, match="folder"):
-        ConnectorSettings.from_extra_config({})
+        ConnectorSettings.from_extra_config({"folder": 7})

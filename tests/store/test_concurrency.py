@@ -186,7 +186,7 @@ def test_extend_while_the_parent_is_deleted_is_a_clean_error(tmp_path: Path) -> 
             except BaseException as exc:
                 outcome.append(exc)
 
-        with other._write():  # hold the index write lock
+        with other.core.write():  # hold the index write lock
             worker = threading.Thread(target=extend)
             worker.start()
             time.sleep(0.5)  # the publish has read its parent and waits for the lock

@@ -1,0 +1,204 @@
+"""What a store holds, for people: models, snapshots and one snapshot in detail.
+
+Every function takes the narrow :class:`~sparkcache.core.Core` and returns
+plain dataclasses (bytes and unix seconds, never formatted text) that
+:func:`sparkcache.admin.to_dict` turns into JSON.  Models are named by their
+name, their id or a prefix (4+ hex characters) of their digest, or else by a
+unique part of their name (:func:`resolve_model`); a name shared by several
+identities is ambiguous and the error lists the candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparkcache.core import Core, LeaseInfo, SegmentInfo, SnapshotInfo, fetch, ids
+from sparkcache.errors import InvalidArgument, NotFound
+from sparkcache.identity import ModelIdentity
+from sparkcache.index import queries as q
+
+__all__ = [
+    "MB",
+        "LinkRow",
+    "ModelRow",
+    "SnapshotDetail",
+    "SnapshotRow",
+    "list_models",
+    "list_snapshots",
+    "mb",
+    "model_identity",
+    "no_snapshot",
+    "resolve_model",
+    "show",
+    "snapshot_row",
+]
+
+MB = 1_000_000
+MIN_DIGEST_PREFIX = 4
+
+
+def mb(nbytes: int) -> float:
+    """Bytes as megabytes with one decimal, for people."""
+    return round(nbytes / MB, 1)
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    id: int
+    name: str
+    digest: str
+    folder: str
+    snapshots: int  # rows in any state (from model_usage)
+    nbytes: int
+    mb: float
+    created_at: float
+    deleted_at: float | None  # set once deleted; rows stay while leased snapshots remain
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    id: int
+    model_id: int
+    model: str
+    tokens: int
+    start_token: int
+    nbytes: int
+    mb: float
+    created_at: float
+    last_used: float
+    hits: int  # restores (use_count)
+    parent: int | None
+    depth: int
+    world_size: int
+    pinned: bool
+    state: str
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class LinkRow:
+    """One link of a snapshot's chain as ``show`` lists it."""
+
+    id: int
+    start_token: int
+    n_tokens: int
+    state: str
+
+
+@dataclass(frozen=True)
+class SnapshotDetail:
+    snapshot: SnapshotRow
+    model_digest: str
+    segments: list[SegmentInfo]
+    chain: list[LinkRow]  # root first, ending with this snapshot
+    children: list[int]
+    leases: list[LeaseInfo]
+
+
+def list_models(core: Core) -> list[ModelRow]:
+    """Every model row, deleted ones included, with counts from ``model_usage``."""
+    with core.read() as conn:
+        models = fetch(conn, q.ADMIN_MODELS, into=_model_row)
+    return models
+
+
+def _model_row(id_: int, name: str, digest: str, folder: str, _identity_json: str,
+               created_at: float, deleted_at: float | None, snapshots: int,
+               nbytes: int) -> ModelRow:
+    """A row of ``queries.ADMIN_MODELS``."""
+    return ModelRow(id_, name, digest, folder, snapshots, nbytes, mb(nbytes), created_at,
+                    deleted_at)
+
+
+def resolve_model(core: Core, model: str | int) -> ModelRow:
+    """The one model named by ``model``: an id, a name, or a digest prefix (4+ hex);
+    failing those, a unique part of a name (case-insensitive).
+
+    Raises NotFound (listing the known models) or InvalidArgument when several
+    models match (listing them, so the caller can pass an id).
+    """
+    rows = list_models(core)
+    if isinstance(model, int) and not isinstance(model, bool):
+        found = [r for r in rows if r.id == model]
+    else:
+        text = str(model).strip()
+        low = text.lower()
+        found = [
+            r for r in rows
+            if r.name == text
+            or (text.isdecimal() and r.id == int(text))
+            or (len(low) >= MIN_DIGEST_PREFIX and r.digest.startswith(low))
+        ]
+        if not found and text:  # a part of a name, when nothing matched exactly
+            found = [r for r in rows if low in r.name.lower()]
+    if not found:
+        known = ", ".join(f"{r.id}:{r.name}" for r in rows) or "none"
+        raise NotFound(
+            f"no model {model!r} in {core.root} (known: {known}); name a model by its id, "
+            f"its name or {MIN_DIGEST_PREFIX}+ characters of its digest (see "
+            "`sparkcache models`)"
+        )
+    if len(found) > 1:
+        listed = "; ".join(
+            f"id {r.id} {r.name} {r.digest[:12]}{' (deleted)' if r.deleted_at else ''}"
+            for r in found
+        )
+        raise InvalidArgument(
+            f"model {model!r} is ambiguous, it matches {len(found)} models: {listed}; "
+            "pass the id or a longer digest prefix"
+        )
+    return found[0]
+
+
+def model_identity(core: Core, model_id: int) -> ModelIdentity:
+    """The identity a model row was created with."""
+    with core.read() as conn:
+        model = core.model(conn, model_id)
+    if model is None:
+        raise NotFound(f"no model {model_id}")
+    return model.identity()
+
+
+def snapshot_row(info: SnapshotInfo, names: dict[int, str]) -> SnapshotRow:
+    """A snapshot row for people, with its model's name from ``names``."""
+    return SnapshotRow(
+        info.id, info.model_id, names.get(info.model_id, "?"), info.n_tokens, info.start_token,
+        info.nbytes, mb(info.nbytes), info.created_at, info.last_used, info.use_count,
+        info.parent_id, info.depth, info.world_size, info.pinned, info.state, info.reason,
+    )
+
+
+def list_snapshots(core: Core, model: str | int | None = None) -> list[SnapshotRow]:
+    """Every snapshot (of one model, when given), oldest id first."""
+    names = {m.id: m.name for m in list_models(core)}
+    with core.read() as conn:
+        if model is None:
+            infos = fetch(conn, q.ADMIN_SNAPSHOTS, into=SnapshotInfo)
+        else:
+            infos = fetch(conn, q.ADMIN_MODEL_SNAPSHOTS, (resolve_model(core, model).id,),
+                          into=SnapshotInfo)
+    return [snapshot_row(info, names) for info in infos]
+
+
+def no_snapshot(core: Core, snapshot_id: int) -> NotFound:
+    """The error for a snapshot id that names nothing."""
+    return NotFound(f"no snapshot {snapshot_id} in {core.root}; `sparkcache ls` lists them")
+
+
+def show(core: Core, snapshot_id: int) -> SnapshotDetail:
+    """One snapshot with its segments, its chain (root first), children and leases."""
+    models = {m.id: m for m in list_models(core)}
+    with core.read() as conn:
+        info = core.snapshot(conn, snapshot_id)
+        if info is None:
+            raise no_snapshot(core, snapshot_id)
+        segments = core.segments(conn, snapshot_id)
+        chain = [LinkRow(link.id, link.start, link.end, link.state)
+                 for link in core.chain(conn, snapshot_id)]
+        children = ids(conn, q.ADMIN_CHILDREN, (snapshot_id,))
+        leases = core.leases(conn, snapshot_id)
+    model = models.get(info.model_id)
+    return SnapshotDetail(
+        snapshot_row(info, {k: m.name for k, m in models.items()}),
+        model.digest if model else "", segments, chain, children, leases,
+    )

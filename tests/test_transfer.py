@@ -1,0 +1,180 @@
+"""sparkcache.transfer: export and import, verified, through folders and fsspec URLs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+
+from sparkcache import SnapshotStore, admin, transfer
+from sparkcache.errors import InvalidArgument, NotFound
+from sparkcache.identity import RequestScope
+from sparkcache.retention import GB, DiskUsage, Retention, RetentionSettings
+
+from .filled import Filled, flip_byte, restored, segment_path
+from .store.helpers import identity, pages_for, tokens
+
+# -- export and import ---------------------------------------------------------------------
+
+
+def _roundtrip(filled: Filled, dest: str, tmp_path: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    exported = admin.export_model(filled.store, "tiny-llama", dest,
+                                  progress=lambda d, t: calls.append((d, t)))
+    assert exported.snapshots == [filled.root, filled.child] and exported.skipped == []
+    assert calls[-1][0] == calls[-1][1] == exported.nbytes > 0
+    with SnapshotStore(tmp_path / "target", alias_stride=16) as target:
+        report = admin.import_model(target, dest)
+        assert report.refused == [] and report.nbytes == exported.nbytes
+        assert [(i.source_id, i.deduplicated) for i in report.imported] == [
+            (filled.root, False), (filled.child, False)]
+        new = {s.id: s for s in target.snapshots()}
+        child = new[report.imported[1].id]
+        assert child.parent_id == report.imported[0].id and child.start_token == 32
+        for want, got in zip(restored(filled.store, filled.ident, filled.toks),
+                             restored(target, filled.ident, filled.toks), strict=True):
+            assert np.array_equal(want, got)
+        again = admin.import_model(target, dest)
+        assert all(i.deduplicated for i in again.imported)
+        assert len(target.snapshots()) == 2
+
+
+def test_export_import_roundtrip_to_a_folder(filled: Filled, tmp_path: Path) -> None:
+    dest = tmp_path / "export"
+    _roundtrip(filled, str(dest), tmp_path)
+    keys = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert keys[0] == transfer.MANIFEST
+    assert all(re.fullmatch(r"segments/[0-9a-f]{32}\.r0\.safetensors", k) for k in keys[1:])
+    manifest = json.loads((dest / transfer.MANIFEST).read_text())
+    assert manifest["model"]["digest"] == filled.ident.digest()
+    assert [s["parent"] for s in manifest["snapshots"]] == [None, filled.root]
+
+
+def test_export_import_roundtrip_through_memory_url(filled: Filled, tmp_path: Path) -> None:
+    root = f"sparkcache-test-{uuid.uuid4().hex}"
+    try:
+        _roundtrip(filled, f"memory://{root}", tmp_path)
+    finally:
+        fsspec.filesystem("memory").rm(f"/{root}", recursive=True)
+
+
+def test_export_into_an_existing_export_is_refused(filled: Filled, tmp_path: Path) -> None:
+    admin.export_model(filled.store, "other", str(tmp_path / "x"))
+    with pytest.raises(InvalidArgument, match="already holds an export"):
+        admin.export_model(filled.store, "tiny-llama", str(tmp_path / "x"))
+
+
+def test_export_leaves_out_corrupt_and_scoped_snapshots(filled: Filled, tmp_path: Path) -> None:
+    store = filled.store
+    scoped = tokens(16, seed=3)
+    salted = store.publish(filled.ident, 0, scoped, pages_for(filled.ident, scoped),
+                           scope=RequestScope(cache_salt="s")).snapshot_id
+    flip_byte(segment_path(store, filled.root))
+    report = admin.export_model(store, "tiny-llama", str(tmp_path / "x"))
+    assert report.snapshots == []
+    assert {(p.snapshot_id, p.reason) for p in report.skipped} == {
+        (filled.root, "digest"), (filled.child, "parent"), (salted, "scope")}
+    assert store.snapshot(filled.root).state == "quarantined"
+    assert store.snapshot(salted).state == "ready"
+
+
+def test_import_refuses_a_damaged_file_and_its_descendants(filled: Filled,
+                                                           tmp_path: Path) -> None:
+    dest = tmp_path / "export"
+    admin.export_model(filled.store, "tiny-llama", str(dest))
+    root_key = json.loads((dest / transfer.MANIFEST).read_text())["snapshots"][0]
+    flip_byte(dest / root_key["segments"][0]["key"])
+    with SnapshotStore(tmp_path / "target") as target:
+        report = admin.import_model(target, str(dest))
+        assert report.imported == []
+        assert [(p.snapshot_id, p.reason) for p in report.refused] == [
+            (filled.root, "digest"), (filled.child, "parent")]
+        assert target.snapshots() == []
+
+
+def test_import_of_a_damaged_child_keeps_the_root(filled: Filled, tmp_path: Path) -> None:
+    dest = tmp_path / "export"
+    admin.export_model(filled.store, "tiny-llama", str(dest))
+    child = json.loads((dest / transfer.MANIFEST).read_text())["snapshots"][1]
+    path = dest / child["segments"][0]["key"]
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 8)
+    with SnapshotStore(tmp_path / "target") as target:
+        report = admin.import_model(target, str(dest))
+        assert [i.source_id for i in report.imported] == [filled.root]
+        assert [(p.snapshot_id, p.reason) for p in report.refused] == [
+            (filled.child, "truncated")]
+
+
+def _manifest_variant(src: Path, dst: Path, edit: object) -> str:
+    shutil.copytree(src, dst)
+    path = dst / transfer.MANIFEST
+    doc = json.loads(path.read_text())
+    if callable(edit):
+        edit(doc)
+        path.write_text(json.dumps(doc))
+    else:
+        path.write_text(str(edit))
+    return str(dst)
+
+
+@pytest.mark.parametrize("edit", [
+    "{not json",
+    lambda d: d.update(version=2),
+    lambda d: d.update(format="pickle"),
+    lambda d: d["model"]["identity"].update(num_layers=3),
+    lambda d: d["snapshots"].reverse(),  # child before its parent
+    lambda d: d["snapshots"][0].update(extra=1),
+    lambda d: d["snapshots"][0]["segments"][0].update(key="../../etc/passwd"),
+    lambda d: d["snapshots"][0]["segments"][0].update(nbytes="12"),
+    lambda d: d["snapshots"][1].update(start_token=4),
+])
+def test_import_validates_the_manifest_strictly(filled: Filled, tmp_path: Path,
+                                                edit: object) -> None:
+    dest = tmp_path / "export"
+    admin.export_model(filled.store, "tiny-llama", str(dest))
+    src = _manifest_variant(dest, tmp_path / "bad", edit)
+    with SnapshotStore(tmp_path / "target") as target:
+        with pytest.raises(InvalidArgument, match=r"manifest|JSON"):
+            admin.import_model(target, src)
+        assert target.snapshots() == []
+
+
+def test_import_without_a_manifest_is_not_found(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with SnapshotStore(tmp_path / "target") as target, pytest.raises(NotFound, match="export"):
+        admin.import_model(target, str(tmp_path / "empty"))
+
+
+def test_two_rank_export_import(tmp_path: Path) -> None:
+    ident, toks = identity(world=2), tokens(32)
+    with SnapshotStore(tmp_path / "a", alias_stride=16) as a, \
+            SnapshotStore(tmp_path / "b", alias_stride=16) as b:
+        for rank in (0, 1):
+            a.publish(ident, rank, toks, pages_for(ident, toks, rank=rank))
+        admin.export_model(a, ident.digest()[:8], str(tmp_path / "x"))
+        report = admin.import_model(b, str(tmp_path / "x"))
+        assert len(report.imported) == 1 and report.refused == []
+        for rank in (0, 1):
+            for want, got in zip(restored(a, ident, toks, rank), restored(b, ident, toks, rank),
+                                 strict=True):
+                assert np.array_equal(want, got)
+
+
+def test_import_into_a_store_whose_retention_refuses(filled: Filled, tmp_path: Path) -> None:
+    admin.export_model(filled.store, "tiny-llama", str(tmp_path / "x"))
+    settings = RetentionSettings(folder=tmp_path, min_tokens=1000, min_free_mb=0)
+    retention = Retention(settings, disk_usage=lambda p: DiskUsage(100 * GB, 50 * GB))
+    with SnapshotStore(tmp_path / "target", retention=retention) as target:
+        report = admin.import_model(target, str(tmp_path / "x"))
+        assert [(p.snapshot_id, p.reason) for p in report.refused] == [
+            (filled.root, "retention"), (filled.child, "parent")]
+        assert "MIN_TOKENS" in report.refused[0].message
