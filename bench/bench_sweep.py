@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_sweep.py [--quick] [--json] [--plans] [--dir FOLDER]
 
-``store.retention.sweep(store)`` with 100 and 1000 snapshots due by age, 100
+``store.sweep()`` (the store's own Retention) with 100 and 1000 snapshots due by age, 100
 over ``total_mb``, and nothing due, each sweep of the large store against the
 same sweep of the small one.  The stores are :func:`common.evict_fixture`'s plus
 what the sweeps delete, reopened with a Retention, a fake disk and an injected
@@ -40,7 +40,7 @@ from common import (
 from sparkcache import SnapshotStore
 from sparkcache.index import queries
 from sparkcache.index.db import Database
-from sparkcache.retention import MB, DiskUsage, Retention, RetentionSettings, SweepReport
+from sparkcache.retention import MB, DiskUsage, Retention, RetentionSettings
 
 # Each ready snapshot, deepest first, with what decides whether age takes it.
 READY_DEEPEST_FIRST = (
@@ -54,16 +54,6 @@ MAX_AGE_HOURS = 168.0
 def fake_disk(_where: object) -> DiskUsage:
     """A disk that is never short of space: the margin step never evicts."""
     return DiskUsage(total=10**13, free=5 * 10**12)
-
-
-def run_sweep(store: SnapshotStore) -> SweepReport:
-    """One pass of the store's own Retention: ``store.sweep()`` where the store
-    has that method (the refactored facade), else ``store.retention.sweep(store)``."""
-    own = getattr(store, "sweep", None)
-    if own is not None:
-        return own()  # type: ignore[no-any-return]
-    assert store.retention is not None
-    return store.retention.sweep(store)
 
 
 def sweep_plan(sz: Sizes) -> list[tuple[str, int, int]]:
@@ -194,7 +184,7 @@ def bench_sweep(root: Path, sz: Sizes, rng: np.random.Generator) -> list[Row]:
                 tracing = n == large and kind == "age" and not seen_plans
                 with (trace_sql(sw.index) if tracing else nullcontext([])) as statements, \
                         timer() as t:
-                    report = run_sweep(store)
+                    report = store.sweep()
                 want = {kind: due} if due else {}
                 if report.counts() != want or report.folders_removed:
                     raise SystemExit(f"{kind} sweep of the {n:,} store deleted "

@@ -22,7 +22,8 @@ import pytest
 
 from sparkcache import ModelIdentity, SnapshotStore
 from sparkcache import segment as seg
-from sparkcache.connector.worker import Counters, LoadJob, WorkerIO
+from sparkcache.connector.jobs import Counters, LoadJob
+from sparkcache.connector.worker import WorkerIO
 from sparkcache.cpus import pinned_to, process_cpus, read_cpus, widen_affinity
 from sparkcache.retention import Retention, RetentionSettings, Sweeper
 

@@ -5,7 +5,6 @@ Every limit is driven by an injected clock and an injected disk-usage source.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from sparkcache import InvalidArgument, SnapshotStore
+from sparkcache.folder import resolve_folder
 from sparkcache.retention import (
     GB,
     MB,
@@ -21,7 +21,6 @@ from sparkcache.retention import (
     RetentionSettings,
     Sweeper,
 )
-from sparkcache.folder import resolve_folder
 
 from .store.helpers import identity, pages_for, tokens
 

@@ -177,29 +177,22 @@ ADMIN_VERIFY_SEGMENTS = (
     "WHERE g.state = 'ready' AND s.state != 'quarantined' ORDER BY g.snapshot_id, g.rank"
 )
 
-__all__ = [name for name in dir() if name.isupper()]
-
 # -- bulk rows with explicit ids (bench/: stores of a million rows) -------------
-# Appended for the benchmark, which fills big stores in bulk instead of one
-# publish per snapshot; the store never runs these.  Every column is named and
+# For the benchmark, which fills big stores in bulk instead of one publish per
+# snapshot; the store never runs these.  Every column is named and
 # bound by name (``:id``, ``:state``, ...), so a column added to SNAPSHOT_COLUMNS
 # fails the insert for want of a value instead of shifting the others.  Boundary
 # rows go in through INSERT_BOUNDARY, as publish writes them.
-BULK_SEGMENT_COLUMNS = (
-    "snapshot_id, rank, object_key, token_start, token_end, nbytes, digest, state, created_at"
-)
 BULK_INSERT_SNAPSHOT = (
     f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) "
     f"VALUES ({', '.join(':' + column.strip() for column in SNAPSHOT_COLUMNS.split(','))})"
 )
 BULK_INSERT_SEGMENT = (
-    f"INSERT INTO segments ({BULK_SEGMENT_COLUMNS}) "
-    f"VALUES ({', '.join(':' + column.strip() for column in BULK_SEGMENT_COLUMNS.split(','))})"
+    f"INSERT INTO segments ({SEGMENT_COLUMNS}) "
+    f"VALUES ({', '.join(':' + column.strip() for column in SEGMENT_COLUMNS.split(','))})"
 )
 # The id the next snapshot gets: ids are AUTOINCREMENT, never reused after a delete.
 BULK_NEXT_SNAPSHOT_ID = (
     "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'snapshots'), 0) + 1"
 )
-__all__ += [
-    "BULK_INSERT_SEGMENT", "BULK_INSERT_SNAPSHOT", "BULK_NEXT_SNAPSHOT_ID", "BULK_SEGMENT_COLUMNS",
-]
+__all__ = [name for name in dir() if name.isupper()]

@@ -10,8 +10,8 @@ import pytest
 
 from sparkcache.backends import (
     Backend,
-    DiskUsage,
     Blob,
+    DiskUsage,
     is_temp_key,
     open_backend,
     temp_key,
