@@ -16,9 +16,8 @@ import xxhash
 from sparkcache.errors import InvalidArgument
 from sparkcache.identity import ModelIdentity, RequestScope
 
-__all__ = ["HASH_BYTES", "as_token_array", "prefix_hashes", "prefix_seed"]
+__all__ = ["as_token_array", "prefix_hashes", "prefix_seed"]
 
-HASH_BYTES = 16
 _MAX_TOKEN_ID = 2**32 - 1
 
 

@@ -104,7 +104,6 @@ FINISH_SEGMENT = (
     "WHERE snapshot_id = ? AND rank = ? AND state = 'writing'"
 )
 DELETE_SEGMENT = "DELETE FROM segments WHERE snapshot_id = ? AND rank = ?"
-SEGMENT_KEYS = "SELECT object_key FROM segments WHERE snapshot_id = ?"
 COUNT_SEGMENTS = "SELECT count(*) FROM segments WHERE snapshot_id = ?"
 COUNT_READY_SEGMENTS = "SELECT count(*) FROM segments WHERE snapshot_id = ? AND state = 'ready'"
 ALL_SEGMENT_KEYS = "SELECT object_key FROM segments"
