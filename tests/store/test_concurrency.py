@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from sparkcache import SnapshotStore, prefix_hashes, prefix_seed
+from sparkcache import publish as publish_module
 from sparkcache.errors import NotFound, SparkCacheError, StoreTimeout
 
 from .helpers import identity, pages_for, tokens
@@ -161,7 +162,8 @@ def test_processes_publish_and_read_concurrently(tmp_path: Path) -> None:
             assert _same(store.read(m, 0), pages_for(identity(), toks))
 
 
-def test_extend_while_the_parent_is_deleted_is_a_clean_error(tmp_path: Path) -> None:
+def test_extend_while_the_parent_is_deleted_is_a_clean_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``publish(parent=p)`` checks p in a read transaction, then inserts the child in
     a write transaction.  When another process deletes (or evicts) p in between, the
     child's INSERT hits the foreign key and ``apsw.ConstraintError`` escapes: not a
@@ -169,8 +171,18 @@ def test_extend_while_the_parent_is_deleted_is_a_clean_error(tmp_path: Path) -> 
     It must raise NotFound ("parent is not restorable; publish without parent").
 
     The window is made wide, not mocked: a second connection holds the write lock
-    while the publish reads its parent, then deletes the parent and commits.
+    while the publish reads its parent, then deletes the parent and commits.  An
+    event set once the publish has checked its parent (before its write
+    transaction) says when to delete.
     """
+    planned = threading.Event()
+    reserve = publish_module._reserve
+
+    def reserve_after_the_check(*args: Any) -> Any:
+        planned.set()  # the parent was read; the write lock comes next
+        return reserve(*args)
+
+    monkeypatch.setattr(publish_module, "_reserve", reserve_after_the_check)
     ident = identity()
     root = tmp_path / "store"
     head = tokens(8)
@@ -189,7 +201,7 @@ def test_extend_while_the_parent_is_deleted_is_a_clean_error(tmp_path: Path) -> 
         with other.core.write():  # hold the index write lock
             worker = threading.Thread(target=extend)
             worker.start()
-            time.sleep(0.5)  # the publish has read its parent and waits for the lock
+            assert planned.wait(30), "the publish never checked its parent"
             assert other.delete(parent) == [parent]
         worker.join(timeout=30)
         (result,) = outcome
