@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,7 +21,9 @@ from typing import Any
 import numpy as np
 
 from sparkcache import segment as seg
-from sparkcache.backends import Backend, Blob, open_backend, validate_key
+from sparkcache.backends import Backend, Blob, known_schemes, open_backend, validate_key
+from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX
+from sparkcache.backends.local import root_from_url
 from sparkcache.catalog import model_identity, resolve_model
 from sparkcache.core import SegmentInfo
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
@@ -83,28 +86,108 @@ def _segment_key(snap_key: str, rank: int) -> str:
     return f"segments/{snap_key}.r{rank}.safetensors"
 
 
+def _not_empty(dest: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{dest} is not empty; export into a new or empty folder (an export never mixes "
+        "its files with others)"
+    )
+
+
+def _check_local_destination(path: str, dest: str) -> None:
+    """A local ``dest`` (absolute ``path``) is new, or an empty folder, in a folder
+    that exists."""
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise NotFound(
+            f"{dest}: the folder {parent} does not exist; create it first (an export "
+            "creates only its own folder)"
+        )
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise InvalidArgument(f"{dest} is not a folder; export into a new or empty folder")
+    with os.scandir(path) as entries:
+        names = {entry.name for entry in entries}
+    if MANIFEST in names:
+        raise _already_exported(dest)
+    if names:
+        raise _not_empty(dest)
+
+
+def _already_exported(dest: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{dest} already holds an export ({MANIFEST}); export into an empty folder "
+        "or remove the old export first"
+    )
+
+
+def _check_destination(dest: str) -> None:
+    """Refuse ``dest`` before anything is written unless it is new or empty and the
+    bucket holding it (on local disk: its parent folder) exists.
+
+    An export never creates a bucket (a typo would otherwise become a new bucket,
+    with its own owner and costs) and never mixes its files with others (an import
+    reads only what the manifest names, so foreign files would pass unnoticed).
+    A backend registered by a plugin is checked through its own listing only.
+    """
+    forced = dest.startswith(FSSPEC_PREFIX)
+    text = dest.removeprefix(FSSPEC_PREFIX)
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    if not forced and (not scheme or scheme in ("local", "mmap")):
+        _check_local_destination(root_from_url(text), dest)
+        return
+    if not forced and "::" not in scheme and scheme in known_schemes():
+        return  # a plugin's backend: only its objects are visible (export_model lists them)
+    import fsspec.core  # only here: fsspec is imported when a URL needs it
+
+    try:
+        fs, root = fsspec.core.url_to_fs(text)
+    except (ImportError, ValueError, OSError) as exc:
+        raise InvalidArgument(f"cannot open {dest!r} with fsspec: {exc}") from exc
+    root = str(root).rstrip("/")
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if "file" in protocols:
+        _check_local_destination(os.path.abspath(root or "/"), dest)
+        return
+    bucket = root.lstrip("/").split("/", 1)[0]
+    if bucket and not fs.exists(fs.root_marker + bucket):
+        raise NotFound(
+            f"{dest}: the bucket {bucket!r} does not exist; create it first (an export "
+            "never creates a bucket)"
+        )
+    if fs.isfile(root):
+        raise InvalidArgument(f"{dest} is not a folder; export into a new or empty folder")
+    inside = [path for path in fs.find(root or fs.root_marker, withdirs=True)
+              if str(path).rstrip("/") != root]
+    if any(str(path).rstrip("/") == f"{root}/{MANIFEST}" for path in inside):
+        raise _already_exported(dest)
+    if inside:
+        raise _not_empty(dest)
+
+
 def export_model(store: SnapshotStore, model: str | int, dest: str,
                  progress: Progress | None = None) -> ExportReport:
     """Copy every ready snapshot of a model, verified, into ``dest`` (a folder or URL).
 
     ``dest`` receives ``segments/<snapshot key>.r<rank>.safetensors`` and, last,
-    ``manifest.json``; a ``dest`` that already holds a manifest is refused.  Each
-    file is fully verified while copied: a damaged one is quarantined, left out
-    with its descendants, and listed in ``skipped``.  Snapshots published with a
-    request scope (cache salt, LoRA, multimodal inputs) are left out too (reason
-    ``scope``): the store does not record the scope, so an import could not
-    rebuild their keys.  The snapshots are leased while they are copied.
+    ``manifest.json``.  It must be new or empty, in a bucket (on local disk: a
+    folder) that exists: anything else is refused before anything is written.
+    Each file is fully verified while copied: a damaged one is quarantined, left
+    out with its descendants, and listed in ``skipped``.  Snapshots published
+    with a request scope (cache salt, LoRA, multimodal inputs) are left out too
+    (reason ``scope``): the store does not record the scope, so an import could
+    not rebuild their keys.  The snapshots are leased while they are copied.
     """
     tick = progress or _no_progress
     row = resolve_model(store.core, model)
     identity = model_identity(store.core, row.id)
+    _check_destination(dest)
     out = open_backend(dest)
     try:
         if out.exists(MANIFEST):
-            raise InvalidArgument(
-                f"{dest} already holds an export ({MANIFEST}); export into an empty folder "
-                "or remove the old export first"
-            )
+            raise _already_exported(dest)
+        if next(iter(out.list()), None) is not None:
+            raise _not_empty(dest)
         report = ExportReport(row.name, dest)
         infos = sorted((s for s in store.snapshots(identity) if s.state == "ready"),
                        key=lambda s: (s.depth, s.id))  # parents first

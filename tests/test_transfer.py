@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import fsspec
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from sparkcache import SnapshotStore, admin, transfer
-from sparkcache.errors import InvalidArgument, NotFound
+from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
 from sparkcache.identity import RequestScope
 from sparkcache.retention import GB, DiskUsage, Retention, RetentionSettings
 
@@ -57,18 +58,84 @@ def test_export_import_roundtrip_to_a_folder(filled: Filled, tmp_path: Path) -> 
     assert [s["parent"] for s in manifest["snapshots"]] == [None, filled.root]
 
 
-def test_export_import_roundtrip_through_memory_url(filled: Filled, tmp_path: Path) -> None:
-    root = f"sparkcache-test-{uuid.uuid4().hex}"
-    try:
-        _roundtrip(filled, f"memory://{root}", tmp_path)
-    finally:
-        fsspec.filesystem("memory").rm(f"/{root}", recursive=True)
+@pytest.fixture
+def bucket() -> Iterator[str]:
+    """A fresh, existing bucket of fsspec's memory filesystem (its path, ``/name``)."""
+    fs = fsspec.filesystem("memory")
+    path = f"/sparkcache-test-{uuid.uuid4().hex}"
+    fs.mkdir(path)
+    yield path
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def test_export_import_roundtrip_through_memory_url(filled: Filled, tmp_path: Path,
+                                                    bucket: str) -> None:
+    _roundtrip(filled, f"memory:/{bucket}/export", tmp_path)
+
+
+def test_export_into_the_root_of_a_memory_bucket(filled: Filled, bucket: str) -> None:
+    report = admin.export_model(filled.store, "tiny-llama", f"memory:/{bucket}")
+    assert report.snapshots == [filled.root, filled.child]
+    assert fsspec.filesystem("memory").isfile(f"{bucket}/{transfer.MANIFEST}")
+
+
+# -- where an export may go ---------------------------------------------------------------
 
 
 def test_export_into_an_existing_export_is_refused(filled: Filled, tmp_path: Path) -> None:
     admin.export_model(filled.store, "other", str(tmp_path / "x"))
     with pytest.raises(InvalidArgument, match="already holds an export"):
         admin.export_model(filled.store, "tiny-llama", str(tmp_path / "x"))
+
+
+def test_export_into_a_non_empty_folder_is_refused(filled: Filled, tmp_path: Path) -> None:
+    dest = tmp_path / "x"
+    (dest / "sub").mkdir(parents=True)
+    (dest / "notes.txt").write_text("mine")
+    with pytest.raises(InvalidArgument, match="not empty"):
+        admin.export_model(filled.store, "tiny-llama", str(dest))
+    assert sorted(p.name for p in dest.rglob("*")) == ["notes.txt", "sub"]
+    (dest / "notes.txt").unlink()
+    with pytest.raises(InvalidArgument, match="not empty"):  # an empty sub-folder is not empty
+        admin.export_model(filled.store, "tiny-llama", str(dest))
+    (dest / "sub").rmdir()
+    assert admin.export_model(filled.store, "tiny-llama", str(dest)).skipped == []
+
+
+def test_export_onto_a_file_is_refused(filled: Filled, tmp_path: Path) -> None:
+    (tmp_path / "x").write_text("mine")
+    with pytest.raises(InvalidArgument, match="not a folder"):
+        admin.export_model(filled.store, "tiny-llama", str(tmp_path / "x"))
+    assert (tmp_path / "x").read_text() == "mine"
+
+
+def test_export_into_a_non_empty_prefix_is_refused(filled: Filled, bucket: str) -> None:
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{bucket}/x/notes.txt", b"mine")
+    with pytest.raises(InvalidArgument, match="not empty"):
+        admin.export_model(filled.store, "tiny-llama", f"memory:/{bucket}/x")
+    assert fs.find(bucket) == [f"{bucket}/x/notes.txt"]
+
+
+def test_export_into_a_missing_bucket_is_refused_and_creates_nothing(filled: Filled) -> None:
+    fs = fsspec.filesystem("memory")
+    missing = f"sparkcache-missing-{uuid.uuid4().hex}"
+    for dest in (f"memory://{missing}/backups/llama", f"memory://{missing}"):
+        with pytest.raises(SparkCacheError, match="does not exist"):
+            admin.export_model(filled.store, "tiny-llama", dest)
+        assert not fs.exists(f"/{missing}")
+
+
+@pytest.mark.parametrize("spell", [str, lambda p: p.as_uri(), lambda p: f"local://{p}"])
+def test_export_under_a_missing_local_folder_is_refused_and_creates_nothing(
+        filled: Filled, tmp_path: Path, spell: Callable[[Path], str]) -> None:
+    with pytest.raises(SparkCacheError, match="does not exist"):
+        admin.export_model(filled.store, "tiny-llama", spell(tmp_path / "missing" / "x"))
+    assert not (tmp_path / "missing").exists()
+    (tmp_path / "missing").mkdir()  # the parent exists: DEST itself is created
+    report = admin.export_model(filled.store, "tiny-llama", spell(tmp_path / "missing" / "x"))
+    assert report.skipped == [] and (tmp_path / "missing" / "x" / transfer.MANIFEST).is_file()
 
 
 def test_export_leaves_out_corrupt_and_scoped_snapshots(filled: Filled, tmp_path: Path) -> None:
