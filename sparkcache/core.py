@@ -26,7 +26,7 @@ import apsw
 import numpy as np
 
 from sparkcache.backends import Backend
-from sparkcache.errors import SparkCacheError, StoreClosed
+from sparkcache.errors import SparkCacheError, StoreClosed, StoreTimeout
 from sparkcache.holders import holder_alive
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
@@ -218,10 +218,10 @@ class PublishPolicy(Protocol):
 class Core:
     """One open store's index, backend, clock and unsaved counters.
 
-    Thread-safe.  :meth:`write` saves the counters counted since the last
-    write (with :meth:`count`, outside any transaction) and runs the deletions
-    scheduled with :meth:`delete_after_commit` once it committed, after both
-    locks are free.  Never use it after :meth:`close`.
+    Thread-safe.  :meth:`write` saves what was counted since the last write
+    (:meth:`count`, :meth:`record_use`: outside any transaction) and runs the
+    deletions scheduled with :meth:`delete_after_commit` once it committed,
+    after both locks are free.  Never use it after :meth:`close`.
     """
 
     def __init__(self, root: Path, db: Database, backend: Backend,
@@ -232,6 +232,7 @@ class Core:
         self._db: Database | None = db
         self._lock = threading.RLock()
         self._unsaved: Counter[tuple[int, str]] = Counter()
+        self._uses: dict[int, tuple[float, int]] = {}  # snapshot -> (last use, uses)
 
     @property
     def db(self) -> Database:
@@ -242,14 +243,21 @@ class Core:
     # -- transactions --------------------------------------------------------------------
 
     @contextmanager
-    def write(self) -> Iterator[Conn]:
-        """A write transaction (``BEGIN IMMEDIATE``; nested: a savepoint)."""
+    def write(self, *, wait: bool = True) -> Iterator[Conn]:
+        """A write transaction (``BEGIN IMMEDIATE``; nested: a savepoint).
+
+        ``wait=False`` raises StoreTimeout at once when another process holds
+        the write lock, instead of waiting up to the busy timeout."""
         after: list[Callable[[], object]] = []
-        with self._lock, self.db.write(after) as conn:
+        with self._lock, self.db.write(after, wait=wait) as conn:
             if self._unsaved:
                 conn.executemany(q.BUMP_COUNTER, [(model_id, name, value) for
                                                   (model_id, name), value in self._unsaved.items()])
                 self._unsaved.clear()
+            if self._uses:
+                conn.executemany(q.RECORD_USE, [(when, uses, sid) for
+                                                sid, (when, uses) in self._uses.items()])
+                self._uses.clear()
             yield conn
         # Files the transaction stopped naming go once both locks are free:
         # lookups in other threads need not wait for the unlinks.
@@ -278,6 +286,36 @@ class Core:
         """Count outside a transaction; saved with the next write."""
         with self._lock:
             self._unsaved[(model_id, name)] += value
+
+    def record_use(self, snapshot_ids: Iterable[int], model_id: int,
+                   counts: dict[str, int]) -> None:
+        """A restore that succeeded: the snapshots it read were used now (their
+        ``last_used`` and ``use_count``), and ``counts`` are added to the model's
+        counters.  Saved now if the write lock is free at once, else with the
+        next write: a verified read is a hit even while another process holds
+        the lock, and it never waits for it."""
+        now = self.clock()
+        with self._lock:
+            for sid in snapshot_ids:
+                _when, uses = self._uses.get(sid, (now, 0))
+                self._uses[sid] = (now, uses + 1)
+            for name, value in counts.items():
+                self._unsaved[(model_id, name)] += value
+        self.try_save()
+
+    def try_save(self) -> bool:
+        """Save what was counted, if the locks are free at once; False if not
+        (the next write saves it)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            with self.write(wait=False):
+                pass
+        except StoreTimeout:
+            return False
+        finally:
+            self._lock.release()
+        return True
 
     def counter_totals(self, model_id: int | None = None) -> dict[str, int]:
         """Every counter, summed over models (or of ``model_id``), this process's
@@ -351,7 +389,7 @@ class Core:
         if self._db is None:
             return
         try:
-            if self._unsaved:
+            if self._unsaved or self._uses:
                 with self.write():
                     pass
         finally:

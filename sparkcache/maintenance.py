@@ -28,7 +28,7 @@ from sparkcache.core import (
     ids,
     scalar,
 )
-from sparkcache.errors import CorruptSnapshot, LeaseError, NotFound
+from sparkcache.errors import CorruptSnapshot, LeaseError, NotFound, UnsafeName
 from sparkcache.holders import pid_alive
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
@@ -197,22 +197,27 @@ class CheckReport:
     dead_publishes: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, rank)
     stuck_pending: list[int] = field(default_factory=list)
     missing_files: list[int] = field(default_factory=list)  # snapshots quarantined
+    bad_keys: list[int] = field(default_factory=list)  # object keys escaping the root
+    orphan_snapshots: list[int] = field(default_factory=list)  # their parent row is gone
     orphan_files: list[str] = field(default_factory=list)
     fixed: bool = False
 
     @property
     def clean(self) -> bool:
         return not (self.expired_leases or self.dead_publishes or self.stuck_pending
-                    or self.missing_files or self.orphan_files)
+                    or self.missing_files or self.bad_keys or self.orphan_snapshots
+                    or self.orphan_files)
 
 
 def check(core: Core, *, fix: bool = False) -> CheckReport:
     """Compare the index with the files and with the living processes.
 
     Finds expired or orphaned leases, publishes whose process died, snapshots
-    stuck mid-publish, ready segments whose file is missing (their snapshot is
-    quarantined) and files no row names (temp files of dead writers included).
-    With ``fix`` every finding is repaired; without it nothing changes.
+    stuck mid-publish, ready segments whose file is missing or whose object key
+    is not a valid key inside the root (their snapshot is quarantined), snapshots
+    whose parent row is gone (deleted with their files) and files no row names
+    (temp files of dead writers included).  With ``fix`` every finding is
+    repaired; without it nothing changes.
     """
     report = CheckReport(fixed=fix)
     # Files are listed *before* the rows are read: a publisher inserts its row
@@ -246,14 +251,26 @@ def check(core: Core, *, fix: bool = False) -> CheckReport:
                 report.stuck_pending.append(info.id)
                 if fix:
                     _delete_rows(core, conn, info.id, "abandoned")
+        for sid in ids(conn, q.ORPHAN_SNAPSHOTS):
+            report.orphan_snapshots.append(sid)
+            if fix:
+                for sub in ids(conn, q.SUBTREE, (sid,)):
+                    _delete_rows(core, conn, sub, "orphan")
         referenced = {str(k) for (k,) in conn.execute(q.ALL_SEGMENT_KEYS)}
         for segment in fetch(conn, q.READY_SEGMENTS, into=SegmentInfo):
             sid = segment.snapshot_id
-            if not core.backend.exists(segment.object_key) and sid not in report.missing_files:
-                report.missing_files.append(sid)
+            if sid in report.missing_files or sid in report.bad_keys:
+                continue
+            try:
+                if not core.backend.exists(segment.object_key):
+                    report.missing_files.append(sid)
+            except UnsafeName:  # a tampered row: never follow it, never delete by it
+                report.bad_keys.append(sid)
     if fix:
         for sid in report.missing_files:
             quarantine(core, sid, "missing")
+        for sid in report.bad_keys:
+            quarantine(core, sid, "key")
     for key in files:
         if is_temp_key(key):
             base = key.rsplit(".tmp.", 1)[0]

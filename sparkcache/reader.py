@@ -29,7 +29,6 @@ from sparkcache.core import Core, Match
 from sparkcache.cpus import pinned_to
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound
 from sparkcache.identity import ModelIdentity
-from sparkcache.index import queries as q
 from sparkcache.maintenance import quarantine
 
 __all__ = ["read_into", "read_pages", "tail_tokens"]
@@ -115,8 +114,8 @@ def tail_tokens(
     if not start < n_tokens <= start + match.identity.block_size:
         raise InvalidArgument(f"n_tokens must be in ({start}, {start + match.identity.block_size}]"
                               f", got {n_tokens}")
-    link = next((k for k in _chain_links(core, match, rank, n_tokens)
-                 if k.start <= start < k.end), None)
+    _model_id, links = _chain_links(core, match, rank, n_tokens)
+    link = next((k for k in links if k.start <= start < k.end), None)
     if link is None or link.end < n_tokens:
         return None
     with _quarantine_on_failure(core, link), \
@@ -127,20 +126,51 @@ def tail_tokens(
     return tail
 
 
-def _chain_links(core: Core, match: Match, rank: int, n: int) -> list[_Link]:
+def _chain_links(core: Core, match: Match, rank: int, n: int) -> tuple[int, list[_Link]]:
+    """(the snapshot's model id, its chain's links holding tokens below ``n``).
+
+    Trusts nothing it did not check: a snapshot of another model than the
+    match's identity, or shorter than the match, is the caller's mistake
+    (InvalidArgument: nothing is quarantined); links that do not follow each
+    other without a gap are a corrupt chain (the link after the gap is
+    quarantined, CorruptSnapshot); anything not ready on ``rank`` is NotFound.
+    """
+    gone = NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
     links: list[_Link] = []
     with core.read() as conn:
+        info = core.snapshot(conn, match.snapshot_id)
+        model = None if info is None else core.model(conn, info.model_id)
+        if info is None or model is None:
+            raise gone
+        if model.digest != match.identity.digest():
+            raise InvalidArgument(
+                f"snapshot {match.snapshot_id} belongs to model {model.name} ({model.digest}), "
+                f"not to the match's identity ({match.identity.digest()}): pass the Match "
+                "that lookup returned for this identity")
+        if match.n_tokens > info.n_tokens:
+            raise InvalidArgument(
+                f"the match says {match.n_tokens} tokens but snapshot {info.id} holds "
+                f"{info.n_tokens}: pass the Match that lookup returned")
         for link in core.chain(conn, match.snapshot_id):
             if link.start >= n:
                 continue
             segment = core.segment(conn, link.id, rank)
             if link.state != "ready" or segment is None or segment.state != "ready":
-                raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
+                raise gone
             links.append(_Link(link.id, link.start, link.end, link.snap_key,
                                segment.object_key, str(segment.digest)))
-    if not links or links[0].start != 0:
-        raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
-    return links
+    if not links:
+        raise gone
+    expected_start = 0
+    for checked in links:
+        if checked.start != expected_start or checked.end <= checked.start:
+            with _quarantine_on_failure(core, checked):
+                raise CorruptSnapshot(
+                    f"chain of snapshot {match.snapshot_id} is broken: link {checked.id} holds "
+                    f"tokens [{checked.start}, {checked.end}) where token {expected_start} "
+                    "comes next", "chain")
+        expected_start = checked.end
+    return info.model_id, links
 
 
 @dataclass(frozen=True)
@@ -192,7 +222,7 @@ def _read_chain(
             f"start_tokens must be a multiple of the block size {bs} in [0, {n}) "
             f"(below n_tokens), got {skip_tokens}"
         )
-    links = _chain_links(core, match, rank, n)
+    model_id, links = _chain_links(core, match, rank, n)
     page = identity.page_nbytes
     skip_blocks = skip_tokens // bs
     dests: Sequence[np.ndarray | seg.Pieces] | None = None
@@ -205,8 +235,12 @@ def _read_chain(
                     opened = stack.enter_context(_open_verified(core, link, identity, rank))
                     stored = _verified_tokens(opened, (stop - link.start) * 4)
                     if not np.array_equal(stored.view("<u4"), match.token_ids[link.start:stop]):
-                        raise CorruptSnapshot("stored token ids differ from the prompt",
-                                              "tokens")
+                        # The stored ids passed their digests: they are what was
+                        # published.  The match is not for them (a caller's mistake,
+                        # or a prefix-hash collision): a miss, nothing quarantined.
+                        raise InvalidArgument(
+                            f"snapshot {match.snapshot_id} holds other token ids than the "
+                            "match: pass the Match that lookup returned for this prompt")
                     del stored
                     n_layers = opened.header.n_layers
                     if dests is None:
@@ -226,7 +260,7 @@ def _read_chain(
             copies.clear()  # drop the views before the mmaps close
     n_blocks = n // bs - skip_blocks
     if touch:
-        _touch(core, match, links, n - skip_tokens, n_blocks * page * len(dests))
+        _touch(core, model_id, links, n - skip_tokens, n_blocks * page * len(dests))
     return n_blocks
 
 
@@ -333,13 +367,7 @@ def _open_verified(
             del buf
 
 
-def _touch(core: Core, match: Match, links: list[_Link], n: int, nbytes: int) -> None:
-    now = core.clock()
-    with core.write() as conn:
-        for link in links:
-            conn.execute(q.TOUCH, (now, link.id))
-        info = core.snapshot(conn, match.snapshot_id)
-        if info is not None:
-            for name, value in (("hits", 1), ("restored_tokens", n),
-                                ("restored_bytes", nbytes)):
-                conn.execute(q.BUMP_COUNTER, (info.model_id, name, value))
+def _touch(core: Core, model_id: int, links: list[_Link], n: int, nbytes: int) -> None:
+    """Record the hit: every link read was used, and the restored amounts."""
+    core.record_use([link.id for link in links], model_id,
+                    {"hits": 1, "restored_tokens": n, "restored_bytes": nbytes})

@@ -35,7 +35,7 @@ import xxhash
 
 from sparkcache.backends import Backend, Blob
 from sparkcache.buffers import as_byte_view
-from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound
+from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, UnsafeName
 from sparkcache.identity import DTYPE_SIZES, ModelIdentity, canonical_json
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ def check_header(
     Checks the header against the index ``digest`` and the file size
     (:func:`parse_header`), then that it says what the index expects: the
     model identity's digest, ``rank``, ``snap_key``, the token range, the block
-    size, the KV dtype and the page shape.  Raises :class:`CorruptSnapshot`
+    size, the KV dtype, the page shape and the layer count.  Raises :class:`CorruptSnapshot`
     (reason ``identity`` for a field that differs).  The payload chunks are
     checked as they are read (:func:`verified_view`, :func:`copy_verified`).
     """
@@ -211,7 +211,7 @@ def check_header(
         "model": identity.digest(), "rank": rank, "snap_key": snap_key,
         "token_start": token_start, "token_end": token_end,
         "block_size": identity.block_size, "dtype": identity.kv_cache_dtype,
-        "page_shape": list(identity.page_shape),
+        "page_shape": list(identity.page_shape), "n_layers": identity.num_layers,
     }
     for key, value in expected.items():
         if header.meta.get(key) != value:
@@ -223,11 +223,14 @@ def check_header(
 @contextmanager
 def open_segment(backend: Backend, key: str) -> Iterator[Blob]:
     """Open a segment file; the one missing-file rule: a segment the index
-    names and the backend lacks is corrupt (reason ``missing``), not a bug."""
+    names and the backend lacks is corrupt (reason ``missing``), not a bug, and
+    so is one whose key is not a valid key inside the store (reason ``key``)."""
     try:
         blob = backend.open(key)
     except NotFound as exc:
         raise _fail(f"segment file {key} is missing", "missing") from exc
+    except UnsafeName as exc:  # a tampered row: the key escapes the root
+        raise _fail(f"segment key {key!r} is not a valid key inside the store", "key") from exc
     try:
         yield blob
     finally:

@@ -166,7 +166,7 @@ class Database:
                 yield conn
 
     @contextmanager
-    def write(self, after: list[Callable[[], object]] | None = None
+    def write(self, after: list[Callable[[], object]] | None = None, *, wait: bool = True
               ) -> Iterator[apsw.Connection]:
         """A write transaction; yields the connection.
 
@@ -177,7 +177,9 @@ class Database:
         write() inside read() raises RuntimeError (a read snapshot cannot be
         upgraded safely under WAL).  With ``after``, the outermost call appends the
         on_commit callbacks to that list instead of running them, for a caller that
-        holds a lock of its own around write() and runs them once it let go.
+        holds a lock of its own around write() and runs them once it let go.  With
+        ``wait=False`` the outermost call does not wait for another process's write
+        lock: it raises StoreTimeout at once (for work that may be done later).
         """
         conn = self._connection()
         self._lock.acquire()
@@ -189,7 +191,7 @@ class Database:
                 with self._savepoint(conn):
                     yield conn
                 return
-            with self._outermost(conn, schema.BEGIN_IMMEDIATE, _WRITE):
+            with self._outermost(conn, schema.BEGIN_IMMEDIATE, _WRITE, wait=wait):
                 yield conn
                 callbacks = self._callbacks[0]  # taken before COMMIT clears them
         finally:
@@ -337,12 +339,20 @@ class Database:
         self._callbacks.clear()
 
     @contextmanager
-    def _outermost(self, conn: apsw.Connection, begin: str, kind: str) -> Iterator[None]:
+    def _outermost(self, conn: apsw.Connection, begin: str, kind: str, *,
+                   wait: bool = True) -> Iterator[None]:
         """BEGIN; COMMIT when the body succeeds, ROLLBACK (and re-raise) when not.
 
         A busy timeout inside the body becomes StoreTimeout.
         """
-        self._begin(conn, begin, kind)
+        if wait:
+            self._begin(conn, begin, kind)
+        else:
+            conn.set_busy_timeout(0)
+            try:
+                self._begin(conn, begin, kind)
+            finally:
+                conn.set_busy_timeout(self._busy_timeout_ms)
         try:
             yield
         except _LOCKED as exc:

@@ -68,10 +68,20 @@ QUARANTINE = (
     "UPDATE snapshots SET state = 'quarantined', reason = ? "
     "WHERE id = ? AND state != 'quarantined'"
 )
-TOUCH = "UPDATE snapshots SET last_used = ?, use_count = use_count + 1 WHERE id = ?"
+# A restore's use, saved later than it happened (Core.record_use): never moves
+# last_used back, and adds the uses counted meanwhile.
+RECORD_USE = (
+    "UPDATE snapshots SET last_used = max(last_used, ?), use_count = use_count + ? WHERE id = ?"
+)
 SET_PINNED = "UPDATE snapshots SET pinned = ? WHERE id = ?"
 DELETE_SNAPSHOT = "DELETE FROM snapshots WHERE id = ?"
 LIST_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots"
+# Snapshots whose parent row is gone (only a tampered index or one written with
+# foreign keys off has them): check() finds them.
+ORPHAN_SNAPSHOTS = (
+    "SELECT s.id FROM snapshots AS s WHERE s.parent_id IS NOT NULL "
+    "AND NOT EXISTS (SELECT 1 FROM snapshots AS p WHERE p.id = s.parent_id)"
+)
 PENDING_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE state = 'pending'"
 # Eviction candidates of one state, least recently used first: leaves only (a
 # parent still needed by a child goes after it), never pinned.  Leases are
@@ -107,7 +117,12 @@ DELETE_SEGMENT = "DELETE FROM segments WHERE snapshot_id = ? AND rank = ?"
 COUNT_SEGMENTS = "SELECT count(*) FROM segments WHERE snapshot_id = ?"
 COUNT_READY_SEGMENTS = "SELECT count(*) FROM segments WHERE snapshot_id = ? AND state = 'ready'"
 ALL_SEGMENT_KEYS = "SELECT object_key FROM segments"
-READY_SEGMENTS = f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE state = 'ready'"
+# Ready segments of snapshots not quarantined (check() looks for their files).
+READY_SEGMENTS = (
+    "SELECT " + ", ".join(f"g.{c.strip()}" for c in SEGMENT_COLUMNS.split(",")) + " "
+    "FROM segments AS g JOIN snapshots AS s ON s.id = g.snapshot_id "
+    "WHERE g.state = 'ready' AND s.state != 'quarantined'"
+)
 WRITING_SEGMENTS = f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE state = 'writing'"
 # Restorable: every expected rank has a ready segment of this link.
 READY_RANKS = (
@@ -131,6 +146,11 @@ HAS_BOUNDARY = (
     "SELECT 1 FROM boundaries WHERE prefix_hash = ? AND model_id = ? AND n_tokens = ? LIMIT 1"
 )
 DELETE_BOUNDARIES = "DELETE FROM boundaries WHERE snapshot_id = ?"
+# A snapshot's explicit breakpoints, in tokens (an export carries them along).
+BREAKPOINTS_OF = (
+    "SELECT n_tokens FROM boundaries WHERE snapshot_id = ? AND kind = 'breakpoint' "
+    "ORDER BY n_tokens"
+)
 
 # -- leases -------------------------------------------------------------------
 INSERT_LEASE = (
