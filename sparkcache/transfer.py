@@ -25,10 +25,11 @@ from sparkcache.backends import Backend, Blob, known_schemes, open_backend, vali
 from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX
 from sparkcache.backends.local import root_from_url
 from sparkcache.catalog import model_identity, resolve_model
-from sparkcache.core import SegmentInfo
+from sparkcache.core import SegmentInfo, ids
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity
+from sparkcache.index import queries as q
 from sparkcache.maintenance import Problem, Progress, verify_file
 from sparkcache.store import SnapshotInfo, SnapshotStore
 from sparkcache.version import VERSION
@@ -40,7 +41,9 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 EXPORT_FORMAT = "sparkcache-export"
-EXPORT_VERSION = 1
+#: Version 2 added each snapshot's ``breakpoints``; version 1 exports still import.
+EXPORT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 #: A manifest larger than this is refused before it is read.
 MAX_MANIFEST_BYTES = 64 << 20
 #: How long an export protects the snapshots it copies from eviction.
@@ -193,6 +196,7 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
                        key=lambda s: (s.depth, s.id))  # parents first
         with store.core.read() as conn:
             segments = {s.id: store.core.segments(conn, s.id) for s in infos}
+            breakpoints = {s.id: ids(conn, q.BREAKPOINTS_OF, (s.id,)) for s in infos}
         total = sum(g.nbytes for segs in segments.values() for g in segs)
         done = 0
         tick(0, total)
@@ -209,7 +213,7 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
                     report.snapshots.append(info.id)
                     report.segments += len(segs)
                     report.nbytes += size
-                    entries.append(_manifest_entry(info, segs))
+                    entries.append(_manifest_entry(info, segs, breakpoints[info.id]))
                 else:
                     report.skipped.append(problem)
                 done += size
@@ -231,10 +235,12 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
     return report
 
 
-def _manifest_entry(info: SnapshotInfo, segs: list[SegmentInfo]) -> dict[str, Any]:
+def _manifest_entry(info: SnapshotInfo, segs: list[SegmentInfo],
+                    breakpoints: list[int]) -> dict[str, Any]:
     return {
         "id": info.id, "parent": info.parent_id, "start_token": info.start_token,
         "n_tokens": info.n_tokens, "snap_key": info.snap_key, "pinned": info.pinned,
+        "breakpoints": breakpoints,
         "segments": [
             {"rank": g.rank, "key": _segment_key(info.snap_key, g.rank),
              "token_start": g.token_start, "token_end": g.token_end, "nbytes": g.nbytes,
@@ -304,7 +310,10 @@ def _is_int(value: Any, minimum: int = 0) -> bool:
 
 
 def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[str, Any]]]:
-    """Load and strictly validate ``manifest.json`` (JSON only, every field checked)."""
+    """Load and strictly validate ``manifest.json`` (JSON only, every field checked).
+
+    The snapshot entries come back in the newest version's form: a version 1
+    entry gets the fields it lacks with their old meaning (no breakpoints)."""
     try:
         size = src.size(MANIFEST)
     except NotFound:
@@ -318,9 +327,10 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
         raise InvalidArgument(f"{where}/{MANIFEST} is not JSON ({exc}); export again") from exc
     _require(isinstance(doc, dict) and doc.get("format") == EXPORT_FORMAT,
              f"format is not {EXPORT_FORMAT!r}")
-    _require(doc.get("version") == EXPORT_VERSION,
-             f"version {doc.get('version')!r} is not {EXPORT_VERSION} (a newer sparkcache "
-             "wrote it? upgrade sparkcache)")
+    version = doc.get("version")
+    _require(version in READABLE_VERSIONS and _is_int(version),
+             f"version {version!r} is not one of {list(READABLE_VERSIONS)} (a newer "
+             "sparkcache wrote it? upgrade sparkcache)")
     model, snaps = doc.get("model"), doc.get("snapshots")
     _require(isinstance(model, dict) and isinstance(model.get("identity"), dict),
              "model.identity is missing")
@@ -333,7 +343,10 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
              "model.digest does not match model.identity")
     bs, seen = identity.block_size, dict[int, int]()
     snap_keys = {"id", "parent", "start_token", "n_tokens", "snap_key", "pinned", "segments"}
+    if version >= 2:
+        snap_keys |= {"breakpoints"}
     seg_keys = {"rank", "key", "token_start", "token_end", "nbytes", "digest"}
+    entries: list[dict[str, Any]] = []
     for snap in snaps:
         _require(isinstance(snap, dict) and set(snap) == snap_keys,
                  f"a snapshot entry must have exactly the fields {sorted(snap_keys)}")
@@ -349,6 +362,12 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
         _require(isinstance(snap["snap_key"], str) and bool(_HEX32.fullmatch(snap["snap_key"])),
                  f"snapshot {sid}: snap_key is not 32 hex digits")
         _require(isinstance(snap["pinned"], bool), f"snapshot {sid}: pinned is not a boolean")
+        marks = snap.get("breakpoints", [])
+        _require(isinstance(marks, list)
+                 and all(_is_int(b, bs) and b % bs == 0 and b < end for b in marks)
+                 and marks == sorted(set(marks)),
+                 f"snapshot {sid}: breakpoints must be increasing multiples of the block size "
+                 "below its end")
         segs = snap["segments"]
         _require(isinstance(segs, list)
                  and all(isinstance(g, dict) and set(g) == seg_keys for g in segs)
@@ -365,7 +384,8 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
                      and isinstance(g["digest"], str) and bool(_HEX32.fullmatch(g["digest"])),
                      f"snapshot {sid} rank {g['rank']}: range, nbytes or digest is bad")
         seen[sid] = end
-    return identity, snaps
+        entries.append({**snap, "breakpoints": marks})
+    return identity, entries
 
 
 def import_model(store: SnapshotStore, src: str,
@@ -452,7 +472,8 @@ def _import_one(
         full = tokens if parent is None else np.concatenate([full_tokens[parent], tokens])
         new_parent = None if parent is None else new_ids[parent]
         try:
-            results = [store.publish(identity, rank, full, layer_pages, parent=new_parent)
+            results = [store.publish(identity, rank, full, layer_pages, parent=new_parent,
+                                     breakpoints=snap["breakpoints"])
                        for rank, layer_pages in enumerate(pages)]
         except NotFound as exc:  # the parent was evicted meanwhile (retention, a sweep)
             return Problem(sid, None, "missing", str(exc))

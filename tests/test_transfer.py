@@ -195,7 +195,9 @@ def _manifest_variant(src: Path, dst: Path, edit: object) -> str:
 
 @pytest.mark.parametrize("edit", [
     "{not json",
-    lambda d: d.update(version=2),
+    lambda d: d.update(version=3),
+    lambda d: d.update(version=True),
+    lambda d: d.update(version="2"),
     lambda d: d.update(format="pickle"),
     lambda d: d["model"]["identity"].update(num_layers=3),
     lambda d: d["snapshots"].reverse(),  # child before its parent
@@ -203,6 +205,14 @@ def _manifest_variant(src: Path, dst: Path, edit: object) -> str:
     lambda d: d["snapshots"][0]["segments"][0].update(key="../../etc/passwd"),
     lambda d: d["snapshots"][0]["segments"][0].update(nbytes="12"),
     lambda d: d["snapshots"][1].update(start_token=4),
+    lambda d: d["snapshots"][0].pop("breakpoints"),
+    lambda d: d["snapshots"][0].update(breakpoints=[6]),  # not on a block boundary
+    lambda d: d["snapshots"][0].update(breakpoints=[32]),  # the end is no breakpoint
+    lambda d: d["snapshots"][0].update(breakpoints=[8, 4]),
+    lambda d: d["snapshots"][0].update(breakpoints=[0]),
+    lambda d: d["snapshots"][0].update(breakpoints=[4.0]),
+    lambda d: d["snapshots"][0].update(breakpoints=None),
+    lambda d: d.update(version=1),  # a version 1 entry has no breakpoints
 ])
 def test_import_validates_the_manifest_strictly(filled: Filled, tmp_path: Path,
                                                 edit: object) -> None:
@@ -245,3 +255,53 @@ def test_import_into_a_store_whose_retention_refuses(filled: Filled, tmp_path: P
         assert [(p.snapshot_id, p.reason) for p in report.refused] == [
             (filled.root, "retention"), (filled.child, "parent")]
         assert "MIN_TOKENS" in report.refused[0].message
+
+
+# -- what a snapshot carries besides its bytes ----------------------------------------------
+
+
+def _prompt(toks: np.ndarray, shared: int, n: int = 56) -> np.ndarray:
+    """A prompt of ``n`` tokens sharing its first ``shared`` with ``toks``, then elsewhere."""
+    return np.concatenate([toks[:shared], tokens(n - shared, seed=99) + 60_000]).astype(np.uint32)
+
+
+def test_breakpoints_survive_export_and_import(tmp_path: Path) -> None:
+    ident, toks = identity(), tokens(64)
+    # No stride aliases below 256 tokens: only the breakpoints let a shorter prefix hit.
+    with SnapshotStore(tmp_path / "a") as a, SnapshotStore(tmp_path / "b") as b:
+        root = a.publish(ident, 0, toks[:32], pages_for(ident, toks[:32]),
+                         breakpoints=[12]).snapshot_id
+        a.publish(ident, 0, toks, pages_for(ident, toks, start=32), parent=root,
+                  breakpoints=[8, 44, 45])
+        admin.export_model(a, "tiny-llama", str(tmp_path / "x"))
+        manifest = json.loads((tmp_path / "x" / transfer.MANIFEST).read_text())
+        assert [s["breakpoints"] for s in manifest["snapshots"]] == [[12], [8, 44]]
+        admin.import_model(b, str(tmp_path / "x"))
+        for shared in (8, 12, 44):
+            prompt = _prompt(toks, shared)
+            want, got = a.lookup(ident, prompt), b.lookup(ident, prompt)
+            assert want is not None and want.n_tokens == shared
+            assert got is not None and got.n_tokens == shared, shared
+            assert all(np.array_equal(x, y) for x, y in zip(a.read(want, 0), b.read(got, 0),
+                                                             strict=True))
+
+
+def test_a_version_1_export_still_imports(tmp_path: Path) -> None:
+    ident, toks = identity(), tokens(64)
+    with SnapshotStore(tmp_path / "a") as a, SnapshotStore(tmp_path / "b") as b:
+        root = a.publish(ident, 0, toks[:32], pages_for(ident, toks[:32]),
+                         breakpoints=[12]).snapshot_id
+        a.publish(ident, 0, toks, pages_for(ident, toks, start=32), parent=root)
+        admin.export_model(a, "tiny-llama", str(tmp_path / "x"))
+
+        def as_version_1(doc: dict) -> None:
+            doc["version"] = 1
+            for snap in doc["snapshots"]:
+                del snap["breakpoints"]
+
+        old = _manifest_variant(tmp_path / "x", tmp_path / "v1", as_version_1)
+        report = admin.import_model(b, old)
+        assert len(report.imported) == 2 and report.refused == []
+        for want, got in zip(restored(a, ident, toks), restored(b, ident, toks), strict=True):
+            assert np.array_equal(want, got)
+        assert b.lookup(ident, _prompt(toks, 12)) is None  # version 1 knew no breakpoints
