@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["holder_alive", "pid_alive", "this_holder"]
+__all__ = ["holder_alive", "pid_alive", "process_alive", "start_time", "this_holder"]
 
 
 def _stat(pid: int) -> tuple[str, str]:
@@ -25,14 +25,18 @@ def _stat(pid: int) -> tuple[str, str]:
     return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
 
 
-def _start_time(pid: int) -> str:
+def start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot), or "" where unknown.
+
+    With the pid it names one process: a pid reused by a later process has
+    another start time."""
     return _stat(pid)[1]
 
 
 def this_holder(tag: str = "") -> str:
     """``host/pid/start[/tag]`` naming this process."""
     pid = os.getpid()
-    base = f"{socket.gethostname()}/{pid}/{_start_time(pid)}"
+    base = f"{socket.gethostname()}/{pid}/{start_time(pid)}"
     return f"{base}/{tag}" if tag else base
 
 
@@ -47,6 +51,16 @@ def pid_alive(pid: int) -> bool:
     return _stat(pid)[0] not in ("Z", "X")
 
 
+def process_alive(pid: int, started: str | None) -> bool:
+    """Whether the process ``pid`` that started at ``started`` (a :func:`start_time`;
+    None or "" when not recorded) still runs on this host: a dead pid, or one
+    reused by another process, is not."""
+    if not pid_alive(pid):  # dead, or killed and not yet reaped
+        return False
+    now = start_time(pid)
+    return not (started and now and started != now)
+
+
 def holder_alive(holder: str) -> bool | None:
     """True/False for a holder on this host; None when it lives elsewhere (unknown)."""
     parts = holder.split("/")
@@ -56,7 +70,4 @@ def holder_alive(holder: str) -> bool | None:
         pid = int(parts[1])
     except ValueError:
         return None
-    if not pid_alive(pid):  # dead, or killed and not yet reaped
-        return False
-    started = _start_time(pid)
-    return not (started and parts[2] and started != parts[2])
+    return process_alive(pid, parts[2])

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from sparkcache import segment as seg
-from sparkcache.backends import is_temp_key
-from sparkcache.backends.keys import temp_key_pid
+from sparkcache.backends.keys import temp_key_writer
 from sparkcache.core import (
     OBJECTS,
     Conn,
@@ -29,13 +28,14 @@ from sparkcache.core import (
     scalar,
 )
 from sparkcache.errors import CorruptSnapshot, LeaseError, NotFound, UnsafeName
-from sparkcache.holders import pid_alive
+from sparkcache.holders import process_alive
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
 
 __all__ = [
     "CheckReport", "Problem", "VerifyReport", "check", "clear_model", "delete_model",
-    "delete_snapshots", "evict_lru", "quarantine", "remove_deleted_models", "verify",
+    "delete_snapshots", "drop_snapshot", "evict_lru", "publish_abandoned", "quarantine",
+    "reclaim_publishes", "remove_deleted_models", "verify",
 ]
 
 #: A pending snapshot with no live publisher is abandoned after this long.
@@ -81,9 +81,10 @@ def quarantine(core: Core, snapshot_id: int, reason: str) -> None:
         conn.execute(q.BUMP_COUNTER, (info.model_id, f"quarantined.{reason}", 1))
 
 
-def _delete_rows(core: Core, conn: Conn, snapshot_id: int, reason: str) -> None:
-    """Delete one snapshot's rows (cascading to segments, boundaries, leases);
-    its files go after the commit."""
+def drop_snapshot(core: Core, conn: Conn, snapshot_id: int, reason: str) -> None:
+    """Delete one snapshot's rows inside a write (cascading to segments,
+    boundaries, leases), counting ``evictions.<reason>``; its files go after
+    the commit.  For a caller that decided it must go (its children first)."""
     info = core.snapshot(conn, snapshot_id)
     if info is None:
         return
@@ -117,7 +118,7 @@ def delete_snapshots(
                             "expire or pass force=True"
                         )
             for sub in subtree:
-                _delete_rows(core, conn, sub, reason)
+                drop_snapshot(core, conn, sub, reason)
                 deleted.append(sub)
     return deleted
 
@@ -173,7 +174,7 @@ def evict_lru(
                     if core.leased(conn, sid, now):
                         skipped.append(sid)
                         continue
-                    _delete_rows(core, conn, sid, reason)
+                    drop_snapshot(core, conn, sid, reason)
                     evicted.append(sid)
                     freed += nbytes
                     progressed = True
@@ -209,6 +210,59 @@ class CheckReport:
                     or self.orphan_files)
 
 
+def publish_abandoned(core: Core, conn: Conn, info: SnapshotInfo, now: float) -> bool:
+    """Whether a ``pending`` snapshot's publish was abandoned: no live process
+    holds a publish lease on it, and it is older than PENDING_GRACE_SECONDS (a
+    rank that never published its segment will not any more)."""
+    return (info.state == "pending" and now - info.created_at > PENDING_GRACE_SECONDS
+            and not any(kind.startswith("publish.") for kind in
+                        {lease.kind for lease in core.leases(conn, info.id)
+                         if lease.blocks(now)}))
+
+
+def _reclaim(core: Core, conn: Conn, now: float, report: CheckReport, *, fix: bool) -> None:
+    """Leases that no longer protect anything, publishes whose process died and
+    snapshots stuck ``pending`` (no live publisher, and no segment left or older
+    than the grace period): found, and with ``fix`` removed with their files."""
+    live_publishers: set[tuple[int, str]] = set()
+    for lease in fetch(conn, q.ALL_LEASES, into=LeaseInfo):
+        if lease.blocks(now):
+            live_publishers.add((lease.snapshot_id, lease.kind))
+            continue
+        report.expired_leases.append(lease.id)
+        if fix:
+            conn.execute(q.DELETE_LEASE, (lease.id,))
+    for segment in fetch(conn, q.WRITING_SEGMENTS, into=SegmentInfo):
+        sid, rank = segment.snapshot_id, segment.rank
+        if (sid, f"publish.r{rank}") not in live_publishers:
+            report.dead_publishes.append((sid, rank))
+            if fix:
+                conn.execute(q.DELETE_SEGMENT, (sid, rank))
+                core.delete_after_commit([segment.object_key])
+    busy = {sid for sid, kind in live_publishers if kind.startswith("publish.")}
+    for info in fetch(conn, q.PENDING_SNAPSHOTS, into=SnapshotInfo):
+        if info.id in busy:
+            continue
+        remaining = scalar(conn, q.COUNT_SEGMENTS, (info.id,))
+        if not fix:  # with fix, the dead segments' rows are already gone
+            remaining -= sum(1 for s, _r in report.dead_publishes if s == info.id)
+        if remaining == 0 or now - info.created_at > PENDING_GRACE_SECONDS:
+            report.stuck_pending.append(info.id)
+            if fix:
+                drop_snapshot(core, conn, info.id, "abandoned")
+
+
+def reclaim_publishes(core: Core) -> CheckReport:
+    """The sweeper's step for stuck publishes: drop dead leases, the segments of
+    publishes whose process died and abandoned ``pending`` snapshots (a
+    copy-on-write child of one rank that the other ranks never finished), with
+    their files.  A parent such a child held becomes evictable again."""
+    report = CheckReport(fixed=True)
+    with core.write() as conn:
+        _reclaim(core, conn, core.clock(), report, fix=True)
+    return report
+
+
 def check(core: Core, *, fix: bool = False) -> CheckReport:
     """Compare the index with the files and with the living processes.
 
@@ -225,37 +279,12 @@ def check(core: Core, *, fix: bool = False) -> CheckReport:
     files = list(core.backend.list(OBJECTS))
     now = core.clock()
     with core.write() as conn:
-        live_publishers: set[tuple[int, str]] = set()
-        for lease in fetch(conn, q.ALL_LEASES, into=LeaseInfo):
-            if lease.blocks(now):
-                live_publishers.add((lease.snapshot_id, lease.kind))
-                continue
-            report.expired_leases.append(lease.id)
-            if fix:
-                conn.execute(q.DELETE_LEASE, (lease.id,))
-        for segment in fetch(conn, q.WRITING_SEGMENTS, into=SegmentInfo):
-            sid, rank = segment.snapshot_id, segment.rank
-            if (sid, f"publish.r{rank}") not in live_publishers:
-                report.dead_publishes.append((sid, rank))
-                if fix:
-                    conn.execute(q.DELETE_SEGMENT, (sid, rank))
-                    core.delete_after_commit([segment.object_key])
-        busy = {sid for sid, kind in live_publishers if kind.startswith("publish.")}
-        for info in fetch(conn, q.PENDING_SNAPSHOTS, into=SnapshotInfo):
-            if info.id in busy:
-                continue
-            remaining = scalar(conn, q.COUNT_SEGMENTS, (info.id,))
-            if not fix:  # with fix, the dead segments' rows are already gone
-                remaining -= sum(1 for s, _r in report.dead_publishes if s == info.id)
-            if remaining == 0 or now - info.created_at > PENDING_GRACE_SECONDS:
-                report.stuck_pending.append(info.id)
-                if fix:
-                    _delete_rows(core, conn, info.id, "abandoned")
+        _reclaim(core, conn, now, report, fix=fix)
         for sid in ids(conn, q.ORPHAN_SNAPSHOTS):
             report.orphan_snapshots.append(sid)
             if fix:
                 for sub in ids(conn, q.SUBTREE, (sid,)):
-                    _delete_rows(core, conn, sub, "orphan")
+                    drop_snapshot(core, conn, sub, "orphan")
         referenced = {str(k) for (k,) in conn.execute(q.ALL_SEGMENT_KEYS)}
         for segment in fetch(conn, q.READY_SEGMENTS, into=SegmentInfo):
             sid = segment.snapshot_id
@@ -272,10 +301,10 @@ def check(core: Core, *, fix: bool = False) -> CheckReport:
         for sid in report.bad_keys:
             quarantine(core, sid, "key")
     for key in files:
-        if is_temp_key(key):
+        writer = temp_key_writer(key)
+        if writer is not None:
             base = key.rsplit(".tmp.", 1)[0]
-            pid = temp_key_pid(key)
-            if base in referenced and pid is not None and pid_alive(pid):
+            if base in referenced and process_alive(*writer):
                 continue  # a live writer's temp file
         elif key in referenced:
             continue
@@ -419,7 +448,7 @@ def clear_model(
             (info := core.snapshot(conn, i)) is not None and info.pinned)}) - leased
         for sid in deepest_first:
             if sid not in leased | pinned:
-                _delete_rows(core, conn, sid, reason)
+                drop_snapshot(core, conn, sid, reason)
                 deleted.append(sid)
     return sorted(deleted), sorted(leased), sorted(pinned)
 

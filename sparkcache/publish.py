@@ -45,6 +45,7 @@ from sparkcache.hashing import as_token_array, prefix_hashes, prefix_seed
 from sparkcache.holders import this_holder
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
+from sparkcache.maintenance import drop_snapshot, publish_abandoned
 from sparkcache.reader import read_pages
 
 __all__ = ["PUBLISH_LEASE_SECONDS", "PublishResult", "block_tokens", "publish"]
@@ -221,19 +222,27 @@ def _reserve(core: Core, plan: _Plan) -> _Reserved | PublishResult:
         if info is not None:
             if info.n_tokens != plan.n:  # pragma: no cover - a 128-bit hash collision
                 raise InvalidArgument("snapshot key collision; not publishing")
+            other_parent = ((info.parent_id, info.start_token)
+                            != ((plan.parent if start else None), start))
+            if other_parent and publish_abandoned(core, conn, info, now):
+                # Started with another parent by ranks that never finished, and
+                # whose publishers are gone: start afresh, every rank again.
+                drop_snapshot(core, conn, info.id, "abandoned")
+                info = None
+        if info is not None:
             segment = core.segment(conn, info.id, plan.rank)
             if segment is not None:
                 if segment.state == "ready" or core.leased(conn, info.id, now, plan.lease_kind):
                     return PublishResult(info.id, plan.n, info.state, 0, True)
                 _drop_segment(core, conn, info.id, plan.rank, segment.object_key)
-            if (info.parent_id, info.start_token) != ((plan.parent if start else None), start):
+            if other_parent:
                 if scalar(conn, q.COUNT_SEGMENTS, (info.id,)):
                     raise InvalidArgument(
                         f"snapshot {info.id} was started by another rank with parent "
                         f"{info.parent_id}; every rank must publish with the same parent"
                     )
                 # No rank has a segment left: its publishers died.  Start afresh.
-                conn.execute(q.DELETE_SNAPSHOT, (info.id,))
+                drop_snapshot(core, conn, info.id, "abandoned")
             else:
                 snapshot_id = info.id
         if snapshot_id is None:

@@ -36,7 +36,7 @@ from sparkcache.core import Core
 from sparkcache.cpus import widen_affinity
 from sparkcache.errors import InvalidArgument
 from sparkcache.folder import resolve_folder
-from sparkcache.maintenance import evict_lru, remove_deleted_models
+from sparkcache.maintenance import evict_lru, reclaim_publishes, remove_deleted_models
 
 __all__ = [
     "DiskUsage",
@@ -266,10 +266,12 @@ class Retention:
     # -- the sweeper -------------------------------------------------------------------
 
     def sweep(self, core: Core) -> SweepReport:
-        """One pass: deleted models' folders, age, disk margin, total.  Idempotent."""
+        """One pass: stuck publishes (:func:`~sparkcache.maintenance.reclaim_publishes`),
+        deleted models' folders, age, disk margin, total.  Idempotent."""
         report = SweepReport()
         s = self.settings
         now = (self.clock or core.clock)()
+        report.add("abandoned", reclaim_publishes(core).stuck_pending)
         removed_models, removed_folders = remove_deleted_models(core)
         report.models_removed.extend(removed_models)
         report.folders_removed.extend(removed_folders)

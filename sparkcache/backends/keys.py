@@ -13,8 +13,10 @@ stores) and can never climb out of the store root:
   backslash, NUL, space or non-ASCII character.
 
 Writers publish through a temp object in the same folder, named
-``<key>.tmp.<pid>.<8 hex>``.  The pid lets a checker tell a live writer's temp file
-from a dead one's; the random part keeps two writers in one process apart.
+``<key>.tmp.<pid>-<start>.<8 hex>``.  The pid and the process's start time let a
+checker tell a live writer's temp file from a dead one's, even once the pid was
+reused (``<key>.tmp.<pid>.<8 hex>``, without the start time, is still
+recognised); the random part keeps two writers in one process apart.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import re
 import secrets
 
 from sparkcache.errors import UnsafeName
+from sparkcache.holders import start_time
 
 __all__ = [
     "KEY_SEGMENT_PATTERN",
@@ -32,7 +35,7 @@ __all__ = [
     "TEMP_SUFFIX_PATTERN",
     "is_temp_key",
     "temp_key",
-    "temp_key_pid",
+    "temp_key_writer",
     "validate_key",
 ]
 
@@ -45,8 +48,8 @@ MAX_KEY_SEGMENTS = 16
 KEY_SEGMENT_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]*"
 """Grammar of one segment.  ASCII only: ``re`` ranges are literal code points."""
 
-TEMP_SUFFIX_PATTERN = r"\.tmp\.(?P<pid>[0-9]{1,10})\.[0-9a-f]{8}"
-"""Suffix :func:`temp_key` appends; group ``pid`` is the writer's pid."""
+TEMP_SUFFIX_PATTERN = r"\.tmp\.(?P<pid>[0-9]{1,10})(?:-(?P<start>[0-9]{1,20}))?\.[0-9a-f]{8}"
+"""Suffix :func:`temp_key` appends; groups ``pid`` and ``start`` name the writer."""
 
 _SEGMENT_RE = re.compile(KEY_SEGMENT_PATTERN)
 _TEMP_RE = re.compile(r".+" + TEMP_SUFFIX_PATTERN)
@@ -84,14 +87,17 @@ def validate_key(key: str) -> str:
 
 
 def temp_key(key: str) -> str:
-    """Return a fresh temp key ``<key>.tmp.<pid>.<8 hex>`` in the same folder as ``key``.
+    """Return a fresh temp key ``<key>.tmp.<pid>-<start>.<8 hex>`` beside ``key``.
 
     Same folder, so a rename publishes it atomically on local disks.  The result is a
     valid key itself; a ``key`` too long to take the suffix raises
     :class:`~sparkcache.errors.UnsafeName`.
     """
     validate_key(key)
-    candidate = f"{key}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    pid = os.getpid()
+    started = start_time(pid)
+    writer = f"{pid}-{started}" if started.isdigit() else str(pid)
+    candidate = f"{key}.tmp.{writer}.{secrets.token_hex(4)}"
     if len(candidate) > MAX_KEY_CHARS:
         raise UnsafeName(
             f"object key {_shorten(key)!r} is too long to publish: its temp name would "
@@ -103,19 +109,21 @@ def temp_key(key: str) -> str:
 
 def is_temp_key(key: str) -> bool:
     """True if ``key`` (valid or not) names a temp object made by :func:`temp_key`."""
-    return temp_key_pid(key) is not None
+    return temp_key_writer(key) is not None
 
 
-def temp_key_pid(key: str) -> int | None:
-    """Pid of the process that made temp key ``key``, or None if it is no temp key.
+def temp_key_writer(key: str) -> tuple[int, str | None] | None:
+    """(pid, start time or None) of the process that made temp key ``key``, or None
+    if it is no temp key.
 
-    A checker uses it to tell an abandoned temp file (its writer is dead) from one
-    still being written.
+    A checker uses it (:func:`sparkcache.holders.process_alive`) to tell an
+    abandoned temp file (its writer is dead, or its pid now names another
+    process) from one still being written.
     """
     if not isinstance(key, str):
         return None
     match = _TEMP_RE.fullmatch(key.rsplit("/", 1)[-1])
-    return int(match.group("pid")) if match else None
+    return (int(match.group("pid")), match.group("start")) if match else None
 
 
 def _shorten(text: str, limit: int = 80) -> str:

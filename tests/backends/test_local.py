@@ -25,9 +25,10 @@ from sparkcache.backends import (
     temp_key,
     validate_key,
 )
-from sparkcache.backends.keys import MAX_KEY_CHARS, temp_key_pid
+from sparkcache.backends.keys import MAX_KEY_CHARS, temp_key_writer
 from sparkcache.backends.local import MmapBlob
 from sparkcache.errors import BackendError, InvalidArgument, NotFound, StoreFull, UnsafeName
+from sparkcache.holders import start_time
 
 # -- durability ------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ def test_temp_file_is_in_the_object_folder_while_writing(disk: LocalBackend) -> 
 
     disk.put("f/obj", chunks())
     assert len(seen) == 1 and seen[0].startswith("f/obj.tmp.")
-    assert temp_key_pid(seen[0]) == os.getpid()
+    assert temp_key_writer(seen[0]) == (os.getpid(), start_time(os.getpid()))
     assert list(disk.list()) == ["f/obj"]
     assert oct(os.stat(os.path.join(disk.root, "f", "obj")).st_mode & 0o777) == "0o644"
 
@@ -328,14 +329,16 @@ def test_validate_key_rejects_non_str() -> None:
 def test_temp_key_helpers() -> None:
     key = "objects/m-1/ab/ab12-9f3c.r0.safetensors"
     tmp = temp_key(key)
-    assert re.fullmatch(re.escape(key) + r"\.tmp\.\d+\.[0-9a-f]{8}", tmp)
+    assert re.fullmatch(re.escape(key) + r"\.tmp\.\d+-\d+\.[0-9a-f]{8}", tmp)
     assert tmp.rsplit("/", 1)[0] == key.rsplit("/", 1)[0]  # same folder
     assert validate_key(tmp) == tmp
     assert is_temp_key(tmp) and not is_temp_key(key)
-    assert temp_key_pid(tmp) == os.getpid()
-    assert temp_key_pid(key) is None
-    assert temp_key_pid("a/b.tmp.12.zzzzzzzz") is None
-    assert temp_key_pid("x.tmp.12.0123abcd/child") is None  # only the last segment counts
+    assert temp_key_writer(tmp) == (os.getpid(), start_time(os.getpid()))
+    assert temp_key_writer(key) is None
+    assert temp_key_writer("a/b.tmp.12.0123abcd") == (12, None)  # written before start times
+    assert is_temp_key("a/b.tmp.12.0123abcd")
+    assert temp_key_writer("a/b.tmp.12.zzzzzzzz") is None
+    assert temp_key_writer("x.tmp.12.0123abcd/child") is None  # only the last segment counts
     assert temp_key(key) != tmp  # random part differs between calls
     with pytest.raises(UnsafeName, match="too long"):
         temp_key("k" * MAX_KEY_CHARS)
