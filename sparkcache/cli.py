@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from sparkcache import admin
+from sparkcache import admin, transfer
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
@@ -406,12 +406,12 @@ def cmd_export(ctx: Context) -> int:
 
 
 def cmd_import(ctx: Context) -> int:
-    with ctx.store(create=True) as store:
-        bar = ctx.bar("import")
-        try:
-            r = admin.import_model(store, ctx.args.src, progress=bar)
-        finally:
-            bar.close()
+    bar = ctx.bar("import")
+    try:  # import_into creates the store, and removes it again if nothing was imported
+        r = transfer.import_into(ctx.folder, ctx.args.src, storage=ctx.args.storage,
+                                 progress=bar)
+    finally:
+        bar.close()
     ctx.emit(r, lambda: (
         f"imported {plural(len(r.imported), 'snapshot')} of {r.model} ({admin.mb(r.nbytes)} MB, "
         f"{sum(i.deduplicated for i in r.imported)} already present)"

@@ -16,6 +16,7 @@ import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from sparkcache.backends import Backend, Blob, known_schemes, open_backend, vali
 from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX
 from sparkcache.backends.local import root_from_url
 from sparkcache.catalog import model_identity, resolve_model
-from sparkcache.core import SegmentInfo, ids
+from sparkcache.core import INDEX_FILE, OBJECTS, SegmentInfo, ids
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity
@@ -36,7 +37,7 @@ from sparkcache.version import VERSION
 
 __all__ = [
     "EXPORT_FORMAT", "EXPORT_VERSION", "MANIFEST", "ExportReport", "ImportReport", "Imported",
-    "export_model", "import_model",
+    "export_model", "import_into", "import_model",
 ]
 
 MANIFEST = "manifest.json"
@@ -124,6 +125,13 @@ def _already_exported(dest: str) -> InvalidArgument:
     )
 
 
+def _local_path(url: str) -> str | None:
+    """The absolute path of a plain path or local-disk URL, None for any other URL."""
+    text = url.removeprefix(FSSPEC_PREFIX)
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    return root_from_url(text) if scheme in ("", "local", "mmap", "file") else None
+
+
 def _check_destination(dest: str) -> None:
     """Refuse ``dest`` before anything is written unless it is new or empty and the
     bucket holding it (on local disk: its parent folder) exists.
@@ -133,13 +141,13 @@ def _check_destination(dest: str) -> None:
     reads only what the manifest names, so foreign files would pass unnoticed).
     A backend registered by a plugin is checked through its own listing only.
     """
-    forced = dest.startswith(FSSPEC_PREFIX)
-    text = dest.removeprefix(FSSPEC_PREFIX)
-    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
-    if not forced and (not scheme or scheme in ("local", "mmap")):
-        _check_local_destination(root_from_url(text), dest)
+    path = _local_path(dest)
+    if path is not None:
+        _check_local_destination(path, dest)
         return
-    if not forced and "::" not in scheme and scheme in known_schemes():
+    text = dest.removeprefix(FSSPEC_PREFIX)
+    scheme = text.split("://", 1)[0].lower()
+    if not dest.startswith(FSSPEC_PREFIX) and "::" not in scheme and scheme in known_schemes():
         return  # a plugin's backend: only its objects are visible (export_model lists them)
     import fsspec.core  # only here: fsspec is imported when a URL needs it
 
@@ -388,6 +396,14 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
     return identity, entries
 
 
+def _open_source(src: str) -> Backend:
+    """The backend of an export, without creating a missing local folder."""
+    path = _local_path(src)
+    if path is not None and not os.path.isdir(path):
+        raise NotFound(f"{src} is not a folder: it is not a sparkcache export")
+    return open_backend(src)
+
+
 def import_model(store: SnapshotStore, src: str,
                  progress: Progress | None = None) -> ImportReport:
     """Publish every snapshot of an export into ``store``, parents first.
@@ -397,30 +413,81 @@ def import_model(store: SnapshotStore, src: str,
     damaged or missing file refuses that snapshot and its descendants (listed in
     ``refused``).  Snapshots already in the store are deduplicated.
     """
-    tick = progress or _no_progress
-    source = open_backend(src)
+    source = _open_source(src)
     try:
         identity, snaps = _read_manifest(source, src)
         report = ImportReport(identity.model, src)
-        total = sum(g["nbytes"] for s in snaps for g in s["segments"])
-        done = 0
-        tick(0, total)
-        new_ids: dict[int, int] = {}
-        full_tokens: dict[int, np.ndarray] = {}
-        keys: dict[int, str] = {}
-        for snap in snaps:
-            size = sum(g["nbytes"] for g in snap["segments"])
-            problem = _import_one(store, source, identity, snap, new_ids, full_tokens, keys,
-                                  report)
-            if problem is not None:
-                report.refused.append(problem)
-            else:
-                report.nbytes += size
-            done += size
-            tick(done, total)
+        _import_all(store, source, identity, snaps, report, progress)
     finally:
         source.close()
     return report
+
+
+def import_into(folder: str | os.PathLike[str], src: str, *, storage: str | None = None,
+                progress: Progress | None = None) -> ImportReport:
+    """:func:`import_model` into the store in ``folder``, created if it has none.
+
+    The manifest is read and validated before the store is opened.  A store
+    that this call created is removed again, with the folders it made, when
+    nothing was imported (the import failed, or refused every snapshot): a
+    failed import leaves no empty store behind.  A store that was there is
+    kept, whatever happens.
+    """
+    root = Path(folder).expanduser().absolute()
+    source = _open_source(src)
+    try:
+        identity, snaps = _read_manifest(source, src)
+        report = ImportReport(identity.model, src)
+        made = [p for p in (root, *root.parents) if not p.exists()]  # folders we would make
+        new = not (root / INDEX_FILE).exists()
+        try:
+            with SnapshotStore(root, storage=storage) as store:
+                _import_all(store, source, identity, snaps, report, progress)
+        finally:
+            if new and not report.imported:
+                _remove_new_store(root, made)
+    finally:
+        source.close()
+    return report
+
+
+def _remove_new_store(root: Path, made: list[Path]) -> None:
+    """Remove a closed store that holds nothing, created moments ago: its index
+    files, its empty folders and the folders made for it.  Only empty folders
+    are removed, so nothing anyone else put there can go."""
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            (root / f"{INDEX_FILE}{suffix}").unlink()
+    objects = root / OBJECTS
+    if objects.is_dir():
+        for inside, _dirs, _files in sorted(os.walk(objects), reverse=True):  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(inside)
+    for folder in made:  # root first, then the parents made for it
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _import_all(store: SnapshotStore, source: Backend, identity: ModelIdentity,
+                snaps: list[dict[str, Any]], report: ImportReport,
+                progress: Progress | None) -> None:
+    """Import the validated manifest entries ``snaps``, parents first, into ``report``."""
+    tick = progress or _no_progress
+    total = sum(g["nbytes"] for s in snaps for g in s["segments"])
+    done = 0
+    tick(0, total)
+    new_ids: dict[int, int] = {}
+    full_tokens: dict[int, np.ndarray] = {}
+    keys: dict[int, str] = {}
+    for snap in snaps:
+        size = sum(g["nbytes"] for g in snap["segments"])
+        problem = _import_one(store, source, identity, snap, new_ids, full_tokens, keys, report)
+        if problem is not None:
+            report.refused.append(problem)
+        else:
+            report.nbytes += size
+        done += size
+        tick(done, total)
 
 
 def _import_one(

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from sparkcache import SnapshotStore, admin, transfer
+from sparkcache.cli import main
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
 from sparkcache.identity import RequestScope
 from sparkcache.retention import GB, DiskUsage, Retention, RetentionSettings
@@ -231,6 +232,14 @@ def test_import_without_a_manifest_is_not_found(tmp_path: Path) -> None:
         admin.import_model(target, str(tmp_path / "empty"))
 
 
+def test_import_from_a_missing_folder_does_not_create_it(tmp_path: Path) -> None:
+    with SnapshotStore(tmp_path / "target") as target:
+        for src in (str(tmp_path / "nope"), (tmp_path / "nope").as_uri()):
+            with pytest.raises(NotFound, match="not a sparkcache export"):
+                admin.import_model(target, src)
+    assert not (tmp_path / "nope").exists()
+
+
 def test_two_rank_export_import(tmp_path: Path) -> None:
     ident, toks = identity(world=2), tokens(32)
     with SnapshotStore(tmp_path / "a", alias_stride=16) as a, \
@@ -305,3 +314,68 @@ def test_a_version_1_export_still_imports(tmp_path: Path) -> None:
         for want, got in zip(restored(a, ident, toks), restored(b, ident, toks), strict=True):
             assert np.array_equal(want, got)
         assert b.lookup(ident, _prompt(toks, 12)) is None  # version 1 knew no breakpoints
+
+
+# -- a failed import leaves no store behind -------------------------------------------------
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_failed_import_creates_no_store(filled: Filled, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotFound, match="export"):
+        transfer.import_into(tmp_path / "new" / "store", str(tmp_path / "empty"))
+    assert not (tmp_path / "new").exists()
+    admin.export_model(filled.store, "tiny-llama", str(tmp_path / "x"))
+    bad = _manifest_variant(tmp_path / "x", tmp_path / "bad", lambda d: d.update(version=9))
+    with pytest.raises(InvalidArgument, match="manifest"):
+        transfer.import_into(tmp_path / "new", bad)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()  # a folder that exists stays, without a store in it
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(InvalidArgument, match="manifest"):
+        transfer.import_into(tmp_path / "mine", bad)
+    assert _files(tmp_path / "mine") == ["notes.txt"]
+
+
+def test_an_import_that_imports_nothing_creates_no_store(filled: Filled,
+                                                         tmp_path: Path) -> None:
+    admin.export_model(filled.store, "tiny-llama", str(tmp_path / "x"))
+    root_key = json.loads((tmp_path / "x" / transfer.MANIFEST).read_text())["snapshots"][0]
+    flip_byte(tmp_path / "x" / root_key["segments"][0]["key"])
+    report = transfer.import_into(tmp_path / "new", str(tmp_path / "x"))
+    assert report.imported == [] and len(report.refused) == 2
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_failed_import_keeps_an_existing_store(filled: Filled, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotFound):
+        transfer.import_into(filled.store.root, str(tmp_path / "empty"))
+    assert len(filled.store.snapshots()) == 3
+    with SnapshotStore(tmp_path / "kept") as kept:
+        assert kept.snapshots() == []
+    with pytest.raises(NotFound):
+        transfer.import_into(tmp_path / "kept", str(tmp_path / "empty"))
+    assert (tmp_path / "kept" / "index.sqlite").is_file()
+
+
+def test_import_into_a_new_folder(filled: Filled, tmp_path: Path) -> None:
+    admin.export_model(filled.store, "tiny-llama", str(tmp_path / "x"))
+    report = transfer.import_into(tmp_path / "new" / "store", str(tmp_path / "x"))
+    assert [i.source_id for i in report.imported] == [filled.root, filled.child]
+    with SnapshotStore(tmp_path / "new" / "store") as store:
+        for want, got in zip(restored(filled.store, filled.ident, filled.toks),
+                             restored(store, filled.ident, filled.toks), strict=True):
+            assert np.array_equal(want, got)
+
+
+def test_the_import_command_leaves_no_store_when_it_fails(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    (tmp_path / "broken").mkdir()
+    assert main(["--folder", str(tmp_path / "new"), "import", str(tmp_path / "broken")]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
