@@ -121,6 +121,9 @@ class SnapshotInfo:
     created_at: float
     last_used: float
     use_count: int
+    # The RequestScope's canonical JSON that seeded its prefix hashes; None for a
+    # snapshot published before the index recorded scopes (revision 0004).
+    scope_json: str | None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pinned", bool(self.pinned))  # SQLite stores 0 or 1

@@ -74,6 +74,7 @@ class _Plan:
     identity: ModelIdentity
     rank: int
     tokens: np.ndarray
+    scope_json: str  # the request scope's canonical JSON, recorded with the snapshot
     hashes: list[bytes]
     marks: list[int]  # breakpoints, in tokens, on block boundaries
     parent: int | None
@@ -160,6 +161,7 @@ def _plan(
     """Hash the tokens and check the parent (step 1)."""
     bs = identity.block_size
     n = int(tokens.size)
+    scope = scope or RequestScope()
     hashes = prefix_hashes(prefix_seed(identity, scope), tokens, bs)
     # Breakpoints round down to whole blocks; one below the first block marks nothing.
     marks = sorted({int(b) // bs * bs for b in breakpoints if bs <= int(b) <= n})
@@ -172,6 +174,13 @@ def _plan(
             raise NotFound(f"parent snapshot {parent} is not restorable; publish without parent")
         if p.model_id != model_id:
             raise InvalidArgument(f"parent snapshot {parent} belongs to another model identity")
+        # A child's hashes continue its parent's, so it lives in its parent's scope.
+        # (A parent published before scopes were recorded is checked by its key.)
+        if p.scope_json is not None and p.scope_json != scope.canonical():
+            raise InvalidArgument(
+                f"parent snapshot {parent} was published in another request scope "
+                f"({p.scope_json}); publish the child with its parent's scope"
+            )
         if not 0 < p.n_tokens < n or hashes[p.n_tokens // bs - 1].hex() != p.snap_key:
             raise InvalidArgument(
                 f"parent snapshot {parent} is not a prefix of these tokens in this scope"
@@ -180,8 +189,8 @@ def _plan(
         compact = p.depth + 1 >= max_chain
         if not compact:
             start, depth = p.n_tokens, p.depth + 1
-    return _Plan(identity, rank, tokens, hashes, marks, parent, start, depth, compact,
-                 tail_start, this_holder())
+    return _Plan(identity, rank, tokens, scope.canonical(), hashes, marks, parent, start, depth,
+                 compact, tail_start, this_holder())
 
 
 def _page_views(identity: ModelIdentity, pages: Sequence[Any], n_blocks: int) -> list[np.ndarray]:
@@ -249,7 +258,7 @@ def _reserve(core: Core, plan: _Plan) -> _Reserved | PublishResult:
             snapshot_id = scalar(
                 conn, q.INSERT_SNAPSHOT,
                 (model_id, plan.snap_key, plan.n, start, plan.parent if start else None,
-                 plan.depth, plan.identity.world_size, now, now))
+                 plan.depth, plan.identity.world_size, now, now, plan.scope_json))
         object_key = (
             f"{model_folder(plan.identity)}/{plan.snap_key[:2]}/{plan.snap_key}-"
             f"{secrets.token_hex(4)}.r{plan.rank}.safetensors"

@@ -26,10 +26,10 @@ from sparkcache.backends import Backend, Blob, known_schemes, open_backend, vali
 from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX
 from sparkcache.backends.local import root_from_url
 from sparkcache.catalog import model_identity, resolve_model
-from sparkcache.core import INDEX_FILE, OBJECTS, SegmentInfo, ids
+from sparkcache.core import INDEX_FILE, SegmentInfo, ids
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
-from sparkcache.identity import ModelIdentity
+from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 from sparkcache.maintenance import Problem, Progress, verify_file
 from sparkcache.store import SnapshotInfo, SnapshotStore
@@ -42,7 +42,8 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 EXPORT_FORMAT = "sparkcache-export"
-#: Version 2 added each snapshot's ``breakpoints``; version 1 exports still import.
+#: Version 2 added each snapshot's ``breakpoints`` and ``scope``; version 1 exports
+#: (no breakpoints, the default scope) still import.
 EXPORT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 #: A manifest larger than this is refused before it is read.
@@ -184,10 +185,11 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
     ``manifest.json``.  It must be new or empty, in a bucket (on local disk: a
     folder) that exists: anything else is refused before anything is written.
     Each file is fully verified while copied: a damaged one is quarantined, left
-    out with its descendants, and listed in ``skipped``.  Snapshots published
-    with a request scope (cache salt, LoRA, multimodal inputs) are left out too
-    (reason ``scope``): the store does not record the scope, so an import could
-    not rebuild their keys.  The snapshots are leased while they are copied.
+    out with its descendants, and listed in ``skipped``.  Each snapshot goes with
+    its request scope (cache salt, LoRA, multimodal inputs) and its breakpoints;
+    one published with a scope before the index recorded scopes (revision 0004)
+    is left out (reason ``scope``): an import could not rebuild its keys.  The
+    snapshots are leased while they are copied.
     """
     tick = progress or _no_progress
     row = resolve_model(store.core, model)
@@ -209,21 +211,22 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
         done = 0
         tick(0, total)
         entries: list[dict[str, Any]] = []
-        exported: set[int] = set()
+        exported: dict[int, RequestScope] = {}  # snapshot id -> its scope
         leases: list[int] = []
         try:
             for info in infos:
                 segs = segments[info.id]
                 size = sum(g.nbytes for g in segs)
-                problem = _export_one(store, out, identity, info, segs, exported, leases)
-                if problem is None:
-                    exported.add(info.id)
+                done_or_problem = _export_one(store, out, identity, info, segs, exported, leases)
+                if isinstance(done_or_problem, RequestScope):
+                    exported[info.id] = done_or_problem
                     report.snapshots.append(info.id)
                     report.segments += len(segs)
                     report.nbytes += size
-                    entries.append(_manifest_entry(info, segs, breakpoints[info.id]))
+                    entries.append(_manifest_entry(info, segs, breakpoints[info.id],
+                                                   done_or_problem))
                 else:
-                    report.skipped.append(problem)
+                    report.skipped.append(done_or_problem)
                 done += size
                 tick(done, total)
         finally:
@@ -243,12 +246,12 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
     return report
 
 
-def _manifest_entry(info: SnapshotInfo, segs: list[SegmentInfo],
-                    breakpoints: list[int]) -> dict[str, Any]:
+def _manifest_entry(info: SnapshotInfo, segs: list[SegmentInfo], breakpoints: list[int],
+                    scope: RequestScope) -> dict[str, Any]:
     return {
         "id": info.id, "parent": info.parent_id, "start_token": info.start_token,
         "n_tokens": info.n_tokens, "snap_key": info.snap_key, "pinned": info.pinned,
-        "breakpoints": breakpoints,
+        "breakpoints": breakpoints, "scope": json.loads(scope.canonical()),
         "segments": [
             {"rank": g.rank, "key": _segment_key(info.snap_key, g.rank),
              "token_start": g.token_start, "token_end": g.token_end, "nbytes": g.nbytes,
@@ -258,13 +261,34 @@ def _manifest_entry(info: SnapshotInfo, segs: list[SegmentInfo],
     }
 
 
+def _export_scope(info: SnapshotInfo, exported: dict[int, RequestScope]) -> RequestScope | None:
+    """The scope a snapshot is exported with: its parent's for a child (its hashes
+    continue the parent's), else its recorded one, the default scope where none
+    was recorded (checked by the key); None when its recorded scope is unusable."""
+    if info.parent_id is not None:
+        inherited = exported[info.parent_id]
+        return inherited if info.scope_json in (None, inherited.canonical()) else None
+    if info.scope_json is None:
+        return RequestScope()
+    try:
+        return _scope_from_dict(json.loads(info.scope_json))
+    except ValueError:
+        return None
+
+
 def _export_one(
     store: SnapshotStore, out: Backend, identity: ModelIdentity, info: SnapshotInfo,
-    segs: list[SegmentInfo], exported: set[int], leases: list[int],
-) -> Problem | None:
-    """Verify and copy one snapshot's files; a Problem when it must be left out."""
+    segs: list[SegmentInfo], exported: dict[int, RequestScope], leases: list[int],
+) -> RequestScope | Problem:
+    """Verify and copy one snapshot's files: the scope it was exported with, or a
+    Problem when it must be left out."""
     if info.parent_id is not None and info.parent_id not in exported:
         return Problem(info.id, None, "parent", f"its parent {info.parent_id} was left out")
+    scope = _export_scope(info, exported)
+    if scope is None:
+        return Problem(info.id, None, "scope",
+                       f"its recorded request scope {info.scope_json} is not valid, or not "
+                       "its parent's")
     try:
         leases.append(store.acquire_lease(info.id, kind="export", ttl=EXPORT_LEASE_SECONDS))
     except NotFound:
@@ -280,7 +304,7 @@ def _export_one(
                 header = verify_file(buf, str(g.digest), identity, g.rank, info.snap_key,
                                      g.token_start, g.token_end)
                 if g.rank == 0:
-                    _check_key(identity, store, info, buf, header)
+                    _check_key(identity, store, info, scope, buf, header)
                 out.put(_segment_key(info.snap_key, g.rank), [buf])
                 written.append(_segment_key(info.snap_key, g.rank))
                 del buf
@@ -290,22 +314,43 @@ def _export_one(
             for key in written:  # the other ranks' copies are of no use alone
                 out.delete(key)
             return Problem(info.id, g.rank, exc.reason, str(exc))
-    return None
+    return scope
 
 
 def _check_key(identity: ModelIdentity, store: SnapshotStore, info: SnapshotInfo,
-               buf: memoryview, header: seg.SegmentHeader) -> None:
-    """Refuse a snapshot whose key is not the default-scope hash of its tokens."""
-    seed = prefix_seed(identity)
+               scope: RequestScope, buf: memoryview, header: seg.SegmentHeader) -> None:
+    """Refuse a snapshot whose key is not the hash of its tokens in ``scope``."""
+    seed = prefix_seed(identity, scope)
     if info.parent_id is not None:
         seed = bytes.fromhex(store.snapshot(info.parent_id).snap_key)
     tokens = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1])
     key = prefix_hashes(seed, tokens.view("<u4"), identity.block_size)[-1].hex()
     del tokens
-    if key != info.snap_key:
+    if key == info.snap_key:
+        return
+    if info.scope_json is None:
         raise CorruptSnapshot(
-            "published with a request scope (cache salt, LoRA or multimodal inputs), which "
-            "the store does not record: it cannot be imported again", "scope")
+            "published with a request scope (cache salt, LoRA or multimodal inputs) before "
+            "the store recorded scopes (index revision 0004): it cannot be imported again",
+            "scope")
+    raise CorruptSnapshot("its key is not the hash of its tokens in its recorded request "
+                          "scope: it cannot be imported again", "scope")
+
+
+#: The fields of a request scope, as RequestScope.canonical() writes them.
+SCOPE_FIELDS = frozenset({"cache_salt", "lora", "mm"})
+
+
+def _scope_from_dict(doc: Any) -> RequestScope | None:
+    """The RequestScope whose canonical JSON is ``doc`` (parsed), or None when
+    ``doc`` is not exactly one (every field present, of its type, nothing else)."""
+    if not (isinstance(doc, dict) and set(doc) == SCOPE_FIELDS):
+        return None
+    salt, lora, mm = doc["cache_salt"], doc["lora"], doc["mm"]
+    if not (all(v is None or isinstance(v, str) for v in (salt, lora))
+            and isinstance(mm, list) and all(isinstance(h, str) for h in mm)):
+        return None
+    return RequestScope(cache_salt=salt, lora=lora, mm_hashes=tuple(mm))
 
 
 def _require(cond: bool, what: str) -> None:
@@ -320,8 +365,9 @@ def _is_int(value: Any, minimum: int = 0) -> bool:
 def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[str, Any]]]:
     """Load and strictly validate ``manifest.json`` (JSON only, every field checked).
 
-    The snapshot entries come back in the newest version's form: a version 1
-    entry gets the fields it lacks with their old meaning (no breakpoints)."""
+    The snapshot entries come back in the newest version's form, with ``scope``
+    a RequestScope: a version 1 entry gets the fields it lacks with their old
+    meaning (no breakpoints, the default scope)."""
     try:
         size = src.size(MANIFEST)
     except NotFound:
@@ -352,7 +398,8 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
     bs, seen = identity.block_size, dict[int, int]()
     snap_keys = {"id", "parent", "start_token", "n_tokens", "snap_key", "pinned", "segments"}
     if version >= 2:
-        snap_keys |= {"breakpoints"}
+        snap_keys |= {"breakpoints", "scope"}
+    scopes: dict[int, str] = {}  # snapshot id -> its scope's canonical JSON
     seg_keys = {"rank", "key", "token_start", "token_end", "nbytes", "digest"}
     entries: list[dict[str, Any]] = []
     for snap in snaps:
@@ -376,6 +423,13 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
                  and marks == sorted(set(marks)),
                  f"snapshot {sid}: breakpoints must be increasing multiples of the block size "
                  "below its end")
+        scope = _scope_from_dict(snap["scope"]) if version >= 2 else RequestScope()
+        _require(scope is not None,
+                 f"snapshot {sid}: scope must be an object with exactly the fields "
+                 f"{sorted(SCOPE_FIELDS)} (strings or null, and a list of strings)")
+        assert scope is not None
+        _require(parent is None or scopes[parent] == scope.canonical(),
+                 f"snapshot {sid}: its scope is not its parent's")
         segs = snap["segments"]
         _require(isinstance(segs, list)
                  and all(isinstance(g, dict) and set(g) == seg_keys for g in segs)
@@ -391,8 +445,8 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
                      and _is_int(g["nbytes"], 1)
                      and isinstance(g["digest"], str) and bool(_HEX32.fullmatch(g["digest"])),
                      f"snapshot {sid} rank {g['rank']}: range, nbytes or digest is bad")
-        seen[sid] = end
-        entries.append({**snap, "breakpoints": marks})
+        seen[sid], scopes[sid] = end, scope.canonical()
+        entries.append({**snap, "breakpoints": marks, "scope": scope})
     return identity, entries
 
 
@@ -440,29 +494,34 @@ def import_into(folder: str | os.PathLike[str], src: str, *, storage: str | None
         report = ImportReport(identity.model, src)
         made = [p for p in (root, *root.parents) if not p.exists()]  # folders we would make
         new = not (root / INDEX_FILE).exists()
+        before = set(os.listdir(root)) if root.is_dir() else set()
         try:
             with SnapshotStore(root, storage=storage) as store:
                 _import_all(store, source, identity, snaps, report, progress)
         finally:
             if new and not report.imported:
-                _remove_new_store(root, made)
+                _remove_new_store(root, before, made)
     finally:
         source.close()
     return report
 
 
-def _remove_new_store(root: Path, made: list[Path]) -> None:
-    """Remove a closed store that holds nothing, created moments ago: its index
-    files, its empty folders and the folders made for it.  Only empty folders
-    are removed, so nothing anyone else put there can go."""
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        with contextlib.suppress(FileNotFoundError):
-            (root / f"{INDEX_FILE}{suffix}").unlink()
-    objects = root / OBJECTS
-    if objects.is_dir():
-        for inside, _dirs, _files in sorted(os.walk(objects), reverse=True):  # deepest first
-            with contextlib.suppress(OSError):
-                os.rmdir(inside)
+def _remove_new_store(root: Path, before: set[str], made: list[Path]) -> None:
+    """Remove a closed store that holds nothing, created moments ago in ``root``
+    (whose entries were ``before``): the files it made there (the index and its
+    companions), its folders once empty, and the folders made for it.  A folder
+    is removed only when empty, so no payload and nothing of anyone else goes."""
+    if not root.is_dir():
+        return
+    for name in set(os.listdir(root)) - before:
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            for inside, _dirs, _files in sorted(os.walk(path), reverse=True):  # deepest first
+                with contextlib.suppress(OSError):
+                    os.rmdir(inside)
+        elif name.startswith(f"{Path(INDEX_FILE).stem}."):  # index.sqlite(-wal, -shm), ...
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
     for folder in made:  # root first, then the parents made for it
         with contextlib.suppress(OSError):
             folder.rmdir()
@@ -500,7 +559,8 @@ def _import_one(
     if parent is not None and parent not in new_ids:
         return Problem(sid, None, "parent", f"its parent {parent} was refused")
     # A child's chain of hashes continues from its parent's key.
-    seed = prefix_seed(identity) if parent is None else bytes.fromhex(keys[parent])
+    scope: RequestScope = snap["scope"]
+    seed = prefix_seed(identity, scope) if parent is None else bytes.fromhex(keys[parent])
     blobs: list[Blob] = []
     pages: list[list[np.ndarray]] = []
     try:
@@ -534,13 +594,13 @@ def _import_one(
         assert tokens is not None
         if prefix_hashes(seed, tokens, identity.block_size)[-1].hex() != snap["snap_key"]:
             return Problem(sid, None, "scope",
-                           "its key is not the hash of its tokens (published with a request "
-                           "scope, or the manifest was edited)")
+                           "its key is not the hash of its tokens in its scope (the manifest "
+                           "was edited?)")
         full = tokens if parent is None else np.concatenate([full_tokens[parent], tokens])
         new_parent = None if parent is None else new_ids[parent]
         try:
             results = [store.publish(identity, rank, full, layer_pages, parent=new_parent,
-                                     breakpoints=snap["breakpoints"])
+                                     scope=scope, breakpoints=snap["breakpoints"])
                        for rank, layer_pages in enumerate(pages)]
         except NotFound as exc:  # the parent was evicted meanwhile (retention, a sweep)
             return Problem(sid, None, "missing", str(exc))

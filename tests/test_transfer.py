@@ -9,6 +9,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -17,7 +18,8 @@ import pytest
 from sparkcache import SnapshotStore, admin, transfer
 from sparkcache.cli import main
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
-from sparkcache.identity import RequestScope
+from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.index import Database
 from sparkcache.retention import GB, DiskUsage, Retention, RetentionSettings
 
 from .filled import Filled, flip_byte, restored, segment_path
@@ -139,17 +141,29 @@ def test_export_under_a_missing_local_folder_is_refused_and_creates_nothing(
     assert report.skipped == [] and (tmp_path / "missing" / "x" / transfer.MANIFEST).is_file()
 
 
-def test_export_leaves_out_corrupt_and_scoped_snapshots(filled: Filled, tmp_path: Path) -> None:
+def test_export_leaves_out_corrupt_snapshots(filled: Filled, tmp_path: Path) -> None:
     store = filled.store
-    scoped = tokens(16, seed=3)
-    salted = store.publish(filled.ident, 0, scoped, pages_for(filled.ident, scoped),
-                           scope=RequestScope(cache_salt="s")).snapshot_id
     flip_byte(segment_path(store, filled.root))
     report = admin.export_model(store, "tiny-llama", str(tmp_path / "x"))
     assert report.snapshots == []
     assert {(p.snapshot_id, p.reason) for p in report.skipped} == {
-        (filled.root, "digest"), (filled.child, "parent"), (salted, "scope")}
+        (filled.root, "digest"), (filled.child, "parent")}
     assert store.snapshot(filled.root).state == "quarantined"
+
+
+def test_export_leaves_out_a_scope_the_store_did_not_record(filled: Filled,
+                                                           tmp_path: Path) -> None:
+    """A snapshot published with a scope before revision 0004 has no recorded scope."""
+    store = filled.store
+    scoped = tokens(16, seed=3)
+    salted = store.publish(filled.ident, 0, scoped, pages_for(filled.ident, scoped),
+                           scope=RequestScope(cache_salt="s")).snapshot_id
+    with Database(store.root / "index.sqlite") as db, db.write() as conn:
+        conn.execute("UPDATE snapshots SET scope_json = NULL")  # as revision 0004 left them
+    report = admin.export_model(store, "tiny-llama", str(tmp_path / "x"))
+    assert report.snapshots == [filled.root, filled.child]
+    assert [(p.snapshot_id, p.reason) for p in report.skipped] == [(salted, "scope")]
+    assert "before" in report.skipped[0].message
     assert store.snapshot(salted).state == "ready"
 
 
@@ -213,7 +227,15 @@ def _manifest_variant(src: Path, dst: Path, edit: object) -> str:
     lambda d: d["snapshots"][0].update(breakpoints=[0]),
     lambda d: d["snapshots"][0].update(breakpoints=[4.0]),
     lambda d: d["snapshots"][0].update(breakpoints=None),
-    lambda d: d.update(version=1),  # a version 1 entry has no breakpoints
+    lambda d: d.update(version=1),  # a version 1 entry has no breakpoints nor scope
+    lambda d: d["snapshots"][0].pop("scope"),
+    lambda d: d["snapshots"][0].update(scope=None),
+    lambda d: d["snapshots"][0].update(scope={"cache_salt": "s"}),
+    lambda d: d["snapshots"][0]["scope"].update(extra=1),
+    lambda d: d["snapshots"][0]["scope"].update(lora=7),
+    lambda d: d["snapshots"][0]["scope"].update(mm="ab"),
+    lambda d: d["snapshots"][0]["scope"].update(mm=[1]),
+    lambda d: d["snapshots"][1]["scope"].update(cache_salt="s"),  # not its parent's scope
 ])
 def test_import_validates_the_manifest_strictly(filled: Filled, tmp_path: Path,
                                                 edit: object) -> None:
@@ -306,7 +328,7 @@ def test_a_version_1_export_still_imports(tmp_path: Path) -> None:
         def as_version_1(doc: dict) -> None:
             doc["version"] = 1
             for snap in doc["snapshots"]:
-                del snap["breakpoints"]
+                del snap["breakpoints"], snap["scope"]
 
         old = _manifest_variant(tmp_path / "x", tmp_path / "v1", as_version_1)
         report = admin.import_model(b, old)
@@ -379,3 +401,116 @@ def test_the_import_command_leaves_no_store_when_it_fails(tmp_path: Path,
     assert main(["--folder", str(tmp_path / "new"), "import", str(tmp_path / "broken")]) == 2
     assert "no manifest.json" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+# -- request scopes ---------------------------------------------------------------------------
+
+SCOPE = RequestScope(cache_salt="salt", lora="adapter-1", mm_hashes=("ab12", "cd34"))
+
+
+def test_publish_records_the_scope(tmp_path: Path) -> None:
+    ident, toks = identity(), tokens(32)
+    with SnapshotStore(tmp_path / "a") as a:
+        scoped = a.publish(ident, 0, toks, pages_for(ident, toks), scope=SCOPE).snapshot_id
+        plain = a.publish(ident, 0, toks, pages_for(ident, toks)).snapshot_id
+        assert a.snapshot(scoped).scope_json == SCOPE.canonical()
+        assert a.snapshot(plain).scope_json == RequestScope().canonical()
+
+
+def test_a_child_must_have_its_parents_scope(tmp_path: Path) -> None:
+    ident, toks = identity(), tokens(64)
+    with SnapshotStore(tmp_path / "a") as a:
+        root = a.publish(ident, 0, toks[:32], pages_for(ident, toks[:32]),
+                         scope=SCOPE).snapshot_id
+        for scope in (None, RequestScope(cache_salt="salt")):
+            with pytest.raises(InvalidArgument, match="scope"):
+                a.publish(ident, 0, toks, pages_for(ident, toks, start=32), parent=root,
+                          scope=scope)
+        child = a.publish(ident, 0, toks, pages_for(ident, toks, start=32), parent=root,
+                          scope=SCOPE).snapshot_id
+        assert a.snapshot(child).scope_json == SCOPE.canonical()
+
+
+def _scoped_store(a: SnapshotStore, ident: ModelIdentity, toks: np.ndarray) -> list[int]:
+    root = a.publish(ident, 0, toks[:32], pages_for(ident, toks[:32]), scope=SCOPE,
+                     breakpoints=[12]).snapshot_id
+    plain = a.publish(ident, 0, toks[:16], pages_for(ident, toks[:16])).snapshot_id
+    child = a.publish(ident, 0, toks, pages_for(ident, toks, start=32), parent=root,
+                      scope=SCOPE).snapshot_id
+    return [root, plain, child]
+
+
+def test_scoped_snapshots_export_and_import_with_their_scope(tmp_path: Path) -> None:
+    ident, toks = identity(), tokens(64)
+    with SnapshotStore(tmp_path / "a") as a, SnapshotStore(tmp_path / "b") as b:
+        ids = _scoped_store(a, ident, toks)
+        report = admin.export_model(a, "tiny-llama", str(tmp_path / "x"))
+        assert report.snapshots == ids and report.skipped == []
+        manifest = json.loads((tmp_path / "x" / transfer.MANIFEST).read_text())
+        scopes = [s["scope"] for s in manifest["snapshots"]]
+        assert scopes == [json.loads(SCOPE.canonical()), json.loads(RequestScope().canonical()),
+                          json.loads(SCOPE.canonical())]
+        imported = admin.import_model(b, str(tmp_path / "x"))
+        assert [i.source_id for i in imported.imported] == ids and imported.refused == []
+        assert [b.snapshot(i.id).scope_json for i in imported.imported] == [
+            SCOPE.canonical(), RequestScope().canonical(), SCOPE.canonical()]
+        for scope, shared, n in ((SCOPE, 64, 64), (SCOPE, 12, 12), (None, 64, 16)):
+            prompt = toks if shared == 64 else _prompt(toks, shared)
+            want = a.lookup(ident, prompt, scope=scope)
+            got = b.lookup(ident, prompt, scope=scope)
+            assert want is not None and got is not None and want.n_tokens == got.n_tokens == n
+            assert all(np.array_equal(x, y) for x, y in zip(a.read(want, 0), b.read(got, 0),
+                                                             strict=True))
+        assert b.lookup(ident, toks, scope=RequestScope(cache_salt="salt")) is None
+
+
+def test_import_checks_the_key_against_the_scope(tmp_path: Path) -> None:
+    ident, toks = identity(), tokens(64)
+    with SnapshotStore(tmp_path / "a") as a, SnapshotStore(tmp_path / "b") as b:
+        root, plain, child = _scoped_store(a, ident, toks)
+        admin.export_model(a, "tiny-llama", str(tmp_path / "x"))
+
+        def other_salt(doc: dict) -> None:  # a consistent edit: parent and child alike
+            for snap in doc["snapshots"]:
+                if snap["scope"]["cache_salt"] == "salt":
+                    snap["scope"]["cache_salt"] = "pepper"
+
+        edited = _manifest_variant(tmp_path / "x", tmp_path / "edited", other_salt)
+        report = admin.import_model(b, edited)
+        assert [i.source_id for i in report.imported] == [plain]
+        assert [(p.snapshot_id, p.reason) for p in report.refused] == [
+            (root, "scope"), (child, "parent")]
+
+
+# -- S3 (moto's server on 127.0.0.1, when moto and s3fs are installed) ------------------------
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """An S3 filesystem talking to moto's server, which a bare ``s3://`` URL reaches too."""
+    server_module = pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches instances, not the environment
+    try:
+        yield fsspec.filesystem("s3")
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+def test_export_to_s3_needs_an_existing_bucket(filled: Filled, tmp_path: Path, s3: Any) -> None:
+    with pytest.raises(NotFound, match="bucket 'missing' does not exist"):
+        admin.export_model(filled.store, "tiny-llama", "s3://missing/backups/llama")
+    assert not s3.exists("missing")
+    s3.mkdir("backups")
+    s3.pipe("backups/taken/notes.txt", b"mine")
+    with pytest.raises(InvalidArgument, match="not empty"):
+        admin.export_model(filled.store, "tiny-llama", "s3://backups/taken")
+    _roundtrip(filled, "s3://backups/llama", tmp_path)
+    assert s3.isfile(f"backups/llama/{transfer.MANIFEST}")

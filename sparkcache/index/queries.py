@@ -26,7 +26,7 @@ MODEL_SNAPSHOTS_DEEPEST_FIRST = (
 # -- snapshots ----------------------------------------------------------------
 SNAPSHOT_COLUMNS = (
     "id, model_id, snap_key, n_tokens, start_token, parent_id, depth, world_size, nbytes, "
-    "state, reason, pinned, created_at, last_used, use_count"
+    "state, reason, pinned, created_at, last_used, use_count, scope_json"
 )
 SNAPSHOT_BY_ID = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?"
 LIVE_SNAPSHOT_BY_KEY = (
@@ -35,8 +35,8 @@ LIVE_SNAPSHOT_BY_KEY = (
 )
 INSERT_SNAPSHOT = (
     "INSERT INTO snapshots (model_id, snap_key, n_tokens, start_token, parent_id, depth, "
-    "world_size, nbytes, state, pinned, created_at, last_used, use_count) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, 0, 'pending', 0, ?, ?, 0) RETURNING id"
+    "world_size, nbytes, state, pinned, created_at, last_used, use_count, scope_json) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, 0, 'pending', 0, ?, ?, 0, ?) RETURNING id"
 )
 ADD_SNAPSHOT_BYTES = "UPDATE snapshots SET nbytes = nbytes + ? WHERE id = ?"
 MARK_READY = (

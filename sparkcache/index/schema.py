@@ -70,7 +70,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0003"
+SCHEMA_REVISION: Final = "0004"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -150,6 +150,10 @@ SNAPSHOTS: Final = Table(
     Column("created_at", REAL, nullable=False),
     Column("last_used", REAL, nullable=False),
     Column("use_count", Integer, nullable=False, server_default=text("0")),
+    # Revision 0004: the canonical JSON of the request scope (cache salt, LoRA,
+    # multimodal hashes) that seeded the snapshot's prefix hashes.  NULL only for
+    # snapshots published before 0004, whose scope was not recorded.
+    Column("scope_json", Text, nullable=True),
     CheckConstraint(_one_of("state", SNAPSHOT_STATES), name="ck_snapshots_state"),
     Index("ix_snapshots_model_state_used", "model_id", "state", "last_used"),
     Index("ix_snapshots_state_used", "state", "last_used"),

@@ -1,9 +1,11 @@
-"""Write tests/index/data/golden_0001.sqlite: a small index frozen at revision 0001.
+"""Write tests/index/data/golden_<revision>.sqlite: a small index frozen at a revision.
 
-Run once, when revision 0001 was the newest, and commit the file; never regenerate
-it (a golden database is a witness of what real old stores look like)::
+Each was written once, when its revision was the newest, and committed; never
+regenerate one (a golden database is a witness of what real old stores look like),
+so an existing file is refused::
 
-    .venv/bin/python tests/index/make_golden.py
+    .venv/bin/python tests/index/make_golden.py 0001   # golden_0001.sqlite
+    .venv/bin/python tests/index/make_golden.py 0003   # golden_0003.sqlite
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import apsw
 
 from sparkcache.index.migrate import current_revision, upgrade
 
-GOLDEN = Path(__file__).parent / "data" / "golden_0001.sqlite"
+DATA = Path(__file__).parent / "data"
 
 # 2026-01-02 03:04:05 UTC and a few seconds later.
 T0 = 1767323045.0
@@ -70,23 +72,37 @@ ROWS = [
 ]
 
 
-def main(path: Path = GOLDEN) -> None:
+# Revision 0002 added the counters; 0003's triggers fill model_usage from the rows above.
+COUNTER_ROWS = [
+    ("INSERT INTO counters (model_id, name, value) VALUES (?, ?, ?)", (0, "hits", 3)),
+    ("INSERT INTO counters (model_id, name, value) VALUES (?, ?, ?)", (1, "hits", 3)),
+    ("INSERT INTO counters (model_id, name, value) VALUES (?, ?, ?)", (1, "publishes", 2)),
+]
+
+#: The rows of each golden database, by revision.
+GOLDEN_ROWS = {"0001": ROWS, "0003": ROWS + COUNTER_ROWS}
+
+
+def main(revision: str) -> Path:
+    path = DATA / f"golden_{revision}.sqlite"
+    if path.exists():
+        raise SystemExit(f"{path} exists: a golden database is never regenerated")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
     conn = apsw.Connection(str(path))
     conn.pragma("foreign_keys", "ON")
-    assert upgrade(conn, "0001") == ["0001"]
+    assert upgrade(conn, revision)[-1] == revision
     with conn:  # one transaction
-        for sql, params in ROWS:
+        for sql, params in GOLDEN_ROWS[revision]:
             conn.execute(sql, params)
-    assert current_revision(conn) == "0001"
+    assert current_revision(conn) == revision
     assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
     # A single self-contained file: rollback journal, no -wal beside it.
     conn.pragma("journal_mode", "delete")
     conn.execute("VACUUM")
     conn.close()
     print(f"wrote {path} ({path.stat().st_size} bytes)")
+    return path
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN)
+    main(sys.argv[1] if len(sys.argv) > 1 else sorted(GOLDEN_ROWS)[-1])

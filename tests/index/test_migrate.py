@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import shutil
@@ -10,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from alembic import command
 
+from sparkcache.core import SnapshotInfo, fetch
 from sparkcache.errors import SchemaMismatch
-from sparkcache.index import Database, current_revision, head_revision, upgrade
-from sparkcache.index.migrate import known_revisions, render_sql
+from sparkcache.index import Database, current_revision, head_revision, queries, upgrade
+from sparkcache.index.migrate import alembic_config, known_revisions, render_sql
 
 from .helpers import DATA, raw, schema_objects
 
@@ -32,7 +35,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert upgrade(conn, "0001") == ["0001"]
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
-    assert upgrade(conn) == ["0002", "0003"]
+    assert upgrade(conn) == ["0002", "0003", "0004"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -45,7 +48,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
-        assert db.migrated == ["0002", "0003"]
+        assert db.migrated == ["0002", "0003", "0004"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -71,6 +74,8 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
             ]
             assert conn.execute("SELECT kind, expired FROM v_leases").fetchall() == [("read", 1)]
             assert conn.execute("SELECT count(*) FROM v_segments").fetchall() == [(2,)]
+            # 0004: the scope of a snapshot written before it was never recorded.
+            assert conn.execute("SELECT scope_json FROM snapshots").fetchall() == [(None,), (None,)]
             assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
         # The upgraded database is the schema a fresh one gets.
         fresh = Database(tmp_path / "fresh.sqlite")
@@ -78,6 +83,48 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
         fresh.close()
         with db.write() as conn:  # new ids keep counting up
             conn.execute("INSERT INTO counters (name, value) VALUES ('hits', 1)")
+
+
+def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "index.sqlite"
+    shutil.copyfile(DATA / "golden_0003.sqlite", path)
+    assert current_revision(raw(path)) == "0003"
+    with Database(path) as db:
+        assert db.migrated == ["0004"]
+        with db.read() as conn:
+            assert current_revision(conn) == head_revision()
+            rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
+            assert [(s.id, s.n_tokens, s.state, s.pinned, s.use_count, s.scope_json)
+                    for s in rows] == [(1, 512, "ready", True, 3, None),
+                                       (2, 768, "quarantined", False, 0, None)]
+            assert conn.execute("SELECT snapshots, nbytes FROM model_usage").fetchall() == [
+                (2, 3145728 + 1572864)]
+            assert conn.execute(
+                "SELECT model_id, name, value FROM counters ORDER BY model_id, name"
+            ).fetchall() == [(0, "hits", 3), (1, "hits", 3), (1, "publishes", 2)]
+            assert conn.execute("SELECT count(*) FROM boundaries").fetchall() == [(2,)]
+            assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        fresh = Database(tmp_path / "fresh.sqlite")
+        assert schema_objects(db.connection) == schema_objects(fresh.connection)
+        fresh.close()
+        with db.write() as conn:  # the usage triggers still follow every change
+            conn.execute("DELETE FROM snapshots WHERE id = 2")
+            assert conn.execute("SELECT snapshots, nbytes FROM model_usage").fetchall() == [
+                (1, 3145728)]
+
+
+def test_0004_downgrades_to_the_schema_of_0003(tmp_path: Path) -> None:
+    """0004's downgrade (drop the column) leaves exactly the 0003 schema."""
+    at_0003 = raw(tmp_path / "0003.sqlite")
+    upgrade(at_0003, "0003")
+    at_0004 = raw(tmp_path / "0004.sqlite")
+    upgrade(at_0004, "0004")
+    buffer = io.StringIO()
+    command.downgrade(alembic_config(buffer), "0004:0003", sql=True)
+    with at_0004:
+        at_0004.execute(buffer.getvalue())
+    assert schema_objects(at_0004) == schema_objects(at_0003)
+    assert current_revision(at_0004) == "0003"
 
 
 def _dump(path: Path) -> list[object]:
