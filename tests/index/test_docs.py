@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 from sparkcache.index import Database, schema
+from sparkcache.index.migrate import known_revisions
 
 from .helpers import DATA
 
@@ -39,3 +40,9 @@ def test_every_table_column_index_and_view_is_documented() -> None:
             assert f"`{index.name}" in text
     for view in schema.VIEWS:
         assert f"`{view}`" in text
+
+
+def test_every_revision_is_listed() -> None:
+    text = DOC.read_text()
+    for revision in known_revisions():
+        assert f"| `{revision}` |" in text, f"docs/index.md does not list revision {revision}"
