@@ -9,21 +9,32 @@ re-exports the result types it prints.  Listing and naming models live in
 :mod:`sparkcache.catalog`, the rules of deletion, eviction, checking and
 verification in :mod:`sparkcache.maintenance` and :mod:`sparkcache.retention`,
 export and import in :mod:`sparkcache.transfer`.
+
+The deleting functions (:func:`clear_model`, :func:`delete_model`,
+:func:`check` with ``fix``, :func:`sweep`) take ``dry_run=True``: the very same
+operation then runs inside one write transaction of the index that is always
+rolled back, on a backend that records deletions instead of making them, and
+returns a :class:`DryRun` (what the real run would report, plus the files and
+folders it would delete).  There is no second copy of the rules to drift.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import asdict, dataclass, is_dataclass
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import apsw
 
 from sparkcache import catalog, maintenance, transfer
+from sparkcache.backends import Backend, Blob, BufferLike, DiskUsage, known_schemes
 from sparkcache.catalog import ModelRow, SnapshotDetail, SnapshotRow, mb
-from sparkcache.core import INDEX_FILE, SnapshotInfo, fetch
-from sparkcache.errors import NotFound
+from sparkcache.core import INDEX_FILE, Core, SnapshotInfo, fetch
+from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.folder import resolve_folder
 from sparkcache.index import migrate
 from sparkcache.index import queries as q
@@ -39,6 +50,7 @@ __all__ = [
     "ClearReport",
     "DbRevision",
     "DeleteModelReport",
+    "DryRun",
     "ExportReport",
     "ImportReport",
     "ModelRow",
@@ -51,12 +63,15 @@ __all__ = [
     "SweepReport",
     "VerifyReport",
     "check",
+    "check_url",
     "clear_model",
     "db_current",
+    "db_downgrade",
     "db_upgrade",
     "delete_model",
     "export_model",
     "import_model",
+    "index_path",
     "list_models",
     "list_snapshots",
     "mb",
@@ -117,17 +132,46 @@ class DbRevision:
     path: str
     current: str | None
     head: str
-    applied: list[str]
+    applied: list[str]  # revisions upgraded to, oldest first
+    undone: list[str] = field(default_factory=list)  # revisions downgraded from, newest first
 
     @property
     def up_to_date(self) -> bool:
         return self.current == self.head
 
 
+ReportT = TypeVar("ReportT")
+
+
+@dataclass(frozen=True)
+class DryRun(Generic[ReportT]):
+    """What a deleting operation would do; nothing was changed.
+
+    ``report`` is the real operation's own result, computed by running it in a
+    transaction that was rolled back; ``files`` the object keys whose files it
+    would delete and ``folders`` the model folders it would remove.
+    """
+
+    report: ReportT
+    files: list[str]
+    folders: list[str]
+
+
 def to_dict(result: Any) -> Any:
-    """A JSON-serialisable form of any result of this module (lists included)."""
+    """A JSON-serialisable form of any result of this module (lists included).
+
+    A :class:`DryRun` is its report's dict plus ``dry_run: true``, ``files`` and
+    ``folders`` (and ``fixed: false``, where the report has ``fixed``), so a
+    script reads a dry run's answer under the same keys as the real run's.
+    """
     if isinstance(result, list):
         return [to_dict(r) for r in result]
+    if isinstance(result, DryRun):
+        out = {**to_dict(result.report), "dry_run": True, "files": result.files,
+               "folders": result.folders}
+        if "fixed" in out:
+            out["fixed"] = False
+        return out
     if isinstance(result, SweepReport):
         return {**asdict(result), "counts": result.counts(), "count": result.count}
     if is_dataclass(result) and not isinstance(result, type):
@@ -143,19 +187,60 @@ def to_dict(result: Any) -> Any:
 
 
 def open_store(folder: str | os.PathLike[str], *, storage: str | None = None,
-               create: bool = False) -> SnapshotStore:
+               create: bool = False, upgrade: bool = True) -> SnapshotStore:
     """Open the store in ``folder``; refuse to create one unless ``create``.
 
     An admin command pointed at a mistyped folder should say so, not leave an
-    empty store behind.
+    empty store behind: without ``create`` a missing index raises NotFound, and
+    an index file that is not a sparkcache index (empty, other tables, not
+    SQLite) or was written by a newer sparkcache raises SchemaMismatch,
+    untouched.  With ``upgrade=False`` (read-only commands, dry runs) the schema
+    is never changed: an index behind this sparkcache raises SchemaMismatch
+    naming ``sparkcache db upgrade``, before anything is written.  A ``storage``
+    URL with an unknown scheme raises InvalidArgument (:func:`check_url`).
     """
     root = Path(folder).expanduser()
-    if not create and not (root / INDEX_FILE).is_file():
-        raise NotFound(
-            f"no sparkcache store in {root} (no {INDEX_FILE}); pass --folder, or set "
-            "SPARK_KV_CACHE_FOLDER (or SPARK_STORAGE) to the folder vLLM uses"
-        )
+    if not create:
+        path = root / INDEX_FILE
+        if not path.is_file():
+            raise NotFound(
+                f"no sparkcache store in {root} (no {INDEX_FILE}); pass --folder, or set "
+                "SPARK_KV_CACHE_FOLDER (or SPARK_STORAGE) to the folder vLLM uses"
+            )
+        _read_revision(path, behind_ok=upgrade)
+    if storage is not None:
+        check_url(storage)
     return SnapshotStore(root, storage=storage)
+
+
+_URL_SCHEME = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)(?P<sep>://|::)")
+
+
+def check_url(url: str) -> None:
+    """Refuse (InvalidArgument) a URL whose scheme no backend can open.
+
+    ``nosuch://x`` is a typo, a usage error, where a storage failure is a
+    BackendError.  Plain paths pass, and so do schemes that fsspec knows but
+    needs a package for (opening them says which).
+    """
+    found = _URL_SCHEME.match(url)
+    if found is None or (found["sep"] == "::" and "://" not in url):
+        return  # a path (maybe with '::' in a file name), as open_backend reads it
+    scheme = found["scheme"].lower()
+    if scheme in known_schemes():
+        return
+    import fsspec  # only for a URL: the command line of a local store never needs it
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError:
+        return
+    except ValueError:
+        raise InvalidArgument(
+            f"no storage backend for {scheme!r} URLs ({url!r}): known schemes are "
+            f"{', '.join(known_schemes())} and every fsspec protocol (e.g. file, memory, s3); "
+            "check the URL, or give a plain path for local disk"
+        ) from None
 
 
 def list_models(store: SnapshotStore) -> list[ModelRow]:
@@ -216,44 +301,87 @@ def verify(store: SnapshotStore, progress: Progress | None = None) -> VerifyRepo
     return maintenance.verify(store.core, progress)
 
 
-def check(store: SnapshotStore, *, fix: bool = False) -> CheckReport:
-    """Compare the index with the files and the living processes (see maintenance.check)."""
-    return store.check(fix=fix)
+@overload
+def check(store: SnapshotStore, *, fix: bool = False,
+          dry_run: Literal[False] = False) -> CheckReport: ...
+@overload
+def check(store: SnapshotStore, *, fix: bool = False,
+          dry_run: Literal[True]) -> DryRun[CheckReport]: ...
+def check(store: SnapshotStore, *, fix: bool = False,
+          dry_run: bool = False) -> CheckReport | DryRun[CheckReport]:
+    """Compare the index with the files and the living processes (see maintenance.check).
+
+    With ``fix`` and ``dry_run`` the repair is rehearsed (see :class:`DryRun`).
+    """
+    return _run(store, dry_run, lambda core: maintenance.check(core, fix=fix))
 
 
 # -- deleting and pinning -------------------------------------------------------------------
 
 
-def clear_model(store: SnapshotStore, model: str | int, *,
-                keep_pinned: bool = False) -> ClearReport:
+@overload
+def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = False,
+                dry_run: Literal[False] = False) -> ClearReport: ...
+@overload
+def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = False,
+                dry_run: Literal[True]) -> DryRun[ClearReport]: ...
+def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = False,
+                dry_run: bool = False) -> ClearReport | DryRun[ClearReport]:
     """Delete every snapshot of a model, in one transaction, deepest first.
 
     Leased snapshots stay, with their ancestors (they cannot be read without
     them), and are reported; so are pinned ones with ``keep_pinned``.  The model
     row and folder stay (use :func:`delete_model` to remove those too).  Files
-    go after the commit.
+    go after the commit.  ``dry_run``: see :class:`DryRun`.
     """
     row = resolve_model(store, model)
-    deleted, leased, pinned = maintenance.clear_model(store.core, row.id,
-                                                      keep_pinned=keep_pinned)
-    return ClearReport(row.name, row.id, deleted, leased, pinned)
+
+    def clear(core: Core) -> ClearReport:
+        deleted, leased, pinned = maintenance.clear_model(core, row.id, keep_pinned=keep_pinned)
+        return ClearReport(row.name, row.id, deleted, leased, pinned)
+
+    return _run(store, dry_run, clear)
 
 
-def delete_model(store: SnapshotStore, model: str | int) -> DeleteModelReport:
+@overload
+def delete_model(store: SnapshotStore, model: str | int, *,
+                 dry_run: Literal[False] = False) -> DeleteModelReport: ...
+@overload
+def delete_model(store: SnapshotStore, model: str | int, *,
+                 dry_run: Literal[True]) -> DryRun[DeleteModelReport]: ...
+def delete_model(store: SnapshotStore, model: str | int, *,
+                 dry_run: bool = False) -> DeleteModelReport | DryRun[DeleteModelReport]:
     """Delete a model: its snapshots, its row and its folder (maintenance.delete_model).
 
     Leased snapshots stay until their lease ends; the sweeper finishes the job.
+    ``dry_run``: see :class:`DryRun`.
     """
     row = resolve_model(store, model)
-    complete = maintenance.delete_model(store.core, row.id)
-    remaining = [] if complete else [s.id for s in list_snapshots(store, row.id)]
-    return DeleteModelReport(row.name, row.id, complete, remaining)
+
+    def delete(core: Core) -> DeleteModelReport:
+        complete = maintenance.delete_model(core, row.id)
+        remaining = [] if complete else [s.id for s in catalog.list_snapshots(core, row.id)]
+        return DeleteModelReport(row.name, row.id, complete, remaining)
+
+    return _run(store, dry_run, delete)
 
 
 def pin(store: SnapshotStore, snapshot_id: int, pinned: bool = True) -> SnapshotRow:
-    """Never evict this snapshot (retention, the sweeper and ``evict`` skip it)."""
+    """Never evict this snapshot (retention, the sweeper and ``evict`` skip it).
+
+    A quarantined snapshot is refused (InvalidArgument): it is never offered
+    again, so a pin would only keep its files forever.  Unpinning always works.
+    """
     try:
-        store.pin(snapshot_id, pinned)
+        with store.core.write() as conn:
+            info = store.core.snapshot(conn, snapshot_id)
+            if pinned and info is not None and info.state == "quarantined":
+                raise InvalidArgument(
+                    f"snapshot {snapshot_id} is quarantined ({info.reason}): it will never be "
+                    "restored again, so pinning it would only keep its files forever. Leave "
+                    "it: eviction (`sparkcache sweep`) removes quarantined snapshots first"
+                )
+            store.pin(snapshot_id, pinned)
     except NotFound:
         raise catalog.no_snapshot(store.core, snapshot_id) from None
     return show(store, snapshot_id).snapshot
@@ -270,11 +398,123 @@ def retention_settings(folder: str | os.PathLike[str] | None = None,
     return RetentionSettings.from_env(folder=resolve_folder(folder), **overrides)
 
 
-def sweep(store: SnapshotStore, retention: Retention | RetentionSettings) -> SweepReport:
-    """One retention pass: deleted models' folders, age, disk margin, total."""
+@overload
+def sweep(store: SnapshotStore, retention: Retention | RetentionSettings, *,
+          dry_run: Literal[False] = False) -> SweepReport: ...
+@overload
+def sweep(store: SnapshotStore, retention: Retention | RetentionSettings, *,
+          dry_run: Literal[True]) -> DryRun[SweepReport]: ...
+def sweep(store: SnapshotStore, retention: Retention | RetentionSettings, *,
+          dry_run: bool = False) -> SweepReport | DryRun[SweepReport]:
+    """One retention pass: deleted models' folders, age, disk margin, total.
+
+    ``dry_run``: see :class:`DryRun`; the disk margin is measured as if the
+    files the pass would delete so far were gone.
+    """
     if isinstance(retention, RetentionSettings):
         retention = Retention(retention)
-    return store.sweep(retention)
+    return _run(store, dry_run, retention.sweep)
+
+
+# -- dry runs ---------------------------------------------------------------------------------
+
+
+class _DryBackend:
+    """The store's backend during a dry run: reads go through, deletions are only
+    recorded (and look done to the rest of the run), writes are refused.
+
+    So a dry run cannot change a file, whether it deletes after a commit (which
+    never comes) or directly, as removing a model's folder does.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.inner = backend
+        self.url = backend.url
+        self.zero_copy = backend.zero_copy
+        self.gone: dict[str, int] = {}  # object key -> bytes its deletion frees
+        self.folders_gone: list[str] = []
+
+    def put(self, key: str, chunks: Iterable[BufferLike], *, durable: bool = True) -> int:
+        raise RuntimeError(f"a dry run tried to write {key}; a dry run must change nothing")
+
+    def open(self, key: str) -> Blob:
+        if key in self.gone:
+            raise NotFound(f"{key} (deleted earlier in this dry run)")
+        return self.inner.open(key)
+
+    def delete(self, key: str) -> bool:
+        if key in self.gone or not self.inner.exists(key):
+            return False
+        self.gone[key] = self.inner.size(key)
+        return True
+
+    def exists(self, key: str) -> bool:
+        return key not in self.gone and self.inner.exists(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return (key for key in self.inner.list(prefix) if key not in self.gone)
+
+    def size(self, key: str) -> int:
+        if key in self.gone:
+            raise NotFound(f"{key} (deleted earlier in this dry run)")
+        return self.inner.size(key)
+
+    def folders(self, prefix: str) -> Iterator[str]:
+        return (f for f in self.inner.folders(prefix) if f not in self.folders_gone)
+
+    def remove_tree(self, prefix: str) -> int:
+        removed = sum(self.delete(key) for key in list(self.list(prefix)))
+        if prefix not in self.folders_gone:
+            self.folders_gone.append(prefix)
+        return removed
+
+    def disk_usage(self) -> DiskUsage | None:
+        usage = self.inner.disk_usage()
+        if usage is None:
+            return None
+        return DiskUsage(usage.total, usage.free + sum(self.gone.values()))
+
+    def close(self) -> None:
+        """The store's backend stays open: it belongs to the store."""
+
+
+class _Rehearsal(Core):
+    """A core over the store's index and a :class:`_DryBackend`.
+
+    The files a transaction would delete after its commit are recorded as gone
+    at once, since the dry run never commits: what a real sweep sees between
+    its transactions (free disk, what a folder still holds) the dry run sees
+    too.  No deleting operation catches an error inside its own transaction,
+    so nothing recorded here is ever rolled back by the operation itself.
+    """
+
+    def delete_after_commit(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.delete_object(key)
+
+
+class _RolledBack(Exception):
+    """Ends a dry run's transaction by rolling it back."""
+
+
+def _run(store: SnapshotStore, dry_run: bool,
+         action: Callable[[Core], ReportT]) -> ReportT | DryRun[ReportT]:
+    """``action(store.core)``, or with ``dry_run`` its rehearsal: ``action`` runs on
+    a :class:`_Rehearsal` core inside one write transaction that is rolled back.
+
+    The transaction is the index's own (``Database.write``), not the store's
+    core's, so counts the store has not saved yet are not rolled back with it.
+    It holds the write lock while the operation runs, as the real one would.
+    """
+    if not dry_run:
+        return action(store.core)
+    backend = _DryBackend(store.core.backend)
+    core = _Rehearsal(store.core.root, store.core.db, backend, store.core.clock)
+    reports: list[ReportT] = []
+    with contextlib.suppress(_RolledBack), store.core.db.write():
+        reports.append(action(core))
+        raise _RolledBack
+    return DryRun(reports[0], sorted(backend.gone), sorted(backend.folders_gone))
 
 
 # -- export and import (sparkcache.transfer) --------------------------------------------
@@ -282,48 +522,89 @@ def sweep(store: SnapshotStore, retention: Retention | RetentionSettings) -> Swe
 
 def export_model(store: SnapshotStore, model: str | int, dest: str,
                  progress: Progress | None = None) -> ExportReport:
-    """Copy a model's ready snapshots, verified, into ``dest``: see :mod:`sparkcache.transfer`."""
+    """Copy a model's ready snapshots, verified, into ``dest``: see :mod:`sparkcache.transfer`.
+
+    A ``dest`` URL with an unknown scheme raises InvalidArgument (:func:`check_url`).
+    """
+    check_url(dest)
     return transfer.export_model(store, model, dest, progress)
 
 
 def import_model(store: SnapshotStore, src: str,
                  progress: Progress | None = None) -> ImportReport:
-    """Verify and re-publish an export: see :mod:`sparkcache.transfer`."""
+    """Verify and re-publish an export: see :mod:`sparkcache.transfer`.
+
+    A ``src`` URL with an unknown scheme raises InvalidArgument (:func:`check_url`).
+    """
+    check_url(src)
     return transfer.import_model(store, src, progress)
 
 
 # -- the index's schema ---------------------------------------------------------------------
 
 
-def _index_path(root: str | os.PathLike[str]) -> Path:
+def index_path(root: str | os.PathLike[str]) -> Path:
+    """The index file of the store in ``root``; NotFound when there is none."""
     path = Path(root).expanduser() / INDEX_FILE
     if not path.is_file():
         raise NotFound(f"no sparkcache index at {path}; pass the store's folder (--folder)")
     return path
 
 
-def db_current(root: str | os.PathLike[str]) -> DbRevision:
-    """The index's schema revision and the newest this sparkcache knows (read-only)."""
-    path = _index_path(root)
+def _read_revision(path: Path, *, behind_ok: bool = True) -> str | None:
+    """The revision of the index at ``path``, read through a read-only connection;
+    SchemaMismatch when it is not one this sparkcache can use (or, unless
+    ``behind_ok``, is behind): see :func:`sparkcache.index.migrate.check_revision`."""
     conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
     try:
-        current = migrate.current_revision(conn)
+        return migrate.check_revision(conn, empty_ok=False, behind_ok=behind_ok)
     finally:
         conn.close()
-    return DbRevision(str(path), current, migrate.head_revision(), [])
+
+
+def db_current(root: str | os.PathLike[str]) -> DbRevision:
+    """The index's schema revision and the newest this sparkcache knows (read-only).
+
+    Raises SchemaMismatch, saying which, for an index written by a newer
+    sparkcache and for a file that is not a sparkcache index at all.
+    """
+    path = index_path(root)
+    return DbRevision(str(path), _read_revision(path), migrate.head_revision(), [])
 
 
 def db_upgrade(root: str | os.PathLike[str], *, busy_timeout_ms: int = 10_000) -> DbRevision:
     """Upgrade the index to the newest revision (a no-op at head).
 
-    Raises SchemaMismatch for an index written by a newer sparkcache (left untouched).
+    Raises SchemaMismatch for an index written by a newer sparkcache or a file
+    that is not a sparkcache index (both left untouched).
     """
-    path = _index_path(root)
+    path = index_path(root)
     conn = apsw.Connection(str(path))
     try:
         conn.set_busy_timeout(busy_timeout_ms)
+        migrate.check_revision(conn, empty_ok=False)
         applied = migrate.upgrade(conn, "head")
         current = migrate.current_revision(conn)
     finally:
         conn.close()
     return DbRevision(str(path), current, migrate.head_revision(), applied)
+
+
+def db_downgrade(root: str | os.PathLike[str], revision: str, *,
+                 busy_timeout_ms: int = 10_000) -> DbRevision:
+    """Take the index back to an older ``revision`` (see
+    :func:`sparkcache.index.migrate.downgrade`): for going back to an older
+    sparkcache.  Stop every process using the store first.
+
+    Refuses (InvalidArgument) an unknown revision, one newer than the index and
+    a revision that cannot be undone; nothing is changed then.
+    """
+    path = index_path(root)
+    conn = apsw.Connection(str(path))
+    try:
+        conn.set_busy_timeout(busy_timeout_ms)
+        undone = migrate.downgrade(conn, revision)
+        current = migrate.current_revision(conn)
+    finally:
+        conn.close()
+    return DbRevision(str(path), current, migrate.head_revision(), [], undone)

@@ -4,26 +4,34 @@ Each subcommand parses its arguments, calls one admin function and prints the
 result: an aligned table for people, or the admin result as JSON with
 ``--json``.  Long commands (verify, export, import, sweep) draw a progress bar
 on stderr when stderr is a terminal or ``--progress`` is given.  Errors print
-one line, ``sparkcache: error: <message>``, never a traceback (``--debug``
+one line on stderr, ``sparkcache: error: <message>`` (with ``--json``, a JSON
+object: ``error``, ``message``, ``exit_code``), never a traceback (``--debug``
 shows it), and the exit status says what happened (:data:`EXIT_CODES`).
+
+Read-only commands (models, ls, show, stats, check without --fix) and every
+``--dry-run`` open the store without upgrading its schema; commands that delete
+(clear, rm, sweep, check --fix) can rehearse with ``--dry-run``, and ``clear``
+asks first on a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import io
 import json
+import math
 import os
 import sys
 import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import IO, Any, NoReturn, TextIO
 
 from sparkcache import admin, transfer
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
@@ -38,12 +46,15 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_PROBLEMS: "problems found: check found issues (also when --fix repaired them), verify "
-                   "found corrupt snapshots, export left some out, import refused some, or the "
-                   "index schema is behind (db current)",
-    EXIT_USAGE: "usage error: bad arguments, or the store, model or snapshot named does not "
-                "exist",
-    EXIT_STORE: "store error: schema mismatch, index locked too long (StoreTimeout), storage "
-                "or I/O failure, lease conflict",
+                   "found corrupt snapshots, export left some out, import refused some, the "
+                   "index schema is behind (db current), or clear was not confirmed",
+    EXIT_USAGE: "usage error: bad arguments (an unknown URL scheme included), the store, "
+                "model or snapshot named does not exist, a quarantined snapshot to pin, or "
+                "clear without a terminal to confirm on and without --yes",
+    EXIT_STORE: "store error: schema mismatch (an index written by a newer sparkcache, a file "
+                "that is not a sparkcache index, or an index behind that a read-only command "
+                "will not upgrade), index locked too long (StoreTimeout), storage or I/O "
+                "failure, lease conflict",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 EPILOG = "exit codes:\n" + "\n".join(
@@ -162,6 +173,10 @@ class ProgressBar:
             self.close()
 
 
+class Declined(Exception):
+    """The user answered no: nothing was changed."""
+
+
 @dataclass
 class Context:
     """What a command needs besides its arguments."""
@@ -169,18 +184,36 @@ class Context:
     args: argparse.Namespace
     out: TextIO
     err: TextIO
+    inp: TextIO = field(default_factory=lambda: sys.stdin)  # where confirmations are read
 
     @property
     def folder(self) -> Path:
         return admin.resolve_folder(self.args.folder)
 
     @contextlib.contextmanager
-    def store(self, *, create: bool = False) -> Iterator[admin.SnapshotStore]:
-        store = admin.open_store(self.folder, storage=self.args.storage, create=create)
+    def store(self, *, create: bool = False,
+              upgrade: bool = True) -> Iterator[admin.SnapshotStore]:
+        """The store; ``upgrade=False`` for commands that must not change it."""
+        store = admin.open_store(self.folder, storage=self.args.storage, create=create,
+                                 upgrade=upgrade)
         try:
             yield store
         finally:
             store.close()
+
+    @property
+    def interactive(self) -> bool:
+        """Whether there is a person to ask: stdin is a terminal."""
+        try:
+            return self.inp.isatty()
+        except (AttributeError, ValueError):  # no stdin, or a closed one
+            return False
+
+    def confirm(self, question: str) -> bool:
+        """Ask on stderr, read the answer from stdin; only y or yes says yes."""
+        self.err.write(f"{question} [y/N] ")
+        self.err.flush()
+        return self.inp.readline().strip().lower() in ("y", "yes")
 
     def bar(self, label: str) -> ProgressBar:
         enabled = self.args.progress
@@ -202,7 +235,7 @@ class Context:
 
 
 def cmd_models(ctx: Context) -> int:
-    with ctx.store() as store:
+    with ctx.store(upgrade=False) as store:
         rows = admin.list_models(store)
     ctx.emit(rows, lambda: table(
         ["ID", "NAME", "DIGEST", "SNAPSHOTS", "MB", "CREATED", "DELETED"],
@@ -222,14 +255,14 @@ def _snapshot_table(rows: Sequence[admin.SnapshotRow]) -> str:
 
 
 def cmd_ls(ctx: Context) -> int:
-    with ctx.store() as store:
+    with ctx.store(upgrade=False) as store:
         rows = admin.list_snapshots(store, ctx.args.model)
     ctx.emit(rows, lambda: _snapshot_table(rows) if rows else "no snapshots")
     return EXIT_OK
 
 
 def cmd_show(ctx: Context) -> int:
-    with ctx.store() as store:
+    with ctx.store(upgrade=False) as store:
         d = admin.show(store, ctx.args.id)
     s = d.snapshot
 
@@ -258,7 +291,7 @@ def cmd_show(ctx: Context) -> int:
 
 
 def cmd_stats(ctx: Context) -> int:
-    with ctx.store() as store:
+    with ctx.store(upgrade=False) as store:
         st = admin.stats(store, ctx.args.model)
 
     def text() -> str:
@@ -304,13 +337,33 @@ def cmd_verify(ctx: Context) -> int:
     return EXIT_OK if report.clean else EXIT_PROBLEMS
 
 
+def _report(result: Any) -> Any:
+    """The report of a result that may be a dry run's."""
+    return result.report if isinstance(result, admin.DryRun) else result
+
+
+def _would(dry: bool, done: str, would: str) -> str:
+    return would if dry else done
+
+
+def _dry_note(result: Any) -> str:
+    """The last line of a dry run's text: what would go; "" for a real run."""
+    if not isinstance(result, admin.DryRun):
+        return ""
+    return (f"\ndry run: nothing was changed ({plural(len(result.files), 'file')}"
+            + (f" and {plural(len(result.folders), 'folder')}" if result.folders else "")
+            + " would be deleted)")
+
+
 def cmd_check(ctx: Context) -> int:
-    with ctx.store() as store, ctx.bar("check").spin():
-        report = admin.check(store, fix=ctx.args.fix)
+    fix, dry = ctx.args.fix, ctx.args.dry_run
+    with ctx.store(upgrade=fix and not dry) as store, ctx.bar("check").spin():
+        result = admin.check(store, fix=fix, dry_run=dry)
+    report = _report(result)
 
     def text() -> str:
         if report.clean:
-            return "index and files agree: nothing to fix"
+            return "index and files agree: nothing to fix" + _dry_note(result)
         found: list[tuple[str, list[Any]]] = [
             ("expired leases", report.expired_leases),
             ("publishes whose process died (snapshot, rank)", report.dead_publishes),
@@ -320,38 +373,64 @@ def cmd_check(ctx: Context) -> int:
         ]
         lines = [f"{name}: {len(items)}  {', '.join(map(str, items[:10]))}"
                  + (" ..." if len(items) > 10 else "") for name, items in found if items]
-        lines.append("fixed." if report.fixed else "run `sparkcache check --fix` to repair.")
-        return "\n".join(lines)
+        if not fix:
+            lines.append("run `sparkcache check --fix` to repair.")
+        else:
+            lines.append(_would(dry, "fixed.", "--fix would repair all of it."))
+        return "\n".join(lines) + _dry_note(result)
 
-    ctx.emit(report, text)
+    ctx.emit(result, text)
     return EXIT_OK if report.clean else EXIT_PROBLEMS
 
 
 def cmd_clear(ctx: Context) -> int:
-    with ctx.store() as store, ctx.bar("clear").spin():
-        r = admin.clear_model(store, ctx.args.model, keep_pinned=ctx.args.keep_pinned)
+    a = ctx.args
+    if not (a.yes or a.dry_run or ctx.interactive):
+        raise InvalidArgument(
+            f"`sparkcache clear {a.model}` deletes every snapshot of the model and there is "
+            "no terminal to ask on: pass --yes to go ahead (--dry-run shows what would go)")
+    with ctx.store(upgrade=not a.dry_run) as store:
+        if not (a.yes or a.dry_run):
+            plan = admin.clear_model(store, a.model, keep_pinned=a.keep_pinned,
+                                     dry_run=True).report
+            if plan.deleted and not ctx.confirm(
+                    f"delete {plural(len(plan.deleted), 'snapshot')} of {plan.model} "
+                    f"(id {plan.model_id})?"):
+                raise Declined("not confirmed: nothing was deleted")
+        with ctx.bar("clear").spin():
+            result = admin.clear_model(store, a.model, keep_pinned=a.keep_pinned,
+                                       dry_run=a.dry_run)
+    r = _report(result)
+    dry = a.dry_run
 
     def text() -> str:
-        lines = [f"deleted {plural(len(r.deleted), 'snapshot')} of {r.model} (id {r.model_id})"]
+        lines = [f"{_would(dry, 'deleted', 'would delete')} "
+                 f"{plural(len(r.deleted), 'snapshot')} of {r.model} (id {r.model_id})"
+                 + (": " + ", ".join(map(str, r.deleted)) if dry and r.deleted else "")]
         if r.kept_leased:
-            lines.append(f"kept {len(r.kept_leased)} in use (leased, or needed by a leased one): "
+            lines.append(f"{_would(dry, 'kept', 'would keep')} {len(r.kept_leased)} in use "
+                         "(leased, or needed by a leased one): "
                          + ", ".join(map(str, r.kept_leased)) + "; clear again later")
         if r.kept_pinned:
-            lines.append("kept pinned: " + ", ".join(map(str, r.kept_pinned)))
-        return "\n".join(lines)
+            lines.append(f"{_would(dry, 'kept', 'would keep')} pinned: "
+                         + ", ".join(map(str, r.kept_pinned)))
+        return "\n".join(lines) + _dry_note(result)
 
-    ctx.emit(r, text)
+    ctx.emit(result, text)
     return EXIT_OK
 
 
 def cmd_rm(ctx: Context) -> int:
-    with ctx.store() as store, ctx.bar("rm").spin():
-        r = admin.delete_model(store, ctx.args.model)
-    ctx.emit(r, lambda: (
-        f"deleted model {r.model} (id {r.model_id}) and its folder" if r.complete else
-        f"model {r.model} (id {r.model_id}) is marked deleted; "
+    dry = ctx.args.dry_run
+    with ctx.store(upgrade=not dry) as store, ctx.bar("rm").spin():
+        result = admin.delete_model(store, ctx.args.model, dry_run=dry)
+    r = _report(result)
+    ctx.emit(result, lambda: (
+        f"{_would(dry, 'deleted', 'would delete')} model {r.model} (id {r.model_id}) and its "
+        "folder" if r.complete else
+        f"model {r.model} (id {r.model_id}) {_would(dry, 'is', 'would be')} marked deleted; "
         f"{plural(len(r.remaining), 'snapshot')} still leased go when their leases end "
-        "(the sweeper finishes the job)"))
+        "(the sweeper finishes the job)") + _dry_note(result))
     return EXIT_OK
 
 
@@ -368,20 +447,25 @@ def cmd_sweep(ctx: Context) -> int:
                                    ("total_mb", ctx.args.total_mb),
                                    ("min_free_mb", ctx.args.min_free_mb)) if v is not None}
     settings = admin.retention_settings(ctx.folder, **overrides)
-    with ctx.store() as store, ctx.bar("sweep").spin():
-        r = admin.sweep(store, settings)
+    dry = ctx.args.dry_run
+    with ctx.store(upgrade=not dry) as store, ctx.bar("sweep").spin():
+        result = admin.sweep(store, settings, dry_run=dry)
+    r = _report(result)
 
     def text() -> str:
         if not r.count and not r.folders_removed:
-            return "nothing to sweep"
-        lines = [f"evicted {n} ({reason})" for reason, n in r.counts().items()]
+            return "nothing to sweep" + _dry_note(result)
+        lines = [f"{_would(dry, 'evicted', 'would evict')} {n} ({reason})"
+                 for reason, n in r.counts().items()]
         if r.models_removed:
-            lines.append("models removed: " + ", ".join(r.models_removed))
+            lines.append(_would(dry, "models removed: ", "models that would be removed: ")
+                         + ", ".join(r.models_removed))
         if r.folders_removed:
-            lines.append(f"folders removed: {len(r.folders_removed)}")
-        return "\n".join(lines)
+            lines.append(_would(dry, "folders removed: ", "folders that would be removed: ")
+                         + str(len(r.folders_removed)))
+        return "\n".join(lines) + _dry_note(result)
 
-    ctx.emit(r, text)
+    ctx.emit(result, text)
     return EXIT_OK
 
 
@@ -406,6 +490,9 @@ def cmd_export(ctx: Context) -> int:
 
 
 def cmd_import(ctx: Context) -> int:
+    for url in (ctx.args.src, ctx.args.storage):
+        if url is not None:
+            admin.check_url(url)
     bar = ctx.bar("import")
     try:  # import_into creates the store, and removes it again if nothing was imported
         r = transfer.import_into(ctx.folder, ctx.args.src, storage=ctx.args.storage,
@@ -423,9 +510,16 @@ def cmd_shell(ctx: Context) -> int:
     import apsw
     import apsw.shell
 
-    path = admin.db_current(ctx.folder).path  # refuses a folder without an index
+    path = str(admin.index_path(ctx.folder))  # refuses a folder without an index
     flags = apsw.SQLITE_OPEN_READWRITE if ctx.args.write else apsw.SQLITE_OPEN_READONLY
     conn = apsw.Connection(path, flags=flags)
+    if ctx.args.json and ctx.args.sql:
+        try:
+            rows = _sql_rows(conn, ctx.args.sql)
+        finally:
+            conn.close()
+        ctx.out.write(json.dumps(rows, indent=2, allow_nan=False) + "\n")
+        return EXIT_OK
     try:
         shell: Any = apsw.shell.Shell(db=conn, stdout=ctx.out, stderr=ctx.err)
         shell.process_command(".header on")
@@ -448,6 +542,39 @@ def cmd_shell(ctx: Context) -> int:
     return EXIT_OK
 
 
+def _json_value(value: Any) -> Any:
+    """A column value as JSON: BLOBs in base64 (as apsw's shell writes them),
+    infinities as text (JSON has no number for them)."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _sql_rows(conn: Any, statements: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of every statement, in order, as one list of ``{column: value}``.
+
+    Dot-commands print text, not rows: refused (InvalidArgument) under --json.
+    """
+    import apsw
+
+    rows: list[dict[str, Any]] = []
+    for sql in statements:
+        if sql.lstrip().startswith("."):
+            raise InvalidArgument(
+                f"{sql!r} is a dot-command, which prints text, not rows: drop --json, or ask "
+                "in SQL (the sqlite_master table lists the tables and views)")
+        cursor = conn.cursor()
+        try:
+            for row in cursor.execute(sql):
+                names = [column[0] for column in cursor.description]
+                rows.append({n: _json_value(v) for n, v in zip(names, row, strict=True)})
+        except apsw.Error as exc:
+            raise InvalidArgument(f"{exc} (in {sql!r})") from exc
+    return rows
+
+
 def cmd_db_current(ctx: Context) -> int:
     r = admin.db_current(ctx.folder)
     ctx.emit(r, lambda: fields([("index", r.path), ("revision", r.current), ("head", r.head)])
@@ -459,6 +586,15 @@ def cmd_db_upgrade(ctx: Context) -> int:
     r = admin.db_upgrade(ctx.folder)
     ctx.emit(r, lambda: (f"upgraded {r.path} to {r.current} (applied {', '.join(r.applied)})"
                          if r.applied else f"{r.path} is at {r.current}, the newest revision"))
+    return EXIT_OK
+
+
+def cmd_db_downgrade(ctx: Context) -> int:
+    r = admin.db_downgrade(ctx.folder, ctx.args.revision)
+    ctx.emit(r, lambda: (
+        f"downgraded {r.path} to {r.current} (undid {', '.join(r.undone)}); opening the "
+        "store with this sparkcache would upgrade it again" if r.undone else
+        f"{r.path} is at {r.current} already"))
     return EXIT_OK
 
 
@@ -514,14 +650,30 @@ COMMANDS: list[tuple[str, Callable[[Context], int], str]] = [
     ("export", cmd_export, "copy a model's snapshots, verified, to a folder or URL"),
     ("import", cmd_import, "verify and publish the snapshots of an export"),
     ("shell", cmd_shell, "interactive SQLite shell on the index (read-only by default)"),
-    ("db", cmd_db_current, "the index's schema: db current, db upgrade"),
+    ("db", cmd_db_current, "the index's schema: db current, db upgrade, db downgrade"),
 ]
 MODEL_HELP = "model id, name, or 4+ characters of its digest (see `sparkcache models`)"
 
 
+class UsageError(Exception):
+    """A command line argparse refused; main() reports it (as JSON under --json)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, raising UsageError instead of printing the error and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = Parser(
         prog="sparkcache", formatter_class=fmt, epilog=EPILOG,
         description="Inspect and maintain a sparkcache KV-cache snapshot store.")
     parser.add_argument("--version", action="version", version=f"sparkcache {admin.VERSION}",
@@ -546,7 +698,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub["clear"].add_argument("model", help=MODEL_HELP)
     sub["clear"].add_argument("--keep-pinned", action="store_true",
                               help="keep pinned snapshots (and their ancestors)")
+    sub["clear"].add_argument("--yes", action="store_true",
+                              help="do not ask for confirmation (needed without a terminal)")
     sub["rm"].add_argument("model", help=MODEL_HELP)
+    for name in ("check", "clear", "rm", "sweep"):
+        sub[name].add_argument(
+            "--dry-run", action="store_true",
+            help=("with --fix: " if name == "check" else "")
+            + "print what would be deleted (--json: the same report as the real run, with "
+              "dry_run, files and folders) and change nothing")
     sweep = sub["sweep"]
     sweep.add_argument("--max-age-hours", type=float, metavar="H",
                        help="override SPARK_KV_CACHE_MAX_AGE_HOURS (0 keeps while there is room)")
@@ -568,33 +728,60 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (
         ("current", cmd_db_current, "print the index's schema revision and the newest known"),
         ("upgrade", cmd_db_upgrade, "upgrade the index to the newest schema revision"),
+        ("downgrade", cmd_db_downgrade, "take the index back to an older schema revision "
+                                        "(for an older sparkcache)"),
     ):
         p = db_subs.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                                parents=[common], formatter_class=fmt, epilog=EPILOG)
         p.set_defaults(func=func)
+        if name == "downgrade":
+            p.add_argument("revision", help="the revision to go back to (see docs/index.md; "
+                                            "`sparkcache db current` shows the index's)")
     return parser
 
 
-def _error(err: IO[str], message: str) -> None:
-    err.write(f"sparkcache: error: {' '.join(message.split())}\n")
+def _error(err: IO[str], message: str, *, as_json: bool = False, kind: str = "Error",
+           code: int = EXIT_STORE) -> int:
+    """Report an error on stderr, as one line or one JSON object; returns ``code``."""
+    message = " ".join(message.split())
+    if as_json:
+        err.write(json.dumps({"error": kind, "message": message, "exit_code": code}) + "\n")
+    else:
+        err.write(f"sparkcache: error: {message}\n")
+    return code
+
+
+def _exit_code(exc: Exception) -> int:
+    if isinstance(exc, Declined):
+        return EXIT_PROBLEMS
+    if isinstance(exc, (InvalidArgument, NotFound)):
+        return EXIT_USAGE
+    return EXIT_STORE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see EXIT_CODES)."""
-    out, err = sys.stdout, sys.stderr
+    out, err, inp = sys.stdout, sys.stderr, sys.stdin
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, or a usage error (already printed)
+    except UsageError as exc:
+        if "--json" in argv:  # not parsed, but asked for
+            return _error(err, exc.message, as_json=True, kind="UsageError", code=EXIT_USAGE)
+        exc.parser.print_usage(err)
+        err.write(f"{exc.parser.prog}: error: {exc.message}\n")
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    ctx = Context(args, out, err)
+    ctx = Context(args, out, err, inp)
     try:
         code: int = args.func(ctx)
         out.flush()
         return code
     except KeyboardInterrupt:
-        _error(err, "interrupted")
-        return EXIT_INTERRUPTED
+        return _error(err, "interrupted", as_json=args.json, kind="KeyboardInterrupt",
+                      code=EXIT_INTERRUPTED)
     except BrokenPipeError:  # `sparkcache ls | head`: the reader left, not an error
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
@@ -604,15 +791,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc(file=err)
-        if isinstance(exc, (InvalidArgument, NotFound)):
-            _error(err, str(exc))
-            return EXIT_USAGE
-        if isinstance(exc, (SparkCacheError, OSError)) or type(exc).__module__ == "apsw":
-            _error(err, str(exc) or type(exc).__name__)
-            return EXIT_STORE
-        _error(err, f"unexpected {type(exc).__name__}: {exc} (a sparkcache bug; rerun with "
-                    "--debug and report the traceback)")
-        return EXIT_STORE
+        known = isinstance(exc, (SparkCacheError, OSError, Declined)) or \
+            type(exc).__module__ == "apsw"
+        message = str(exc) or type(exc).__name__
+        if not known:
+            message = (f"unexpected {type(exc).__name__}: {exc} (a sparkcache bug; rerun with "
+                       "--debug and report the traceback)")
+        return _error(err, message, as_json=args.json, kind=type(exc).__name__,
+                      code=_exit_code(exc))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkcache import SnapshotStore, admin
-from sparkcache.errors import NotFound
+from sparkcache import SnapshotStore, admin, retention
+from sparkcache.backends import Backend
+from sparkcache.errors import InvalidArgument, NotFound, SchemaMismatch
+from sparkcache.index import migrate
 from sparkcache.retention import GB, DiskUsage, Retention, RetentionSettings
 
 from .filled import Filled, fill, restored
@@ -79,3 +81,104 @@ def test_open_store_refuses_a_missing_store(tmp_path: Path) -> None:
     assert not (tmp_path / "nope").exists()
     admin.open_store(tmp_path / "new", create=True).close()
     assert (tmp_path / "new" / "index.sqlite").is_file()
+
+
+def test_open_store_without_upgrading_leaves_an_old_index_alone(tmp_path: Path) -> None:
+    folder = tmp_path / "old"
+    folder.mkdir()
+    shutil.copyfile(DATA / "golden_0001.sqlite", folder / "index.sqlite")
+    before = (folder / "index.sqlite").read_bytes()
+    with pytest.raises(SchemaMismatch, match="sparkcache db upgrade"):
+        admin.open_store(folder, upgrade=False)
+    assert (folder / "index.sqlite").read_bytes() == before
+    assert sorted(p.name for p in folder.iterdir()) == ["index.sqlite"]
+    with admin.open_store(folder) as store:  # a writing command upgrades, as before
+        assert [s.n_tokens for s in store.snapshots()] == [512, 768]
+    admin.open_store(folder, upgrade=False).close()
+
+
+def test_db_downgrade_keeps_the_rows_that_stay(tmp_path: Path) -> None:
+    folder = tmp_path / "old"
+    folder.mkdir()
+    shutil.copyfile(DATA / "golden_0001.sqlite", folder / "index.sqlite")
+    admin.db_upgrade(folder)
+    known = migrate.known_revisions()
+    back = admin.db_downgrade(folder, "0001")
+    assert back.current == "0001" and back.undone == list(reversed(known[1:]))
+    assert admin.to_dict(back)["up_to_date"] is False
+    assert admin.db_downgrade(folder, "0001").undone == []
+    with pytest.raises(InvalidArgument, match="upgrade"):
+        admin.db_downgrade(folder, known[-1])
+    assert admin.db_upgrade(folder).applied == list(known[1:])
+    with admin.open_store(folder, upgrade=False) as store:
+        assert [(s.id, s.state) for s in store.snapshots()] == [(1, "ready"), (2, "quarantined")]
+
+
+def test_pin_refuses_a_quarantined_snapshot(filled: Filled) -> None:
+    store = filled.store
+    admin.pin(store, filled.child)
+    store.quarantine(filled.root, "digest")  # the child too
+    with pytest.raises(InvalidArgument, match="quarantined"):
+        admin.pin(store, filled.root)
+    assert not store.snapshot(filled.root).pinned
+    assert not admin.unpin(store, filled.child).pinned
+    with pytest.raises(NotFound):
+        admin.pin(store, 999)
+
+
+def test_check_url_refuses_only_unknown_schemes() -> None:
+    for fine in ("/var/cache/x", "relative/dir", "file:///tmp/x", "memory://b/x",
+                 "local:///tmp/x", "fsspec::memory://b", "odd::name"):
+        admin.check_url(fine)
+    with pytest.raises(InvalidArgument, match="'nosuch'"):
+        admin.check_url("nosuch://bucket/x")
+
+
+# -- dry runs -------------------------------------------------------------------------------
+
+
+def test_dry_run_keeps_the_counts_not_yet_saved(filled: Filled) -> None:
+    store = filled.store
+    before = admin.stats(store).hits
+    store.core.count(0, "hits", 5)  # counted in memory, saved with the next write
+    dry = admin.clear_model(store, "tiny-llama", dry_run=True)
+    assert dry.report.deleted == [filled.root, filled.child] and len(dry.files) == 2
+    assert len(store.snapshots()) == 3
+    assert admin.stats(store).hits == before + 5
+
+
+def test_dry_run_removes_no_folder(filled: Filled) -> None:
+    store = filled.store
+    dry = admin.delete_model(store, "other", dry_run=True)
+    (folder,) = dry.folders
+    assert dry.report.complete and (store.root / folder).is_dir()
+    assert [m.name for m in admin.list_models(store)] == ["tiny-llama", "other"]
+    as_json = admin.to_dict(dry)
+    assert as_json["dry_run"] is True and as_json["folders"] == [folder]
+    assert as_json["model"] == "other" and as_json["files"] == dry.files
+    assert admin.delete_model(store, "other").complete
+    assert not (store.root / folder).exists()
+
+
+def test_dry_sweep_sees_the_disk_a_real_sweep_would(filled: Filled,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk margin is measured again after each chunk: in a dry run as if the
+    files of the chunks before were gone."""
+    store = filled.store
+    monkeypatch.setattr(retention, "SWEEP_CHUNK", 1)
+    sizes = sorted(s.nbytes for s in store.snapshots())
+    used_now = sum(store.backend.size(k) for k in store.backend.list("objects"))
+    margin = 1_000_000
+    capacity = margin + used_now - sizes[0] - sizes[1] // 2  # two must go, not three
+
+    def disk(backend: Backend) -> DiskUsage:
+        used = sum(backend.size(k) for k in backend.list("objects"))
+        return DiskUsage(capacity, capacity - used)
+
+    settings = RetentionSettings(folder=store.root, max_age_hours=0, min_free_mb=1)
+    policy = Retention(settings, disk_usage=disk)
+    dry = admin.sweep(store, policy, dry_run=True)
+    assert len(dry.report.evicted["disk"]) == 2
+    assert len(store.snapshots()) == 3
+    real = admin.sweep(store, policy)
+    assert real.evicted == dry.report.evicted and len(store.snapshots()) == 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +18,9 @@ import pytest
 
 from sparkcache import SnapshotStore, admin
 from sparkcache.cli import EXIT_CODES, build_parser, main
+from sparkcache.index import migrate
 
+from .index.helpers import DATA
 from .store.helpers import identity, pages_for, tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,8 +52,12 @@ class Run:
         self.err = err
         assert got == code, f"exit {got}, stderr: {err}"
         if code in (2, 3) and argv and argv[0] not in ("-h", "--help"):
-            assert err.startswith("sparkcache: error: ") and err.count("\n") == 1, err
             assert "Traceback" not in err
+            if "--json" in argv:  # one JSON object on stderr, nothing on stdout
+                error = json.loads(err)
+                assert error["exit_code"] == code and out == "" and err.count("\n") == 1, err
+            else:
+                assert err.startswith("sparkcache: error: ") and err.count("\n") == 1, err
         return out
 
     def json(self, *argv: str, code: int = 0) -> Any:
@@ -162,9 +170,9 @@ def test_pin_unpin_clear_rm(run: Run) -> None:
     assert run.json("pin", "1")["pinned"] is True
     assert run.json("unpin", "1")["pinned"] is False
     assert run("pin", "2") == "snapshot 2 pinned\n"
-    cleared = run.json("clear", "tiny-llama", "--keep-pinned")
+    cleared = run.json("clear", "tiny-llama", "--keep-pinned", "--yes")
     assert cleared["deleted"] == [] and cleared["kept_pinned"] == [1, 2]
-    assert run.json("clear", "tiny-llama")["deleted"] == [1, 2]
+    assert run.json("clear", "tiny-llama", "--yes")["deleted"] == [1, 2]
     assert run.json("rm", "other")["complete"] is True
     assert [m["name"] for m in run.json("models")] == ["tiny-llama"]
 
@@ -277,3 +285,229 @@ def test_docs_cover_every_command_and_exit_code() -> None:
             assert f"`{name}" in headings, f"docs/cli.md has no section for `{name}`"
     for code in EXIT_CODES:
         assert f"| {code} |" in doc
+
+
+# -- issue 12: schema versions --------------------------------------------------------------
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def rows_of(folder: Path) -> dict[str, list[Any]]:
+    """Every row of every table of the index, read without sparkcache."""
+    conn = apsw.Connection(str(folder / "index.sqlite"), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        tables = [str(n) for (n,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
+        return {t: sorted(conn.execute(f"SELECT * FROM {t}").fetchall(), key=repr)
+                for t in tables}
+    finally:
+        conn.close()
+
+
+def old_store(tmp_path: Path) -> Path:
+    folder = tmp_path / "old"
+    folder.mkdir()
+    shutil.copyfile(DATA / "golden_0001.sqlite", folder / "index.sqlite")
+    return folder
+
+
+READ_ONLY = [["ls"], ["models"], ["stats"], ["show", "1"], ["check"],
+             ["check", "--fix", "--dry-run"], ["clear", "1", "--dry-run"],
+             ["rm", "1", "--dry-run"], ["sweep", "--dry-run"]]
+
+
+@pytest.mark.parametrize("argv", READ_ONLY, ids=" ".join)
+def test_read_only_commands_never_upgrade_an_old_index(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = old_store(tmp_path)
+    before = files_of(folder)
+    assert main(["--folder", str(folder), *argv]) == 3
+    err = capsys.readouterr().err
+    assert "sparkcache db upgrade" in err and "'0001'" in err, err
+    assert files_of(folder) == before  # the same bytes, and no file added
+    assert admin.db_current(folder).current == "0001"
+
+
+def test_an_old_index_opens_once_upgraded(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    folder = old_store(tmp_path)
+    assert main(["--folder", str(folder), "db", "current"]) == 1
+    assert "behind: run `sparkcache db upgrade`" in capsys.readouterr().out
+    assert main(["--folder", str(folder), "db", "upgrade"]) == 0
+    capsys.readouterr()
+    assert main(["--folder", str(folder), "ls", "--json"]) == 0
+    assert [s["tokens"] for s in json.loads(capsys.readouterr().out)] == [512, 768]
+
+
+def test_db_current_on_an_index_from_a_newer_sparkcache(run: Run, folder: Path) -> None:
+    conn = apsw.Connection(str(folder / "index.sqlite"))
+    conn.execute("UPDATE alembic_version SET version_num = '9999'")
+    conn.close()
+    before = files_of(folder)
+    out = run("db", "current", code=3)
+    assert out == "" and "behind" not in run.err
+    assert "'9999'" in run.err and "newer sparkcache" in run.err
+    run("db", "current", "--json", code=3)
+    error = json.loads(run.err)
+    assert (error["error"], error["exit_code"]) == ("SchemaMismatch", 3)
+    run("db", "upgrade", code=3)
+    run("db", "downgrade", "0002", code=3)
+    assert files_of(folder) == before
+
+
+def _not_an_index(path: Path, kind: str) -> None:
+    if kind == "text":
+        path.write_text("hello, I am a text file\n")
+    elif kind == "zero bytes":
+        path.write_bytes(b"")
+    else:
+        conn = apsw.Connection(str(path))
+        conn.execute("PRAGMA user_version = 7")  # a valid SQLite file without tables
+        if kind == "other tables":
+            conn.execute("CREATE TABLE people (name TEXT)")
+        conn.close()
+
+
+@pytest.mark.parametrize("kind", ["text", "zero bytes", "empty sqlite", "other tables"])
+def test_files_that_are_not_an_index_are_named_so(
+        kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "store"
+    folder.mkdir()
+    _not_an_index(folder / "index.sqlite", kind)
+    before = files_of(folder)
+    for argv in (["db", "current"], ["db", "upgrade"], ["ls"], ["pin", "1"]):
+        assert main(["--folder", str(folder), *argv]) == 3, argv
+        err = capsys.readouterr().err
+        assert "not a sparkcache index" in err and "behind" not in err, (argv, err)
+    assert files_of(folder) == before
+
+
+def test_db_downgrade(run: Run, folder: Path) -> None:
+    known = migrate.known_revisions()
+    head = known[-1]
+    undone = run.json("db", "downgrade", "0002")
+    assert (undone["current"], undone["head"]) == ("0002", head)
+    assert undone["undone"] == list(reversed(known[known.index("0002") + 1:]))
+    assert "0002" in run("db", "current", code=1)
+    run("ls", code=3)  # read-only: behind, so refused
+    assert "downgrade" in run("db", "downgrade", "0001")
+    run("db", "downgrade", "0002", code=2)  # newer than the index: that is an upgrade
+    assert "db upgrade" in run.err
+    assert run.json("db", "upgrade")["applied"] == list(known[1:])
+    assert len(run.json("ls")) == 3
+    assert run.json("db", "downgrade", head)["undone"] == []
+    for bad in ("base", "9999", "0000"):
+        run("db", "downgrade", bad, code=2)
+        assert "0001" in run.err
+    assert run.json("db", "current")["up_to_date"] is True
+
+
+# -- issue 12: safety rails -----------------------------------------------------------------
+
+
+class Tty(io.StringIO):
+    """A stdin that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("argv", [["check", "--fix"], ["clear", "tiny-llama", "--yes"],
+                                  ["rm", "other"], ["sweep", "--max-age-hours", "1e-9"]],
+                         ids=lambda argv: argv[0])
+def test_dry_runs_report_what_the_real_run_deletes(
+        argv: list[str], run: Run, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARK_KV_CACHE_MIN_FREE_MB", "0")
+    monkeypatch.setattr(sys, "stdin", Tty("y\n"))  # a dry run never asks
+    stray = folder / "objects" / "m-stray" / "ab" / "x.r0.safetensors"  # no model names it
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes(b"x")
+    orphan = folder / "objects" / "m-0" / "orphan.r0.safetensors"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"x")
+    code = 1 if argv[0] == "check" else 0
+    files, rows = files_of(folder), rows_of(folder)
+    dry = run.json(*argv, "--dry-run", code=code)
+    assert (files_of(folder), rows_of(folder)) == (files, rows)  # nothing changed
+    assert dry.pop("dry_run") is True
+    dry_files, dry_folders = set(dry.pop("files")), set(dry.pop("folders"))
+    assert dry_files and all((folder / f).is_dir() for f in dry_folders)
+    real = run.json(*argv, code=code)
+    assert dry.pop("fixed", False) is False and real.pop("fixed", True) is True
+    assert dry == real
+    assert set(files) - set(files_of(folder)) == dry_files
+    assert not any((folder / f).exists() for f in dry_folders)
+    # Folders are removed directly, not after a commit: the dry run must not.
+    assert ("objects/m-stray" in dry_folders) == (argv[0] == "sweep")
+    assert bool(dry_folders) == (argv[0] in ("sweep", "rm"))
+
+
+def test_dry_run_text_says_nothing_changed(run: Run) -> None:
+    out = run("clear", "tiny-llama", "--dry-run")
+    assert "would delete 2 snapshots" in out and "dry run" in out
+    assert "would" in run("rm", "other", "--dry-run")
+    assert "would" in run("check", "--fix", "--dry-run")
+    assert len(run.json("ls")) == 3
+
+
+def test_clear_asks_on_a_terminal(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", Tty("n\n"))
+    run("clear", "tiny-llama", code=1)
+    assert "delete 2 snapshots of tiny-llama" in run.err and "nothing" in run.err
+    assert len(run.json("ls")) == 3
+    monkeypatch.setattr(sys, "stdin", Tty("y\n"))
+    assert run.json("clear", "tiny-llama")["deleted"] == [1, 2]
+
+
+def test_clear_without_a_terminal_needs_yes(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))  # a pipe, not a terminal
+    run("clear", "tiny-llama", code=2)
+    assert "--yes" in run.err
+    assert len(run.json("ls")) == 3
+    assert run.json("clear", "tiny-llama", "--yes")["deleted"] == [1, 2]
+
+
+def test_errors_are_json_under_json(run: Run, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("show", "999", "--json", code=2) == ""
+    error = json.loads(run.err)
+    assert error["error"] == "NotFound" and error["exit_code"] == 2
+    assert "no snapshot 999" in error["message"]
+    for argv in (["--json", "show", "abc"], ["ls", "--json", "--bogus"], ["--json"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and json.loads(err)["exit_code"] == 2, argv
+    assert main(["--json", "--folder", "/nonexistent/store", "ls"]) == 2
+    assert json.loads(capsys.readouterr().err)["error"] == "NotFound"
+
+
+def test_shell_json_prints_one_document(run: Run) -> None:
+    rows = run.json("shell", "SELECT id FROM v_snapshots ORDER BY id",
+                    "SELECT name FROM v_models ORDER BY id; SELECT 1 AS one WHERE 0")
+    assert rows == [{"id": 1}, {"id": 2}, {"id": 3}, {"name": "tiny-llama"}, {"name": "other"}]
+    assert run.json("shell", "SELECT 1 WHERE 0") == []
+    assert run.json("shell", "SELECT x'0102' AS b, 1.5 AS f") == [{"b": "AQI=", "f": 1.5}]
+    run("shell", ".tables", "--json", code=2)
+    assert "dot-command" in json.loads(run.err)["message"]
+
+
+def test_pin_refuses_a_quarantined_snapshot(run: Run, folder: Path) -> None:
+    assert run.json("pin", "2")["pinned"] is True
+    with SnapshotStore(folder) as store:
+        store.quarantine(1, "digest")  # and its child, 2
+    run("pin", "1", code=2)
+    assert "quarantined" in run.err
+    assert run.json("show", "1")["snapshot"]["pinned"] is False
+    assert run.json("unpin", "2")["pinned"] is False
+
+
+def test_unknown_url_schemes_are_usage_errors(run: Run, tmp_path: Path) -> None:
+    run("--storage", "nosuch://x", "ls", code=2)
+    assert "'nosuch'" in run.err
+    run("export", "tiny-llama", "nosuch://x/y", code=2)
+    assert "'nosuch'" in run.err
+    run("import", "nosuch://x/y", code=2)
+    assert "'nosuch'" in run.err
