@@ -38,7 +38,7 @@ from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.folder import resolve_folder
 from sparkcache.index import migrate
 from sparkcache.index import queries as q
-from sparkcache.maintenance import CheckReport, Problem, Progress, VerifyReport
+from sparkcache.maintenance import CheckReport, Problem, Progress, RequeueReport, VerifyReport
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
 from sparkcache.store import SnapshotStore
 from sparkcache.transfer import ExportReport, ImportReport
@@ -187,7 +187,8 @@ def to_dict(result: Any) -> Any:
 
 
 def open_store(folder: str | os.PathLike[str], *, storage: str | None = None,
-               create: bool = False, upgrade: bool = True) -> SnapshotStore:
+               create: bool = False, upgrade: bool = True,
+               relocate: bool = False) -> SnapshotStore:
     """Open the store in ``folder``; refuse to create one unless ``create``.
 
     An admin command pointed at a mistyped folder should say so, not leave an
@@ -197,7 +198,9 @@ def open_store(folder: str | os.PathLike[str], *, storage: str | None = None,
     untouched.  With ``upgrade=False`` (read-only commands, dry runs) the schema
     is never changed: an index behind this sparkcache raises SchemaMismatch
     naming ``sparkcache db upgrade``, before anything is written.  A ``storage``
-    URL with an unknown scheme raises InvalidArgument (:func:`check_url`).
+    URL with an unknown scheme raises InvalidArgument (:func:`check_url`).  A
+    ``storage`` other than the one the store recorded raises StorageMismatch
+    unless ``relocate`` records it (after the payloads were moved there).
     """
     root = Path(folder).expanduser()
     if not create:
@@ -210,7 +213,7 @@ def open_store(folder: str | os.PathLike[str], *, storage: str | None = None,
         _read_revision(path, behind_ok=upgrade)
     if storage is not None:
         check_url(storage)
-    return SnapshotStore(root, storage=storage)
+    return SnapshotStore(root, storage=storage, upgrade=upgrade, relocate=relocate)
 
 
 _URL_SCHEME = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)(?P<sep>://|::)")
@@ -299,6 +302,12 @@ def stats(store: SnapshotStore, model: str | int | None = None) -> Stats:
 def verify(store: SnapshotStore, progress: Progress | None = None) -> VerifyReport:
     """Re-hash every written segment (:func:`sparkcache.maintenance.verify`)."""
     return maintenance.verify(store.core, progress)
+
+
+def requeue(store: SnapshotStore) -> RequeueReport:
+    """Give back quarantined snapshots whose files verify whole again
+    (:func:`sparkcache.maintenance.requeue`)."""
+    return maintenance.requeue(store.core, store.alias_stride)
 
 
 @overload
@@ -538,6 +547,19 @@ def import_model(store: SnapshotStore, src: str,
     """
     check_url(src)
     return transfer.import_model(store, src, progress)
+
+
+def import_into(folder: str | os.PathLike[str], src: str, *, storage: str | None = None,
+                progress: Progress | None = None) -> ImportReport:
+    """Import into the store in ``folder``, created if it has none and removed
+    again if nothing was imported (:func:`sparkcache.transfer.import_into`).
+
+    URLs with an unknown scheme raise InvalidArgument (:func:`check_url`).
+    """
+    for url in (src, storage):
+        if url is not None:
+            check_url(url)
+    return transfer.import_into(folder, src, storage=storage, progress=progress)
 
 
 # -- the index's schema ---------------------------------------------------------------------

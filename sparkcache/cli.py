@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, NoReturn, TextIO
 
-from sparkcache import admin, transfer
+from sparkcache import admin
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
@@ -53,8 +53,8 @@ EXIT_CODES: dict[int, str] = {
                 "clear without a terminal to confirm on and without --yes",
     EXIT_STORE: "store error: schema mismatch (an index written by a newer sparkcache, a file "
                 "that is not a sparkcache index, or an index behind that a read-only command "
-                "will not upgrade), index locked too long (StoreTimeout), storage or I/O "
-                "failure, lease conflict",
+                "will not upgrade), a storage other than the one the store recorded, index "
+                "locked too long (StoreTimeout), storage or I/O failure, lease conflict",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 EPILOG = "exit codes:\n" + "\n".join(
@@ -195,7 +195,7 @@ class Context:
               upgrade: bool = True) -> Iterator[admin.SnapshotStore]:
         """The store; ``upgrade=False`` for commands that must not change it."""
         store = admin.open_store(self.folder, storage=self.args.storage, create=create,
-                                 upgrade=upgrade)
+                                 upgrade=upgrade, relocate=self.args.relocate)
         try:
             yield store
         finally:
@@ -315,6 +315,8 @@ def cmd_stats(ctx: Context) -> int:
 
 
 def cmd_verify(ctx: Context) -> int:
+    if ctx.args.requeue:
+        return _requeue(ctx)
     with ctx.store() as store:
         bar = ctx.bar("verify")
         try:
@@ -335,6 +337,21 @@ def cmd_verify(ctx: Context) -> int:
 
     ctx.emit(report, text)
     return EXIT_OK if report.clean else EXIT_PROBLEMS
+
+
+def _requeue(ctx: Context) -> int:
+    with ctx.store() as store, ctx.bar("requeue").spin():
+        r = admin.requeue(store)
+
+    def text() -> str:
+        head = (f"requeued {plural(len(r.requeued), 'snapshot')}"
+                + (": " + ", ".join(map(str, r.requeued)) if r.requeued else ""))
+        if not r.still_quarantined:
+            return head
+        return head + "\nstill quarantined:\n" + _problems(r.still_quarantined)
+
+    ctx.emit(r, text)
+    return EXIT_OK if not r.still_quarantined else EXIT_PROBLEMS
 
 
 def _report(result: Any) -> Any:
@@ -490,13 +507,9 @@ def cmd_export(ctx: Context) -> int:
 
 
 def cmd_import(ctx: Context) -> int:
-    for url in (ctx.args.src, ctx.args.storage):
-        if url is not None:
-            admin.check_url(url)
     bar = ctx.bar("import")
     try:  # import_into creates the store, and removes it again if nothing was imported
-        r = transfer.import_into(ctx.folder, ctx.args.src, storage=ctx.args.storage,
-                                 progress=bar)
+        r = admin.import_into(ctx.folder, ctx.args.src, storage=ctx.args.storage, progress=bar)
     finally:
         bar.close()
     ctx.emit(r, lambda: (
@@ -624,7 +637,11 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
 
     group.add_argument("--folder", metavar="DIR", default=default(None), help=FOLDER_HELP)
     group.add_argument("--storage", metavar="URL", default=default(None),
-                        help="where the payloads live when not in the folder (a path or URL)")
+                        help="where the payloads live when not in the folder (a path or URL);"
+                             " recorded when the store is created, and found again without it")
+    group.add_argument("--relocate", action="store_true", default=default(False),
+                        help="record --storage as the store's storage (after moving the "
+                             "payloads there)")
     group.add_argument("--json", action="store_true", default=default(False),
                         help="print the result as JSON (for scripts)")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction,
@@ -693,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub["stats"].add_argument("model", nargs="?", help=MODEL_HELP + "; default: every model")
     for name in ("show", "pin", "unpin"):
         sub[name].add_argument("id", type=_ids, help="snapshot id (see `sparkcache ls`)")
+    sub["verify"].add_argument("--requeue", action="store_true",
+                               help="verify the quarantined snapshots instead, and give back "
+                                    "those whose files are whole again")
     sub["check"].add_argument("--fix", action="store_true",
                               help="repair what was found (remove dead rows and orphan files)")
     sub["clear"].add_argument("model", help=MODEL_HELP)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -26,15 +27,17 @@ import apsw
 import numpy as np
 
 from sparkcache.backends import Backend
-from sparkcache.errors import SparkCacheError, StoreClosed, StoreTimeout
+from sparkcache.errors import SparkCacheError, StoreClosed, StoreFull, StoreTimeout
 from sparkcache.holders import holder_alive
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 from sparkcache.index.db import Database
 
 __all__ = [
+    "DEFAULT_INDEX_RESERVE",
     "INDEX_FILE",
     "OBJECTS",
+    "RESERVE_FILE",
     "ChainLink",
     "Conn",
     "Core",
@@ -54,6 +57,10 @@ __all__ = [
 
 INDEX_FILE = "index.sqlite"
 OBJECTS = "objects"
+#: A file beside the index holding disk space back for the index's own writes:
+#: when that disk is full, eviction deletes it to run (and frees payloads).
+RESERVE_FILE = "index.reserve"
+DEFAULT_INDEX_RESERVE = 4 << 20
 
 Conn = apsw.Connection
 """An open index connection inside :meth:`Core.read` or :meth:`Core.write`."""
@@ -228,10 +235,12 @@ class Core:
     """
 
     def __init__(self, root: Path, db: Database, backend: Backend,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], *,
+                 index_reserve: int = DEFAULT_INDEX_RESERVE) -> None:
         self.root = root
         self.backend = backend
         self.clock = clock
+        self.index_reserve = index_reserve
         self._db: Database | None = db
         self._lock = threading.RLock()
         self._unsaved: Counter[tuple[int, str]] = Counter()
@@ -314,7 +323,7 @@ class Core:
         try:
             with self.write(wait=False):
                 pass
-        except StoreTimeout:
+        except (StoreTimeout, StoreFull):
             return False
         finally:
             self._lock.release()
@@ -384,6 +393,50 @@ class Core:
         """Holders of the leases (of ``kind``, if given) that protect a snapshot now."""
         return [lease.holder for lease in cls.leases(conn, snapshot_id)
                 if (kind is None or lease.kind == kind) and lease.blocks(now)]
+
+    # -- the index's reserve ---------------------------------------------------------------
+
+    def keep_reserve(self) -> bool:
+        """Hold ``index_reserve`` bytes of the index's disk back in RESERVE_FILE
+        (made once; best effort: False when the disk has no room for it)."""
+        path = self.root / RESERVE_FILE
+        if self.index_reserve <= 0:
+            return False
+        with contextlib.suppress(OSError):
+            if path.stat().st_size >= self.index_reserve:
+                return True
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.index_reserve)
+            finally:
+                os.close(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return False
+        return True
+
+    def release_reserve(self) -> bool:
+        """Give the reserve back to the disk (the index is full); False if there was none."""
+        try:
+            (self.root / RESERVE_FILE).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def freeing(self, work: Callable[[], RowT]) -> RowT:
+        """Run ``work`` (a write that frees space: eviction, deletion); when the
+        index's disk is too full for it, release the reserve, run it again, and
+        take the reserve back once it freed space."""
+        try:
+            return work()
+        except StoreFull:
+            if not self.release_reserve():
+                raise
+        done = work()
+        self.keep_reserve()
+        return done
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendError",
+    "CorruptIndex",
     "CorruptSnapshot",
     "InvalidArgument",
     "LeaseError",
@@ -15,6 +16,7 @@ __all__ = [
     "NotFound",
     "SchemaMismatch",
     "SparkCacheError",
+    "StorageMismatch",
     "StoreClosed",
     "StoreFull",
     "StoreTimeout",
@@ -60,6 +62,14 @@ class CorruptSnapshot(SparkCacheError):
 
 class StoreFull(SparkCacheError):
     """No room to publish (disk full, below the free-space margin, or over budget)."""
+
+
+class StorageMismatch(SparkCacheError):
+    """The payload storage is not the one the store was created with, or looks wrong."""
+
+
+class CorruptIndex(SparkCacheError):
+    """The index file is damaged or holds rows that break its own rules."""
 
 
 class SchemaMismatch(SparkCacheError):

@@ -131,7 +131,11 @@ class ModelIdentity:
         for dim in shape:
             _check_positive("page_shape dimension", dim)
         object.__setattr__(self, "page_shape", shape)
-        object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in self.extra)))
+        try:
+            extra = tuple(sorted((str(k), str(v)) for k, v in self.extra))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"extra must be (name, value) pairs, got {self.extra!r}") from exc
+        object.__setattr__(self, "extra", extra)
 
     @property
     def world_size(self) -> int:
@@ -159,8 +163,10 @@ class ModelIdentity:
             args["page_shape"] = tuple(args["page_shape"])
             args["extra"] = tuple(tuple(kv) for kv in args.get("extra", ()))
             return cls(**args)
-        except (KeyError, TypeError) as exc:
-            raise InvalidArgument(f"not a model identity: {exc}") from exc
+        except InvalidArgument:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"not a model identity: {exc!r}") from exc
 
     def canonical(self) -> str:
         return canonical_json(self.to_dict())
@@ -197,3 +203,24 @@ class RequestScope:
     @property
     def is_default(self) -> bool:
         return self.cache_salt is None and self.lora is None and not self.mm_hashes
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> RequestScope:
+        """The scope whose :meth:`canonical` JSON parses to ``doc``: every field
+        present, of its type, nothing else; else InvalidArgument."""
+        if not (isinstance(doc, dict) and set(doc) == {"cache_salt", "lora", "mm"}):
+            raise InvalidArgument(f"not a request scope: {doc!r}")
+        salt, lora, mm = doc["cache_salt"], doc["lora"], doc["mm"]
+        if not (all(v is None or isinstance(v, str) for v in (salt, lora))
+                and isinstance(mm, list) and all(isinstance(h, str) for h in mm)):
+            raise InvalidArgument(f"not a request scope: {doc!r}")
+        return cls(cache_salt=salt, lora=lora, mm_hashes=tuple(mm))
+
+    @classmethod
+    def from_canonical(cls, text: str) -> RequestScope:
+        """The scope :meth:`canonical` wrote as ``text`` (InvalidArgument if it is not one)."""
+        try:
+            doc = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"not a request scope: {text!r}") from exc
+        return cls.from_dict(doc)

@@ -8,10 +8,13 @@ leaves orphan files, never an index row naming a missing file.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 from sparkcache import segment as seg
 from sparkcache.backends.keys import temp_key_writer
@@ -27,15 +30,17 @@ from sparkcache.core import (
     ids,
     scalar,
 )
-from sparkcache.errors import CorruptSnapshot, LeaseError, NotFound, UnsafeName
+from sparkcache.errors import CorruptSnapshot, LeaseError, NotFound, StorageMismatch, UnsafeName
+from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.holders import process_alive
-from sparkcache.identity import ModelIdentity
+from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 
 __all__ = [
-    "CheckReport", "Problem", "VerifyReport", "check", "clear_model", "delete_model",
-    "delete_snapshots", "drop_snapshot", "evict_lru", "publish_abandoned", "quarantine",
-    "reclaim_publishes", "remove_deleted_models", "verify",
+    "CheckReport", "Problem", "RequeueReport", "VerifyReport", "check", "check_storage",
+    "clear_model", "delete_model", "delete_snapshots", "drop_snapshot", "evict_lru",
+    "insert_boundaries", "publish_abandoned", "quarantine", "reclaim_publishes",
+    "remove_deleted_models", "requeue", "verify",
 ]
 
 #: A pending snapshot with no live publisher is abandoned after this long.
@@ -77,8 +82,26 @@ def quarantine(core: Core, snapshot_id: int, reason: str) -> None:
         for sub_id in ids(conn, q.SUBTREE, (snapshot_id,)):
             why = reason if sub_id == snapshot_id else "parent"
             conn.execute(q.QUARANTINE, (why, sub_id))
-            conn.execute(q.DELETE_BOUNDARIES, (sub_id,))
+            conn.execute(q.DELETE_LOOKUP_BOUNDARIES, (sub_id,))
         conn.execute(q.BUMP_COUNTER, (info.model_id, f"quarantined.{reason}", 1))
+
+
+def insert_boundaries(conn: Conn, snapshot_id: int, model_id: int, hashes: Sequence[bytes],
+                      block_size: int, alias_stride: int, marks: Iterable[int] = ()) -> None:
+    """A ready snapshot's boundary rows: its end, every ``alias_stride`` tokens
+    (rounded down to whole blocks), and its breakpoints ``marks`` (token counts
+    on block boundaries).  ``hashes`` are the prefix hashes of its whole prompt."""
+    n_blocks = len(hashes)
+    stride = max(1, alias_stride // block_size)
+    rows: dict[int, str] = {i: "stride" for i in range(stride - 1, n_blocks, stride)}
+    for mark in marks:
+        rows.setdefault(mark // block_size - 1, "breakpoint")
+    rows[n_blocks - 1] = "end"
+    conn.executemany(
+        q.INSERT_BOUNDARY,
+        [(hashes[i], snapshot_id, model_id, (i + 1) * block_size, kind)
+         for i, kind in rows.items()],
+    )
 
 
 def drop_snapshot(core: Core, conn: Conn, snapshot_id: int, reason: str) -> None:
@@ -103,6 +126,11 @@ def delete_snapshots(
     Refuses (LeaseError) while any of them holds a lease that still protects
     it, unless ``force``.  Returns the deleted ids.
     """
+    chosen = list(snapshot_ids)
+    return core.freeing(lambda: _delete(core, chosen, force, reason))
+
+
+def _delete(core: Core, snapshot_ids: list[int], force: bool, reason: str) -> list[int]:
     now = core.clock()
     deleted: list[int] = []
     with core.write() as conn:
@@ -142,6 +170,13 @@ def evict_lru(
     """
     if count is not None and count <= 0:
         return []
+    return core.freeing(lambda: _evict(core, model, model_id, count, free_bytes, older_than,
+                                       keep, reason))
+
+
+def _evict(core: Core, model: ModelIdentity | None, model_id: int | None, count: int | None,
+           free_bytes: int | None, older_than: float | None, keep: Iterable[int],
+           reason: str) -> list[int]:
     now = core.clock()
     evicted: list[int] = []
     freed = 0
@@ -263,6 +298,30 @@ def reclaim_publishes(core: Core) -> CheckReport:
     return report
 
 
+#: How many of the expected payload objects check() and verify() look for first.
+STORAGE_SAMPLE = 32
+
+
+def check_storage(core: Core) -> None:
+    """Refuse to go on when none of a sample of the payload objects the index
+    expects is in the backend: the storage is wrong (a mistyped ``--storage``, a
+    disk not mounted), and quarantining every snapshot would lose them all."""
+    with core.read() as conn:
+        sample = [str(k) for (k,) in conn.execute(q.SAMPLE_READY_KEYS, (STORAGE_SAMPLE,))]
+    if not sample:
+        return
+    for key in sample:
+        with contextlib.suppress(UnsafeName):
+            if core.backend.exists(key):
+                return
+    raise StorageMismatch(
+        f"none of {len(sample)} payload objects the index expects is in {core.backend.url}: "
+        "the storage looks wrong (a mistyped --storage, a disk not mounted?), so nothing "
+        "was checked or changed. Open the store with the storage it was created with; if "
+        "the files really are gone, `sparkcache clear` the model"
+    )
+
+
 def check(core: Core, *, fix: bool = False) -> CheckReport:
     """Compare the index with the files and with the living processes.
 
@@ -273,6 +332,7 @@ def check(core: Core, *, fix: bool = False) -> CheckReport:
     (temp files of dead writers included).  With ``fix`` every finding is
     repaired; without it nothing changes.
     """
+    check_storage(core)
     report = CheckReport(fixed=fix)
     # Files are listed *before* the rows are read: a publisher inserts its row
     # before it creates its file, so a live publish is never taken for an orphan.
@@ -365,6 +425,7 @@ def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
     read would, and is listed in the report.  ``progress(done, total)`` counts
     payload bytes.  Snapshots deleted meanwhile are skipped silently.
     """
+    check_storage(core)
     report = VerifyReport()
     with core.read() as conn:
         rows = fetch(conn, q.ADMIN_VERIFY_SEGMENTS, into=_VerifyRow)
@@ -409,6 +470,85 @@ def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
     return report
 
 
+@dataclass
+class RequeueReport:
+    """What ``requeue`` gave back, and what stays quarantined, with why."""
+
+    requeued: list[int] = field(default_factory=list)
+    still_quarantined: list[Problem] = field(default_factory=list)
+
+
+def requeue(core: Core, alias_stride: int) -> RequeueReport:
+    """Verify every quarantined snapshot again; those whose files are whole now
+    (every rank's, every chunk, the key the hash of the chain's tokens in the
+    snapshot's scope) become ready again with their boundary rows, parents first.
+
+    The undo for a quarantine caused by a storage that was missing for a while
+    (a disk not mounted, a wrong ``--storage``).  Breakpoint rows were kept by
+    the quarantine; stride and end rows are computed again from the verified
+    token ids.  A snapshot whose parent stays quarantined stays too.
+    """
+    report = RequeueReport()
+    with core.read() as conn:
+        waiting = fetch(conn, q.QUARANTINED_PARENTS_FIRST, into=SnapshotInfo)
+    for info in waiting:
+        problem = _requeue_one(core, info, alias_stride)
+        if problem is None:
+            report.requeued.append(info.id)
+        else:
+            report.still_quarantined.append(problem)
+    return report
+
+
+def _requeue_one(core: Core, info: SnapshotInfo, alias_stride: int) -> Problem | None:
+    with core.read() as conn:
+        chain = core.chain(conn, info.id)
+        segments = {link.id: core.segments(conn, link.id) for link in chain}
+        model = core.model(conn, info.model_id)
+    if model is None:
+        return Problem(info.id, None, "missing", "its model row is gone")
+    if any(link.state != "ready" for link in chain[:-1]):
+        return Problem(info.id, None, "parent", "a snapshot of its chain is still quarantined")
+    identity = model.identity()
+    tokens: list[np.ndarray] = []
+    try:
+        for link in chain:
+            segs = segments[link.id]
+            if [g.rank for g in segs] != list(range(identity.world_size)) or any(
+                    g.state != "ready" or g.digest is None for g in segs):
+                raise CorruptSnapshot("not every rank's segment is ready", "missing")
+            for g in segs if link.id == info.id else segs[:1]:
+                with seg.open_segment(core.backend, g.object_key) as blob:
+                    buf = blob.buffer
+                    if buf.nbytes != g.nbytes:
+                        raise CorruptSnapshot(f"segment file holds {buf.nbytes} bytes, the "
+                                              f"index says {g.nbytes}", "truncated")
+                    header = verify_file(buf, str(g.digest), identity, g.rank, link.snap_key,
+                                         g.token_start, g.token_end)
+                    if g.rank == 0:
+                        view = seg.verified_view(buf, header, "tokens",
+                                                 header.tensors["tokens"][1])
+                        tokens.append(view.view("<u4").copy())
+                        del view
+                    del buf
+    except CorruptSnapshot as exc:
+        return Problem(info.id, None, exc.reason, str(exc))
+    scope = (RequestScope() if info.scope_json is None
+             else RequestScope.from_canonical(info.scope_json))
+    hashes = prefix_hashes(prefix_seed(identity, scope), np.concatenate(tokens),
+                           identity.block_size)
+    if hashes[-1].hex() != info.snap_key:
+        return Problem(info.id, None, "scope", "its key is not the hash of its tokens in its "
+                       "recorded scope (published with a scope before scopes were recorded)")
+    with core.write() as conn:
+        conn.execute(q.REQUEUE, (info.id,))
+        if conn.changes() == 1:
+            insert_boundaries(conn, info.id, info.model_id, hashes, identity.block_size,
+                              alias_stride)
+            conn.execute(q.BUMP_COUNTER, (info.model_id, "requeued", 1))
+    return None
+
+
 # -- models --------------------------------------------------------------------------
 
 
@@ -435,6 +575,11 @@ def clear_model(
     them), and pinned ones too with ``keep_pinned``.  Files go after the commit.
     Returns (deleted, kept because leased, kept because pinned).
     """
+    return core.freeing(lambda: _clear(core, model_id, keep_pinned, reason))
+
+
+def _clear(core: Core, model_id: int, keep_pinned: bool,
+           reason: str) -> tuple[list[int], list[int], list[int]]:
     now = core.clock()
     deleted: list[int] = []
     with core.write() as conn:

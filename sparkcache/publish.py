@@ -21,6 +21,7 @@ and a later publish of the same snapshot reclaim.
 
 from __future__ import annotations
 
+import operator
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from sparkcache.hashing import as_token_array, prefix_hashes, prefix_seed
 from sparkcache.holders import this_holder
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
-from sparkcache.maintenance import drop_snapshot, publish_abandoned
+from sparkcache.maintenance import drop_snapshot, insert_boundaries, publish_abandoned
 from sparkcache.reader import read_pages
 
 __all__ = ["PUBLISH_LEASE_SECONDS", "PublishResult", "block_tokens", "publish"]
@@ -164,7 +165,7 @@ def _plan(
     scope = scope or RequestScope()
     hashes = prefix_hashes(prefix_seed(identity, scope), tokens, bs)
     # Breakpoints round down to whole blocks; one below the first block marks nothing.
-    marks = sorted({int(b) // bs * bs for b in breakpoints if bs <= int(b) <= n})
+    marks = sorted({b // bs * bs for b in _token_counts(breakpoints) if bs <= b <= n})
     start, depth, compact, tail_start = 0, 0, False, 0
     if parent is not None:
         with core.read() as conn:
@@ -191,6 +192,15 @@ def _plan(
             start, depth = p.n_tokens, p.depth + 1
     return _Plan(identity, rank, tokens, scope.canonical(), hashes, marks, parent, start, depth,
                  compact, tail_start, this_holder())
+
+
+def _token_counts(breakpoints: Iterable[int]) -> list[int]:
+    try:
+        counts = [operator.index(b) for b in breakpoints]
+    except TypeError as exc:
+        raise InvalidArgument(
+            f"breakpoints must be token counts (integers), got {breakpoints!r}") from exc
+    return counts
 
 
 def _page_views(identity: ModelIdentity, pages: Sequence[Any], n_blocks: int) -> list[np.ndarray]:
@@ -316,27 +326,13 @@ def _finish(core: Core, conn: Conn, plan: _Plan, reserved: _Reserved, written: i
     if ready >= plan.identity.world_size:
         now = core.clock()
         conn.execute(q.MARK_READY, (now, now, snapshot_id))
-        _insert_boundaries(conn, plan, reserved, alias_stride)
+        insert_boundaries(conn, reserved.snapshot_id, reserved.model_id, plan.hashes,
+                          plan.identity.block_size, alias_stride, plan.marks)
         state = "ready"
     for name, value in (("publishes", 1), ("written_tokens", plan.n - plan.start),
                         ("written_bytes", written)):
         conn.execute(q.BUMP_COUNTER, (reserved.model_id, name, value))
     return state
-
-
-def _insert_boundaries(conn: Conn, plan: _Plan, reserved: _Reserved, alias_stride: int) -> None:
-    bs = plan.identity.block_size
-    n_blocks = len(plan.hashes)
-    stride = max(1, alias_stride // bs)
-    rows: dict[int, str] = {i: "stride" for i in range(stride - 1, n_blocks, stride)}
-    for mark in plan.marks:
-        rows.setdefault(mark // bs - 1, "breakpoint")
-    rows[n_blocks - 1] = "end"
-    conn.executemany(
-        q.INSERT_BOUNDARY,
-        [(plan.hashes[i], reserved.snapshot_id, reserved.model_id, (i + 1) * bs, kind)
-         for i, kind in rows.items()],
-    )
 
 
 def _drop_segment(core: Core, conn: Conn, snapshot_id: int, rank: int, key: str) -> None:

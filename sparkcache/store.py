@@ -33,9 +33,18 @@ import numpy as np
 
 from sparkcache import lookup as lookups
 from sparkcache import maintenance, reader
-from sparkcache.backends import Backend, open_backend
-from sparkcache.core import INDEX_FILE, Core, Match, SnapshotInfo, fetch, ids, scalar
-from sparkcache.errors import InvalidArgument, NotFound
+from sparkcache.backends import Backend, canonical_url, open_backend
+from sparkcache.core import (
+    DEFAULT_INDEX_RESERVE,
+    INDEX_FILE,
+    Core,
+    Match,
+    SnapshotInfo,
+    fetch,
+    ids,
+    scalar,
+)
+from sparkcache.errors import InvalidArgument, NotFound, StorageMismatch
 from sparkcache.holders import this_holder
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
@@ -53,6 +62,46 @@ DEFAULT_ALIAS_STRIDE = 256
 DEFAULT_MAX_CHAIN = 8
 
 
+#: The settings key recording the store's storage ("" for the root folder itself).
+STORAGE_SETTING = "storage"
+
+
+def _recorded_storage(
+    db: Database, root: Path, storage: str | os.PathLike[str] | Backend | None, *,
+    relocate: bool, record: bool, clock: Callable[[], float],
+) -> Backend:
+    """The backend the store keeps its payloads in: the one it recorded when it
+    was created, checked against ``storage`` when one is given (see the class)."""
+    if storage is None:
+        given = None
+    else:
+        url = storage.url if isinstance(storage, Backend) else storage
+        given = canonical_url(url)
+        if given == canonical_url(root):
+            given = ""
+    with db.read() as conn:
+        row = conn.execute(q.GET_SETTING, (STORAGE_SETTING,)).fetchone()
+    recorded = None if row is None else str(row[0])
+    if recorded is not None and given is not None and given != recorded:
+        if not relocate:
+            raise StorageMismatch(
+                f"this store ({root}) keeps its payloads in {recorded or 'its own folder'}, "
+                f"not in {given or 'its own folder'}: open it without a storage (or with the "
+                "one it was created with); after moving the payloads, open it with the new "
+                "storage and relocate=True (`--relocate`) to record it"
+            )
+        recorded = None
+    if recorded is None and record:
+        with db.write() as conn:
+            conn.execute(q.PUT_SETTING, (STORAGE_SETTING, given or "", clock()))
+    if isinstance(storage, Backend):
+        return storage
+    if storage is not None and given:
+        return open_backend(storage)  # as given: its credentials are not recorded
+    chosen = given if given is not None else (recorded or "")
+    return open_backend(chosen or str(root))
+
+
 class SnapshotStore:
     """The one API over the index and the payload backend.
 
@@ -62,9 +111,18 @@ class SnapshotStore:
     ``max_chain`` are fixed when the store is created and recorded in its
     settings table.  ``clock`` is injectable for tests.  With ``retention``
     (:class:`~sparkcache.retention.Retention`) every publish obeys Spark's limits
-    and trims its own model; without it nothing is evicted automatically.  Safe to
-    share between threads; each process opens its own store (connections reopen
-    after fork).
+    and trims its own model; without it nothing is evicted automatically.
+    ``upgrade=False`` never changes the index's schema: an index behind this
+    sparkcache raises SchemaMismatch instead of being upgraded (see
+    :class:`~sparkcache.index.db.Database`).  Safe to share between threads;
+    each process opens its own store (connections reopen after fork).
+
+    The store records its storage when it is created (:func:`canonical_url`:
+    never credentials) and opens it again when ``storage`` is not given.
+    Opening with another storage raises StorageMismatch naming both, unless
+    ``relocate=True`` (after the payloads were moved there) records the new
+    one.  ``index_reserve`` bytes of the index's disk are held back in
+    ``index.reserve`` so that eviction can run when that disk is full.
     """
 
     def __init__(
@@ -77,6 +135,9 @@ class SnapshotStore:
         busy_timeout_ms: int = 10_000,
         clock: Callable[[], float] = time.time,
         retention: Retention | None = None,
+        upgrade: bool = True,
+        relocate: bool = False,
+        index_reserve: int = DEFAULT_INDEX_RESERVE,
     ) -> None:
         root = Path(root)
         try:
@@ -84,17 +145,18 @@ class SnapshotStore:
         except OSError as exc:
             raise InvalidArgument(f"cannot create the store folder {root}: {exc}") from exc
         self.retention = retention
-        db = Database(root / INDEX_FILE, busy_timeout_ms=busy_timeout_ms)
-        if storage is None:
-            backend: Backend = open_backend(str(root))
-        elif isinstance(storage, (str, os.PathLike)):
-            backend = open_backend(storage)
-        else:
-            backend = storage
+        db = Database(root / INDEX_FILE, busy_timeout_ms=busy_timeout_ms, upgrade=upgrade)
+        try:
+            backend = _recorded_storage(db, root, storage, relocate=relocate, record=upgrade,
+                                        clock=clock)
+        except BaseException:
+            db.close()
+            raise
         #: The narrow core the store's helpers take (index, backend, clock, counters).
-        self.core = Core(root, db, backend, clock)
+        self.core = Core(root, db, backend, clock, index_reserve=index_reserve)
         self.alias_stride = self._fixed_setting("alias_stride", alias_stride, DEFAULT_ALIAS_STRIDE)
         self.max_chain = self._fixed_setting("max_chain", max_chain, DEFAULT_MAX_CHAIN)
+        self.core.keep_reserve()
 
     @property
     def root(self) -> Path:

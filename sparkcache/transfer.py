@@ -337,20 +337,12 @@ def _check_key(identity: ModelIdentity, store: SnapshotStore, info: SnapshotInfo
                           "scope: it cannot be imported again", "scope")
 
 
-#: The fields of a request scope, as RequestScope.canonical() writes them.
-SCOPE_FIELDS = frozenset({"cache_salt", "lora", "mm"})
-
-
 def _scope_from_dict(doc: Any) -> RequestScope | None:
-    """The RequestScope whose canonical JSON is ``doc`` (parsed), or None when
-    ``doc`` is not exactly one (every field present, of its type, nothing else)."""
-    if not (isinstance(doc, dict) and set(doc) == SCOPE_FIELDS):
+    """The RequestScope whose canonical JSON is ``doc`` (parsed), or None."""
+    try:
+        return RequestScope.from_dict(doc)
+    except InvalidArgument:
         return None
-    salt, lora, mm = doc["cache_salt"], doc["lora"], doc["mm"]
-    if not (all(v is None or isinstance(v, str) for v in (salt, lora))
-            and isinstance(mm, list) and all(isinstance(h, str) for h in mm)):
-        return None
-    return RequestScope(cache_salt=salt, lora=lora, mm_hashes=tuple(mm))
 
 
 def _require(cond: bool, what: str) -> None:
@@ -426,7 +418,7 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
         scope = _scope_from_dict(snap["scope"]) if version >= 2 else RequestScope()
         _require(scope is not None,
                  f"snapshot {sid}: scope must be an object with exactly the fields "
-                 f"{sorted(SCOPE_FIELDS)} (strings or null, and a list of strings)")
+                 "cache_salt, lora (strings or null) and mm (a list of strings)")
         assert scope is not None
         _require(parent is None or scopes[parent] == scope.canonical(),
                  f"snapshot {sid}: its scope is not its parent's")

@@ -90,6 +90,8 @@ def test_open_store_without_upgrading_leaves_an_old_index_alone(tmp_path: Path) 
     before = (folder / "index.sqlite").read_bytes()
     with pytest.raises(SchemaMismatch, match="sparkcache db upgrade"):
         admin.open_store(folder, upgrade=False)
+    with pytest.raises(SchemaMismatch, match="sparkcache db upgrade"):
+        SnapshotStore(folder, upgrade=False)
     assert (folder / "index.sqlite").read_bytes() == before
     assert sorted(p.name for p in folder.iterdir()) == ["index.sqlite"]
     with admin.open_store(folder) as store:  # a writing command upgrades, as before

@@ -154,6 +154,35 @@ def test_verify_exit_codes(run: Run, folder: Path) -> None:
     assert states == {1: "quarantined", 2: "quarantined", 3: "ready"}
 
 
+def test_verify_requeue_gives_back_what_is_whole_again(run: Run, folder: Path) -> None:
+    (seg,) = run.json("show", "1")["segments"]
+    path = folder / seg["object_key"]
+    original = path.read_bytes()
+    data = bytearray(original)
+    data[-100] ^= 1
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    run.json("verify", code=1)
+    report = run.json("verify", "--requeue", code=1)  # still damaged: stays
+    assert report["requeued"] == [] and {p["snapshot_id"] for p in
+                                         report["still_quarantined"]} == {1, 2}
+    path.write_bytes(original)  # repaired (restored from a backup, a disk remounted)
+    assert run.json("verify", "--requeue")["requeued"] == [1, 2]
+    assert {s["state"] for s in run.json("ls")} == {"ready"}
+    assert "requeued 0 snapshots" in run("verify", "--requeue")
+
+
+def test_a_mistyped_storage_is_refused_then_relocated(run: Run, folder: Path,
+                                                      tmp_path: Path) -> None:
+    typo = tmp_path / "typo"
+    run("--storage", str(typo), "check", "--fix", code=3)
+    assert "relocate" in run.err and not typo.exists()
+    assert {s["state"] for s in run.json("ls")} == {"ready"}  # nothing quarantined
+    shutil.copytree(folder / "objects", typo / "objects")
+    assert run.json("--storage", str(typo), "--relocate", "check")["clean"] is True
+    assert run.json("check")["clean"] is True  # the new storage was recorded
+
+
 def test_check_and_fix(run: Run, folder: Path) -> None:
     assert run.json("check")["clean"] is True
     orphan = folder / "objects" / "m-0" / "orphan.r0.safetensors"

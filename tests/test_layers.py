@@ -130,6 +130,12 @@ def test_imports_follow_the_documented_layers() -> None:
     assert heavy == [], "\n".join(heavy)
 
 
+def test_the_cli_is_a_thin_layer_over_admin() -> None:
+    modules = package_modules()
+    used = {u.target for u in uses("cli", modules["cli"], set(modules)) if u.target}
+    assert used <= {"admin", "errors"}, used
+
+
 def foreign_private_members_of(path: Path) -> list[str]:
     """``obj._name`` where ``obj`` is not ``self`` or ``cls``: another object's
     private member (a helper calling back into a facade's internals)."""

@@ -38,6 +38,7 @@ __all__ = [
     "FsspecBackend",
     "LocalBackend",
     "MmapBackend",
+    "canonical_url",
     "is_temp_key",
     "known_schemes",
     "open_backend",
@@ -100,6 +101,19 @@ def register_backend(name: str, target: str | BackendFactory, *, clobber: bool =
 def known_schemes() -> list[str]:
     """Names registered with :func:`register_backend` (built-ins included), sorted."""
     return sorted(_registry)
+
+
+def canonical_url(url_or_path: str | os.PathLike[str]) -> str:
+    """How a store records where its payloads live: a plain path made absolute,
+    a URL as given but without credentials (``user:password@`` is dropped).
+
+    Two spellings of one local folder compare equal; nothing secret is kept."""
+    text = os.fspath(url_or_path)
+    if _URL_RE.match(text) is None or "://" not in text:
+        return os.path.abspath(os.path.expanduser(text))
+    scheme, _, rest = text.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://{netloc.rsplit('@', 1)[-1]}{slash}{path}"
 
 
 def open_backend(url_or_path: str | os.PathLike[str]) -> Backend:

@@ -13,6 +13,11 @@ the filesystem allows:
   completes, and ``mv`` is copy-then-delete, so readers never see a partial
   object; ``durable`` is the store's own guarantee.
 
+Every failure reaches the caller as a :class:`~sparkcache.errors.SparkCacheError`
+(a filesystem's own errors, botocore's included, as ``BackendError`` saying what to
+check).  ``s3://`` clients get connect and read timeouts and a bounded retry
+(``S3_CLIENT_DEFAULTS``) unless ``config_kwargs`` says otherwise.
+
 ``open`` copies the object into memory (``fs.cat_file``); ``zero_copy`` is False and
 ``disk_usage`` is None (fsspec has no portable way to ask).  fsspec is imported
 when the first backend is created, so ``import sparkcache`` stays cheap.
@@ -20,15 +25,16 @@ when the first backend is created, so ``import sparkcache`` stays cheap.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from sparkcache.backends.base import BufferBlob, translate_os_error
 from sparkcache.backends.keys import temp_key, validate_key
 from sparkcache.buffers import as_byte_view
-from sparkcache.errors import BackendError, NotFound, UnsafeName
+from sparkcache.errors import BackendError, NotFound, SparkCacheError, UnsafeName
 
 if TYPE_CHECKING:
     from sparkcache.backends.base import Blob, BufferLike
@@ -37,6 +43,63 @@ __all__ = ["FSSPEC_PREFIX", "FsspecBackend"]
 
 FSSPEC_PREFIX = "fsspec::"
 """Prefix that forces :func:`~sparkcache.backends.open_backend` to use this backend."""
+
+
+#: Client settings for object stores reached through botocore (s3fs), unless the
+#: caller passes its own: an unreachable endpoint is an error within seconds,
+#: and a failing request is retried a bounded number of times.
+S3_CLIENT_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 5, "read_timeout": 60,
+    "retries": {"max_attempts": 3, "mode": "standard"},
+}
+
+class _CallersError(Exception):
+    """Carries an exception the caller's chunk iterator raised through ``put``."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _chunks_of(chunks: Iterable[BufferLike]) -> Iterator[BufferLike]:
+    """``chunks``, with what iterating them raises marked as the caller's."""
+    it = iter(chunks)
+    while True:
+        try:
+            chunk = next(it)
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise _CallersError(exc) from exc
+        yield chunk
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _guarded(action: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Every failure of the wrapped method is a SparkCacheError: a filesystem's
+    own errors (botocore's, a cloud SDK's) become BackendError naming the
+    object, the URL and what to check."""
+    def wrap(method: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(method)
+        def guarded(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                return method(*args, **kwargs)
+            except SparkCacheError:
+                raise
+            except _CallersError as wrapped:  # raised by the caller's own code: as it was
+                raise wrapped.error from None
+            except Exception as exc:
+                self, key = args[0], (args[1] if len(args) > 1 else "")
+                url = getattr(self, "url", "?")
+                raise BackendError(
+                    f"{action} {key!r} in {url} failed: {type(exc).__name__}: {exc}; check "
+                    "the endpoint, the credentials and the network (and that the bucket "
+                    "exists)") from exc
+        return guarded
+    return wrap
 
 
 class FsspecBackend:
@@ -57,6 +120,9 @@ class FsspecBackend:
             raise BackendError(
                 f"cannot open {text!r}: fsspec is not installed; run 'pip install fsspec'"
             ) from exc
+        if text.split("://", 1)[0] in ("s3", "s3a"):
+            given = storage_options.get("config_kwargs") or {}
+            storage_options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, **given}
         try:
             fs, root = fsspec.core.url_to_fs(text, **storage_options)
         except ImportError as exc:
@@ -64,8 +130,9 @@ class FsspecBackend:
                 f"cannot open {text!r}: fsspec needs an extra package for it ({exc}); "
                 "install that package"
             ) from exc
-        except (ValueError, OSError) as exc:
-            raise BackendError(f"cannot open {text!r} with fsspec: {exc}") from exc
+        except Exception as exc:
+            raise BackendError(f"cannot open {text!r} with fsspec: {type(exc).__name__}: "
+                               f"{exc}; check the URL and the storage options") from exc
         self.fs: Any = fs
         self.url = text
         # Kept without its trailing slash so keys join as f"{root}/{key}"; a root of
@@ -81,6 +148,7 @@ class FsspecBackend:
 
     # -- writes -----------------------------------------------------------------
 
+    @_guarded("writing")
     def put(self, key: str, chunks: Iterable[BufferLike], *, durable: bool = True) -> int:
         """Write ``chunks`` to a temp key, then move it onto ``key``.
 
@@ -95,7 +163,7 @@ class FsspecBackend:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             handle = self.fs.open(tmp, "wb")
             total = 0
-            for chunk in chunks:
+            for chunk in _chunks_of(chunks):
                 view = as_byte_view(chunk, copy=True)
                 handle.write(view)
                 total += view.size
@@ -115,6 +183,7 @@ class FsspecBackend:
             raise
         return total
 
+    @_guarded("deleting")
     def delete(self, key: str) -> bool:
         path = self._path(key)
         try:
@@ -129,6 +198,7 @@ class FsspecBackend:
 
     # -- reads ------------------------------------------------------------------
 
+    @_guarded("reading")
     def open(self, key: str) -> Blob:
         """Fetch the whole object into memory (``cat_file``)."""
         path = self._path(key)
@@ -140,13 +210,19 @@ class FsspecBackend:
             raise translate_os_error(exc, "reading", key, self.url) from exc
         return BufferBlob(bytes(data))
 
+    @_guarded("looking up")
     def exists(self, key: str) -> bool:
+        # Not fs.isfile: it answers False for any error, an unreachable endpoint
+        # included, and a checker would take every object for missing.
         path = self._path(key)
         try:
-            return bool(self.fs.isfile(path))
+            return bool(self.fs.info(path).get("type") == "file")
+        except (FileNotFoundError, NotADirectoryError):
+            return False
         except OSError as exc:
             raise translate_os_error(exc, "inspecting", key, self.url) from exc
 
+    @_guarded("inspecting")
     def size(self, key: str) -> int:
         path = self._path(key)
         try:
@@ -159,6 +235,7 @@ class FsspecBackend:
             raise NotFound(f"no object {key!r} in {self.url} (that name is a folder)")
         return int(info["size"])
 
+    @_guarded("listing")
     def list(self, prefix: str = "") -> Iterator[str]:
         """Keys of every object under folder ``prefix`` (``fs.find``), temp keys included.
 
@@ -188,6 +265,7 @@ class FsspecBackend:
             except UnsafeName:
                 continue
 
+    @_guarded("listing")
     def folders(self, prefix: str) -> Iterator[str]:
         """Keys of the folders directly inside ``prefix`` (``fs.ls``)."""
         base = validate_key(prefix.removesuffix("/"))
@@ -205,6 +283,7 @@ class FsspecBackend:
                     found.append(validate_key(f"{base}/{name}"))
         return iter(found)
 
+    @_guarded("removing")
     def remove_tree(self, prefix: str) -> int:
         """Delete every object under ``prefix``, then the folder where the filesystem
         has folders (object stores have none left once their objects are gone)."""

@@ -26,9 +26,17 @@ from typing import Final
 
 import apsw
 
-from sparkcache.errors import BackendError, StoreClosed, StoreTimeout
+from sparkcache.errors import (
+    BackendError,
+    CorruptIndex,
+    InvalidArgument,
+    SparkCacheError,
+    StoreClosed,
+    StoreFull,
+    StoreTimeout,
+)
 from sparkcache.index import queries, schema
-from sparkcache.index.migrate import ensure_schema
+from sparkcache.index.migrate import check_revision, ensure_schema
 
 __all__ = [
     "WAL_RESET_BUG_FIRST",
@@ -94,7 +102,12 @@ class Database:
 
     Opening applies the pragmas in :mod:`sparkcache.index.schema`, creates or
     upgrades the schema (:func:`~sparkcache.index.migrate.ensure_schema`) and
-    records the SQLite version in ``settings``.  Thread-safe: one thread at a time
+    records the SQLite version in ``settings``.  With ``upgrade=False`` the schema
+    is never changed: a file that is empty or behind head raises
+    :class:`~sparkcache.errors.SchemaMismatch` naming ``sparkcache db upgrade``,
+    before anything is written to it (read-only tools on a shared store).  A file
+    this sparkcache cannot use (newer, not a sparkcache index, not SQLite) raises
+    either way, untouched.  Thread-safe: one thread at a time
     holds a transaction.  Fork-safe: used from a forked child it opens its own
     connection and leaves the inherited one alone.  Do not fork *inside* a
     transaction.
@@ -105,9 +118,11 @@ class Database:
         path: str | os.PathLike[str],
         *,
         busy_timeout_ms: int = schema.DEFAULT_BUSY_TIMEOUT_MS,
+        upgrade: bool = True,
     ) -> None:
         self._path = os.fspath(path)
         self._busy_timeout_ms = int(busy_timeout_ms)
+        self._upgrade = bool(upgrade)
         self._closed = False
         self._migrated: list[str] = []
         self._reset_state()
@@ -256,6 +271,9 @@ class Database:
             ) from exc
         try:
             conn.set_busy_timeout(self._busy_timeout_ms)
+            # Before anything else: switching to WAL rewrites the file's header,
+            # and a file this code must not change is left as it was.
+            current = check_revision(conn, empty_ok=self._upgrade, behind_ok=self._upgrade)
             for name, value in schema.PRAGMAS:
                 conn.pragma(name, value)
             mode = self._switch_to_wal(conn)
@@ -265,11 +283,15 @@ class Database:
                     f"{mode!r}); put the store on a local filesystem that supports shared "
                     "memory (not NFS or SMB)."
                 )
-            self._migrated = ensure_schema(conn)
+            if current != schema.SCHEMA_REVISION:  # only with upgrade: else it raised
+                self._migrated = ensure_schema(conn)
             self._record_sqlite_version(conn)
         except _LOCKED as exc:
             conn.close()
             raise self._timeout(exc) from exc
+        except apsw.Error as exc:
+            conn.close()
+            raise self._translate(exc) from exc
         except BaseException:
             conn.close()
             raise
@@ -326,6 +348,8 @@ class Database:
             conn.execute(sql)
         except _LOCKED as exc:
             raise self._timeout(exc) from exc
+        except apsw.Error as exc:
+            raise self._translate(exc) from exc
 
     def _begin(self, conn: apsw.Connection, sql: str, kind: str) -> None:
         self._execute(conn, sql)
@@ -358,6 +382,14 @@ class Database:
         except _LOCKED as exc:
             self._rollback(conn)
             raise self._timeout(exc) from exc
+        except apsw.Error as exc:
+            self._rollback(conn)
+            raise self._translate(exc) from exc
+        except OverflowError as exc:  # binding an int SQLite cannot store
+            self._rollback(conn)
+            raise InvalidArgument(
+                f"a number is out of the index's range ({exc}): ids, token counts and sizes "
+                "are 64-bit integers; check the value passed") from exc
         except BaseException:
             self._rollback(conn)
             raise
@@ -408,6 +440,25 @@ class Database:
                 callback()
             except Exception:
                 log.exception("an on_commit callback failed after committing to %s", self._path)
+
+    def _translate(self, exc: apsw.Error) -> SparkCacheError:
+        """SQLite's error as the sparkcache error a caller can act on."""
+        if isinstance(exc, apsw.FullError):
+            return StoreFull(
+                f"the disk holding the index {self._path} is full ({exc}): free space on it "
+                "(`sparkcache evict` and the sweeper can, from a reserve the store keeps "
+                "for this) or move the store to a larger disk"
+            )
+        if isinstance(exc, (apsw.ConstraintError, apsw.CorruptError, apsw.NotADBError)):
+            return CorruptIndex(
+                f"the index {self._path} broke its own rules or is damaged ({exc}); run "
+                "`sparkcache check --fix`, and if it persists move the index aside: the "
+                "store starts empty and `sparkcache check --fix` reclaims the old files"
+            )
+        return BackendError(
+            f"the index {self._path} failed: {type(exc).__name__}: {exc}; check that its "
+            "disk is mounted, writable and healthy"
+        )
 
     def _timeout(self, exc: BaseException) -> StoreTimeout:
         return StoreTimeout(

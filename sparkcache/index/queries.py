@@ -68,6 +68,18 @@ QUARANTINE = (
     "UPDATE snapshots SET state = 'quarantined', reason = ? "
     "WHERE id = ? AND state != 'quarantined'"
 )
+# A quarantined snapshot whose files verified whole again (verify --requeue).
+REQUEUE = (
+    "UPDATE snapshots SET state = 'ready', reason = NULL WHERE id = ? AND state = 'quarantined'"
+)
+QUARANTINED_PARENTS_FIRST = (
+    f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE state = 'quarantined' ORDER BY depth, id"
+)
+# A sample of the payload objects the index expects (check() and verify() look
+# for them before quarantining anything: none found means the storage is wrong).
+SAMPLE_READY_KEYS = (
+    "SELECT object_key FROM segments WHERE state = 'ready' ORDER BY random() LIMIT ?"
+)
 # A restore's use, saved later than it happened (Core.record_use): never moves
 # last_used back, and adds the uses counted meanwhile.
 RECORD_USE = (
@@ -146,6 +158,10 @@ HAS_BOUNDARY = (
     "SELECT 1 FROM boundaries WHERE prefix_hash = ? AND model_id = ? AND n_tokens = ? LIMIT 1"
 )
 DELETE_BOUNDARIES = "DELETE FROM boundaries WHERE snapshot_id = ?"
+# Quarantine keeps a snapshot's breakpoint rows (never at a stride position, so
+# the lookup's binary search never probes them, and every candidate is checked
+# for restorability): a requeue needs them, and no token ids can rebuild them.
+DELETE_LOOKUP_BOUNDARIES = "DELETE FROM boundaries WHERE snapshot_id = ? AND kind != 'breakpoint'"
 # A snapshot's explicit breakpoints, in tokens (an export carries them along).
 BREAKPOINTS_OF = (
     "SELECT n_tokens FROM boundaries WHERE snapshot_id = ? AND kind = 'breakpoint' "

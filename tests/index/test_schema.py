@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from sparkcache.errors import SchemaMismatch
+from sparkcache.errors import CorruptIndex, SchemaMismatch
 from sparkcache.index import Database, current_revision, head_revision, schema
 from sparkcache.index.migrate import MIGRATIONS_PACKAGE, known_revisions
 
@@ -97,12 +97,13 @@ def test_constraints_hold(db: Database) -> None:
         conn.execute(insert, ("k1", None, "ready", now, now))
         conn.execute(insert, ("k2", 1, "ready", now, now))
     for bad in [("k1", None, "ready"), ("k3", None, "gone"), ("k4", 99, "ready")]:
-        with pytest.raises(apsw.ConstraintError), db.write() as conn:
+        with pytest.raises(CorruptIndex) as info, db.write() as conn:
             conn.execute(insert, (*bad, now, now))
+        assert isinstance(info.value.__cause__, apsw.ConstraintError)  # SQLite refused it
     # A quarantined row may share its key with the live one.
     with db.write() as conn:
         conn.execute(insert, ("k1", None, "quarantined", now, now))
-    with pytest.raises(apsw.ConstraintError), db.write() as conn:
+    with pytest.raises(CorruptIndex), db.write() as conn:
         conn.execute("DELETE FROM snapshots WHERE id = 1")  # it has a child
     with db.write() as conn:
         conn.execute("DELETE FROM models WHERE id = 1")  # cascades to every snapshot

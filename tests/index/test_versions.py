@@ -1,4 +1,4 @@
-"""What an index file is, and taking it back (downgrade)."""
+"""What an index file is, opening it without upgrading, and taking it back (downgrade)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,38 @@ def _golden(tmp_path: Path) -> Path:
     path = tmp_path / "index.sqlite"
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     return path
+
+
+# -- opening without upgrading: Database(upgrade=False) ------------------------------------------
+
+
+def test_an_old_index_opened_without_upgrading_is_left_as_it_was(tmp_path: Path) -> None:
+    path = _golden(tmp_path)
+    before = path.read_bytes()  # a rollback-journal file: WAL would rewrite its header
+    with pytest.raises(SchemaMismatch, match="sparkcache db upgrade") as info:
+        Database(path, upgrade=False)
+    assert "'0001'" in str(info.value) and "Nothing was changed" in str(info.value)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.sqlite"]
+    with Database(path) as db:  # upgrading is the default
+        assert db.migrated[-1] == head_revision()
+    with Database(path, upgrade=False) as db, db.read() as conn:
+        assert current_revision(conn) == head_revision()
+
+
+def test_an_empty_file_is_not_created_without_upgrading(db_path: Path) -> None:
+    db_path.write_bytes(b"")
+    with pytest.raises(SchemaMismatch, match="holds no tables"):
+        Database(db_path, upgrade=False)
+    assert db_path.read_bytes() == b""
+
+
+def test_a_text_file_is_not_an_index(db_path: Path) -> None:
+    db_path.write_text("hello\n")
+    for upgrading in (True, False):
+        with pytest.raises(SchemaMismatch, match="not a SQLite database"):
+            Database(db_path, upgrade=upgrading)
+    assert db_path.read_text() == "hello\n"
 
 
 # -- what a file is: check_revision ----------------------------------------------------------------

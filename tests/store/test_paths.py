@@ -90,7 +90,7 @@ def _check_contained(layout: dict[str, Path], before: set[Path], also_absent: Pa
     # every file in the store is the index or a digest-named object
     for path in _tree(root):
         rel = path.relative_to(root).as_posix()
-        assert rel.startswith(("index.sqlite", "objects")), rel
+        assert rel.startswith(("index.sqlite", "index.reserve", "objects")), rel
         assert rel.isascii() and ".." not in rel.split("/"), rel
 
 
