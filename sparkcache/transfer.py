@@ -371,6 +371,9 @@ def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[s
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"{where}/{MANIFEST} is not JSON ({exc}); export again") from exc
+    except RecursionError as exc:  # nested deeper than any manifest ever is
+        raise InvalidArgument(f"{where}/{MANIFEST} is nested too deeply to be a manifest; "
+                              "export again") from exc
     _require(isinstance(doc, dict) and doc.get("format") == EXPORT_FORMAT,
              f"format is not {EXPORT_FORMAT!r}")
     version = doc.get("version")

@@ -514,3 +514,12 @@ def test_export_to_s3_needs_an_existing_bucket(filled: Filled, tmp_path: Path, s
         admin.export_model(filled.store, "tiny-llama", "s3://backups/taken")
     _roundtrip(filled, "s3://backups/llama", tmp_path)
     assert s3.isfile(f"backups/llama/{transfer.MANIFEST}")
+
+
+def test_a_deeply_nested_manifest_is_invalid_not_a_recursion_error(tmp_path: Path) -> None:
+    src = tmp_path / "deep"
+    src.mkdir()
+    (src / transfer.MANIFEST).write_text("[" * 200_000 + "]" * 200_000)
+    with SnapshotStore(tmp_path / "target") as target, \
+            pytest.raises(InvalidArgument, match="nested too deeply"):
+        admin.import_model(target, str(src))
