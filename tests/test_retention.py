@@ -22,7 +22,7 @@ from sparkcache.retention import (
     Sweeper,
 )
 
-from .store.helpers import identity, pages_for, tokens
+from .store.helpers import Clock, identity, pages_for, tokens
 
 
 class FakeDisk:
@@ -31,14 +31,6 @@ class FakeDisk:
 
     def __call__(self, backend: object) -> DiskUsage:
         return DiskUsage(self.total, self.free)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -40,3 +40,13 @@ def pages_for(ident: ModelIdentity, tokens: np.ndarray | list[int], rank: int = 
 
 def tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n).astype(np.uint32)
+
+
+class Clock:
+    """An injectable clock the tests move by hand (``clock.now += seconds``)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -15,15 +15,7 @@ from sparkcache.holders import start_time
 from sparkcache.maintenance import PENDING_GRACE_SECONDS
 from sparkcache.retention import Retention, RetentionSettings
 
-from .helpers import identity, pages_for, tokens
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from .helpers import Clock, identity, pages_for, tokens
 
 
 @pytest.fixture
