@@ -30,7 +30,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import apsw
 
-from sparkcache import catalog, maintenance, transfer
+from sparkcache import catalog, maintenance, transfer, verification
 from sparkcache.backends import Backend, Blob, BufferLike, DiskUsage, known_schemes
 from sparkcache.catalog import ModelRow, SnapshotDetail, SnapshotRow, mb
 from sparkcache.core import INDEX_FILE, Core, SnapshotInfo, fetch
@@ -38,10 +38,11 @@ from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.folder import resolve_folder
 from sparkcache.index import migrate
 from sparkcache.index import queries as q
-from sparkcache.maintenance import CheckReport, Problem, Progress, RequeueReport, VerifyReport
+from sparkcache.maintenance import CheckReport
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
 from sparkcache.store import SnapshotStore
 from sparkcache.transfer import ExportReport, ImportReport
+from sparkcache.verification import Problem, Progress, RequeueReport, VerifyReport
 from sparkcache.version import VERSION
 
 __all__ = [
@@ -300,14 +301,14 @@ def stats(store: SnapshotStore, model: str | int | None = None) -> Stats:
 
 
 def verify(store: SnapshotStore, progress: Progress | None = None) -> VerifyReport:
-    """Re-hash every written segment (:func:`sparkcache.maintenance.verify`)."""
-    return maintenance.verify(store.core, progress)
+    """Re-hash every written segment (:func:`sparkcache.verification.verify`)."""
+    return verification.verify(store.core, progress)
 
 
 def requeue(store: SnapshotStore) -> RequeueReport:
     """Give back quarantined snapshots whose files verify whole again
-    (:func:`sparkcache.maintenance.requeue`)."""
-    return maintenance.requeue(store.core, store.alias_stride)
+    (:func:`sparkcache.verification.requeue`)."""
+    return verification.requeue(store.core, store.alias_stride)
 
 
 @overload

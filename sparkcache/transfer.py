@@ -31,8 +31,8 @@ from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkC
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
-from sparkcache.maintenance import Problem, Progress, verify_file
 from sparkcache.store import SnapshotInfo, SnapshotStore
+from sparkcache.verification import Problem, Progress, verify_file
 from sparkcache.version import VERSION
 
 __all__ = [

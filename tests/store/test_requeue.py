@@ -17,7 +17,7 @@ import pytest
 from sparkcache import SnapshotStore
 from sparkcache.errors import StorageMismatch
 from sparkcache.identity import RequestScope
-from sparkcache.maintenance import requeue, verify
+from sparkcache.verification import requeue, verify
 
 from .helpers import identity, pages_for, tokens
 

@@ -1,0 +1,220 @@
+"""Verification of whole segment files, and the undo of a quarantine.
+
+``verify`` re-hashes every written segment of every snapshot not quarantined
+(a failure quarantines it, exactly as a failed read would); ``requeue`` checks
+the quarantined ones again and gives back those whose files are whole.  Both
+take the narrow :class:`~sparkcache.core.Core`, and both first look for the
+objects the index expects (:func:`~sparkcache.maintenance.check_storage`): a
+storage holding none of them changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from sparkcache import segment as seg
+from sparkcache.core import Core, SnapshotInfo, fetch, ids
+from sparkcache.errors import CorruptSnapshot
+from sparkcache.hashing import prefix_hashes, prefix_seed
+from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.index import queries as q
+from sparkcache.maintenance import check_storage, insert_boundaries, quarantine
+
+__all__ = ["Problem", "Progress", "RequeueReport", "VerifyReport", "requeue", "verify",
+           "verify_file"]
+
+#: ``progress(done_bytes, total_bytes)``, called as work advances.
+Progress = Callable[[int, int], None]
+
+
+class _VerifyRow(NamedTuple):
+    """A row of ``queries.ADMIN_VERIFY_SEGMENTS``: a segment and what its header must say."""
+
+    snapshot_id: int
+    rank: int
+    object_key: str
+    token_start: int
+    token_end: int
+    nbytes: int
+    digest: str
+    snap_key: str
+    identity_json: str
+
+
+# -- verify --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One snapshot (and rank, where known) that failed, and why."""
+
+    snapshot_id: int
+    rank: int | None
+    reason: str  # digest, tokens, identity, shape, missing, truncated, header, parent, scope
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    segments: int = 0
+    nbytes: int = 0
+    corrupt: list[Problem] = field(default_factory=list)
+    quarantined: list[int] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.corrupt
+
+
+def verify_file(
+    buf: memoryview, digest: str, identity: ModelIdentity, rank: int, snap_key: str,
+    token_start: int, token_end: int, tick: Callable[[int], None] = lambda n: None,
+) -> seg.SegmentHeader:
+    """Check one whole segment file: its header (:func:`sparkcache.segment.check_header`,
+    as a read does) and every chunk of every tensor, tokens included.
+
+    Raises CorruptSnapshot with the reason a read would give.
+    """
+    header = seg.check_header(buf, digest, identity, rank, snap_key, token_start, token_end)
+    tick(header.data_start)
+    for name, (_offset, nbytes) in header.tensors.items():
+        view = seg.verified_view(buf, header, name, nbytes)
+        del view  # the buffer may be an mmap: drop views before the blob closes
+        tick(nbytes)
+    return header
+
+
+def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
+    """Re-hash every written segment of every snapshot not yet quarantined.
+
+    A failure quarantines the snapshot (and its descendants) exactly as a failed
+    read would, and is listed in the report.  ``progress(done, total)`` counts
+    payload bytes.  Snapshots deleted meanwhile are skipped silently.
+    """
+    check_storage(core)
+    report = VerifyReport()
+    with core.read() as conn:
+        rows = fetch(conn, q.ADMIN_VERIFY_SEGMENTS, into=_VerifyRow)
+    total = sum(r.nbytes for r in rows)
+    identities: dict[str, ModelIdentity] = {}
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(min(done, total), total)
+
+    tick(0)
+    lost: set[int] = set()  # quarantined by this run, descendants included
+    for sid, rank, key, start, end, nbytes, digest, snap_key, identity_json in rows:
+        expected_done = done + nbytes
+        if sid not in lost:
+            identity = identities.get(identity_json) or identities.setdefault(
+                identity_json, ModelIdentity.from_dict(json.loads(identity_json)))
+            try:
+                with seg.open_segment(core.backend, key) as blob:
+                    buf = blob.buffer
+                    if buf.nbytes != nbytes:
+                        raise CorruptSnapshot(
+                            f"segment file holds {buf.nbytes} bytes, the index says {nbytes}",
+                            "truncated")
+                    verify_file(buf, digest, identity, rank, snap_key, start, end, tick)
+                    del buf
+            except CorruptSnapshot as exc:
+                with core.read() as conn:
+                    subtree = ids(conn, q.SUBTREE, (sid,))
+                if subtree:  # else it was deleted meanwhile: nothing to report
+                    quarantine(core, sid, exc.reason)
+                    lost.update(subtree)
+                    report.quarantined.append(sid)
+                    report.corrupt.append(Problem(sid, rank, exc.reason, str(exc)))
+            report.segments += 1
+            report.nbytes += nbytes
+        done = expected_done - nbytes
+        tick(nbytes)
+    return report
+
+
+@dataclass
+class RequeueReport:
+    """What ``requeue`` gave back, and what stays quarantined, with why."""
+
+    requeued: list[int] = field(default_factory=list)
+    still_quarantined: list[Problem] = field(default_factory=list)
+
+
+def requeue(core: Core, alias_stride: int) -> RequeueReport:
+    """Verify every quarantined snapshot again; those whose files are whole now
+    (every rank's, every chunk, the key the hash of the chain's tokens in the
+    snapshot's scope) become ready again with their boundary rows, parents first.
+
+    The undo for a quarantine caused by a storage that was missing for a while
+    (a disk not mounted, a wrong ``--storage``).  Breakpoint rows were kept by
+    the quarantine; stride and end rows are computed again from the verified
+    token ids.  A snapshot whose parent stays quarantined stays too.
+    """
+    report = RequeueReport()
+    with core.read() as conn:
+        waiting = fetch(conn, q.QUARANTINED_PARENTS_FIRST, into=SnapshotInfo)
+    for info in waiting:
+        problem = _requeue_one(core, info, alias_stride)
+        if problem is None:
+            report.requeued.append(info.id)
+        else:
+            report.still_quarantined.append(problem)
+    return report
+
+
+def _requeue_one(core: Core, info: SnapshotInfo, alias_stride: int) -> Problem | None:
+    with core.read() as conn:
+        chain = core.chain(conn, info.id)
+        segments = {link.id: core.segments(conn, link.id) for link in chain}
+        model = core.model(conn, info.model_id)
+    if model is None:
+        return Problem(info.id, None, "missing", "its model row is gone")
+    if any(link.state != "ready" for link in chain[:-1]):
+        return Problem(info.id, None, "parent", "a snapshot of its chain is still quarantined")
+    identity = model.identity()
+    tokens: list[np.ndarray] = []
+    try:
+        for link in chain:
+            segs = segments[link.id]
+            if [g.rank for g in segs] != list(range(identity.world_size)) or any(
+                    g.state != "ready" or g.digest is None for g in segs):
+                raise CorruptSnapshot("not every rank's segment is ready", "missing")
+            for g in segs if link.id == info.id else segs[:1]:
+                with seg.open_segment(core.backend, g.object_key) as blob:
+                    buf = blob.buffer
+                    if buf.nbytes != g.nbytes:
+                        raise CorruptSnapshot(f"segment file holds {buf.nbytes} bytes, the "
+                                              f"index says {g.nbytes}", "truncated")
+                    header = verify_file(buf, str(g.digest), identity, g.rank, link.snap_key,
+                                         g.token_start, g.token_end)
+                    if g.rank == 0:
+                        view = seg.verified_view(buf, header, "tokens",
+                                                 header.tensors["tokens"][1])
+                        tokens.append(view.view("<u4").copy())
+                        del view
+                    del buf
+    except CorruptSnapshot as exc:
+        return Problem(info.id, None, exc.reason, str(exc))
+    scope = (RequestScope() if info.scope_json is None
+             else RequestScope.from_canonical(info.scope_json))
+    hashes = prefix_hashes(prefix_seed(identity, scope), np.concatenate(tokens),
+                           identity.block_size)
+    if hashes[-1].hex() != info.snap_key:
+        return Problem(info.id, None, "scope", "its key is not the hash of its tokens in its "
+                       "recorded scope (published with a scope before scopes were recorded)")
+    with core.write() as conn:
+        conn.execute(q.REQUEUE, (info.id,))
+        if conn.changes() == 1:
+            insert_boundaries(conn, info.id, info.model_id, hashes, identity.block_size,
+                              alias_stride)
+            conn.execute(q.BUMP_COUNTER, (info.model_id, "requeued", 1))
+    return None
