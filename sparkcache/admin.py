@@ -20,18 +20,16 @@ folders it would delete).  There is no second copy of the rules to drift.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Literal, overload
 
 import apsw
 
-from sparkcache import catalog, maintenance, transfer, verification
-from sparkcache.backends import Backend, Blob, BufferLike, DiskUsage, known_schemes
+from sparkcache import catalog, maintenance, rehearsal, transfer, verification
+from sparkcache.backends import known_schemes
 from sparkcache.catalog import ModelRow, SnapshotDetail, SnapshotRow, mb
 from sparkcache.core import INDEX_FILE, Core, SnapshotInfo, fetch
 from sparkcache.errors import InvalidArgument, NotFound
@@ -39,6 +37,7 @@ from sparkcache.folder import resolve_folder
 from sparkcache.index import migrate
 from sparkcache.index import queries as q
 from sparkcache.maintenance import CheckReport
+from sparkcache.rehearsal import DryRun
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
 from sparkcache.store import SnapshotStore
 from sparkcache.transfer import ExportReport, ImportReport
@@ -139,23 +138,6 @@ class DbRevision:
     @property
     def up_to_date(self) -> bool:
         return self.current == self.head
-
-
-ReportT = TypeVar("ReportT")
-
-
-@dataclass(frozen=True)
-class DryRun(Generic[ReportT]):
-    """What a deleting operation would do; nothing was changed.
-
-    ``report`` is the real operation's own result, computed by running it in a
-    transaction that was rolled back; ``files`` the object keys whose files it
-    would delete and ``folders`` the model folders it would remove.
-    """
-
-    report: ReportT
-    files: list[str]
-    folders: list[str]
 
 
 def to_dict(result: Any) -> Any:
@@ -323,7 +305,7 @@ def check(store: SnapshotStore, *, fix: bool = False,
 
     With ``fix`` and ``dry_run`` the repair is rehearsed (see :class:`DryRun`).
     """
-    return _run(store, dry_run, lambda core: maintenance.check(core, fix=fix))
+    return rehearsal.run(store, dry_run, lambda core: maintenance.check(core, fix=fix))
 
 
 # -- deleting and pinning -------------------------------------------------------------------
@@ -350,7 +332,7 @@ def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = F
         deleted, leased, pinned = maintenance.clear_model(core, row.id, keep_pinned=keep_pinned)
         return ClearReport(row.name, row.id, deleted, leased, pinned)
 
-    return _run(store, dry_run, clear)
+    return rehearsal.run(store, dry_run, clear)
 
 
 @overload
@@ -373,7 +355,7 @@ def delete_model(store: SnapshotStore, model: str | int, *,
         remaining = [] if complete else [s.id for s in catalog.list_snapshots(core, row.id)]
         return DeleteModelReport(row.name, row.id, complete, remaining)
 
-    return _run(store, dry_run, delete)
+    return rehearsal.run(store, dry_run, delete)
 
 
 def pin(store: SnapshotStore, snapshot_id: int, pinned: bool = True) -> SnapshotRow:
@@ -423,108 +405,7 @@ def sweep(store: SnapshotStore, retention: Retention | RetentionSettings, *,
     """
     if isinstance(retention, RetentionSettings):
         retention = Retention(retention)
-    return _run(store, dry_run, retention.sweep)
-
-
-# -- dry runs ---------------------------------------------------------------------------------
-
-
-class _DryBackend:
-    """The store's backend during a dry run: reads go through, deletions are only
-    recorded (and look done to the rest of the run), writes are refused.
-
-    So a dry run cannot change a file, whether it deletes after a commit (which
-    never comes) or directly, as removing a model's folder does.
-    """
-
-    def __init__(self, backend: Backend) -> None:
-        self.inner = backend
-        self.url = backend.url
-        self.zero_copy = backend.zero_copy
-        self.gone: dict[str, int] = {}  # object key -> bytes its deletion frees
-        self.folders_gone: list[str] = []
-
-    def put(self, key: str, chunks: Iterable[BufferLike], *, durable: bool = True) -> int:
-        raise RuntimeError(f"a dry run tried to write {key}; a dry run must change nothing")
-
-    def open(self, key: str) -> Blob:
-        if key in self.gone:
-            raise NotFound(f"{key} (deleted earlier in this dry run)")
-        return self.inner.open(key)
-
-    def delete(self, key: str) -> bool:
-        if key in self.gone or not self.inner.exists(key):
-            return False
-        self.gone[key] = self.inner.size(key)
-        return True
-
-    def exists(self, key: str) -> bool:
-        return key not in self.gone and self.inner.exists(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return (key for key in self.inner.list(prefix) if key not in self.gone)
-
-    def size(self, key: str) -> int:
-        if key in self.gone:
-            raise NotFound(f"{key} (deleted earlier in this dry run)")
-        return self.inner.size(key)
-
-    def folders(self, prefix: str) -> Iterator[str]:
-        return (f for f in self.inner.folders(prefix) if f not in self.folders_gone)
-
-    def remove_tree(self, prefix: str) -> int:
-        removed = sum(self.delete(key) for key in list(self.list(prefix)))
-        if prefix not in self.folders_gone:
-            self.folders_gone.append(prefix)
-        return removed
-
-    def disk_usage(self) -> DiskUsage | None:
-        usage = self.inner.disk_usage()
-        if usage is None:
-            return None
-        return DiskUsage(usage.total, usage.free + sum(self.gone.values()))
-
-    def close(self) -> None:
-        """The store's backend stays open: it belongs to the store."""
-
-
-class _Rehearsal(Core):
-    """A core over the store's index and a :class:`_DryBackend`.
-
-    The files a transaction would delete after its commit are recorded as gone
-    at once, since the dry run never commits: what a real sweep sees between
-    its transactions (free disk, what a folder still holds) the dry run sees
-    too.  No deleting operation catches an error inside its own transaction,
-    so nothing recorded here is ever rolled back by the operation itself.
-    """
-
-    def delete_after_commit(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self.delete_object(key)
-
-
-class _RolledBack(Exception):
-    """Ends a dry run's transaction by rolling it back."""
-
-
-def _run(store: SnapshotStore, dry_run: bool,
-         action: Callable[[Core], ReportT]) -> ReportT | DryRun[ReportT]:
-    """``action(store.core)``, or with ``dry_run`` its rehearsal: ``action`` runs on
-    a :class:`_Rehearsal` core inside one write transaction that is rolled back.
-
-    The transaction is the index's own (``Database.write``), not the store's
-    core's, so counts the store has not saved yet are not rolled back with it.
-    It holds the write lock while the operation runs, as the real one would.
-    """
-    if not dry_run:
-        return action(store.core)
-    backend = _DryBackend(store.core.backend)
-    core = _Rehearsal(store.core.root, store.core.db, backend, store.core.clock)
-    reports: list[ReportT] = []
-    with contextlib.suppress(_RolledBack), store.core.db.write():
-        reports.append(action(core))
-        raise _RolledBack
-    return DryRun(reports[0], sorted(backend.gone), sorted(backend.folders_gone))
+    return rehearsal.run(store, dry_run, retention.sweep)
 
 
 # -- export and import (sparkcache.transfer) --------------------------------------------
