@@ -11,14 +11,15 @@ storage holding none of them changes nothing.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from sparkcache import segment as seg
-from sparkcache.core import Core, SnapshotInfo, fetch, ids
+from sparkcache.core import Core, SegmentInfo, SnapshotInfo, fetch, ids
 from sparkcache.errors import CorruptSnapshot
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
@@ -35,15 +36,32 @@ Progress = Callable[[int, int], None]
 class _VerifyRow(NamedTuple):
     """A row of ``queries.ADMIN_VERIFY_SEGMENTS``: a segment and what its header must say."""
 
-    snapshot_id: int
-    rank: int
-    object_key: str
-    token_start: int
-    token_end: int
-    nbytes: int
-    digest: str
+    segment: SegmentInfo
     snap_key: str
     identity_json: str
+
+    @classmethod
+    def of(cls, *columns: Any) -> _VerifyRow:
+        *segment, snap_key, identity_json = columns
+        return cls(SegmentInfo(*segment), snap_key, identity_json)
+
+
+@contextmanager
+def _whole_file(core: Core, segment: SegmentInfo, identity: ModelIdentity, snap_key: str,
+                tick: Callable[[int], None] = lambda n: None,
+                ) -> Iterator[tuple[memoryview, seg.SegmentHeader]]:
+    """One segment file checked completely (size, then :func:`verify_file`)."""
+    with seg.open_segment(core.backend, segment.object_key) as blob:
+        buf = blob.buffer
+        try:
+            if buf.nbytes != segment.nbytes:
+                raise CorruptSnapshot(f"segment file holds {buf.nbytes} bytes, the index "
+                                      f"says {segment.nbytes}", "truncated")
+            header = verify_file(buf, str(segment.digest), identity, segment.rank, snap_key,
+                                 segment.token_start, segment.token_end, tick)
+            yield buf, header
+        finally:
+            del buf
 
 
 # -- verify --------------------------------------------------------------------------
@@ -99,8 +117,8 @@ def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
     check_storage(core)
     report = VerifyReport()
     with core.read() as conn:
-        rows = fetch(conn, q.ADMIN_VERIFY_SEGMENTS, into=_VerifyRow)
-    total = sum(r.nbytes for r in rows)
+        rows = fetch(conn, q.ADMIN_VERIFY_SEGMENTS, into=_VerifyRow.of)
+    total = sum(r.segment.nbytes for r in rows)
     identities: dict[str, ModelIdentity] = {}
     done = 0
 
@@ -112,20 +130,15 @@ def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
 
     tick(0)
     lost: set[int] = set()  # quarantined by this run, descendants included
-    for sid, rank, key, start, end, nbytes, digest, snap_key, identity_json in rows:
+    for segment, snap_key, identity_json in rows:
+        sid, rank, nbytes = segment.snapshot_id, segment.rank, segment.nbytes
         expected_done = done + nbytes
         if sid not in lost:
             identity = identities.get(identity_json) or identities.setdefault(
                 identity_json, ModelIdentity.from_dict(json.loads(identity_json)))
             try:
-                with seg.open_segment(core.backend, key) as blob:
-                    buf = blob.buffer
-                    if buf.nbytes != nbytes:
-                        raise CorruptSnapshot(
-                            f"segment file holds {buf.nbytes} bytes, the index says {nbytes}",
-                            "truncated")
-                    verify_file(buf, digest, identity, rank, snap_key, start, end, tick)
-                    del buf
+                with _whole_file(core, segment, identity, snap_key, tick):
+                    pass
             except CorruptSnapshot as exc:
                 with core.read() as conn:
                     subtree = ids(conn, q.SUBTREE, (sid,))
@@ -189,19 +202,13 @@ def _requeue_one(core: Core, info: SnapshotInfo, alias_stride: int) -> Problem |
                     g.state != "ready" or g.digest is None for g in segs):
                 raise CorruptSnapshot("not every rank's segment is ready", "missing")
             for g in segs if link.id == info.id else segs[:1]:
-                with seg.open_segment(core.backend, g.object_key) as blob:
-                    buf = blob.buffer
-                    if buf.nbytes != g.nbytes:
-                        raise CorruptSnapshot(f"segment file holds {buf.nbytes} bytes, the "
-                                              f"index says {g.nbytes}", "truncated")
-                    header = verify_file(buf, str(g.digest), identity, g.rank, link.snap_key,
-                                         g.token_start, g.token_end)
+                with _whole_file(core, g, identity, link.snap_key) as (buf, header):
                     if g.rank == 0:
                         view = seg.verified_view(buf, header, "tokens",
                                                  header.tensors["tokens"][1])
                         tokens.append(view.view("<u4").copy())
                         del view
-                    del buf
+                    del buf  # before the file closes (it may be a mapping)
     except CorruptSnapshot as exc:
         return Problem(info.id, None, exc.reason, str(exc))
     scope = (RequestScope() if info.scope_json is None

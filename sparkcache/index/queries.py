@@ -206,8 +206,8 @@ ADMIN_QUARANTINED = (
 # Every written segment of every snapshot not already quarantined, with what its
 # header must say (the model's identity and the snapshot key).
 ADMIN_VERIFY_SEGMENTS = (
-    "SELECT g.snapshot_id, g.rank, g.object_key, g.token_start, g.token_end, g.nbytes, "
-    "g.digest, s.snap_key, m.identity_json FROM segments AS g "
+    "SELECT " + ", ".join(f"g.{c.strip()}" for c in SEGMENT_COLUMNS.split(",")) + ", "
+    "s.snap_key, m.identity_json FROM segments AS g "
     "JOIN snapshots AS s ON s.id = g.snapshot_id JOIN models AS m ON m.id = s.model_id "
     "WHERE g.state = 'ready' AND s.state != 'quarantined' ORDER BY g.snapshot_id, g.rank"
 )
