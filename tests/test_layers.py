@@ -131,9 +131,13 @@ def test_imports_follow_the_documented_layers() -> None:
 
 
 def test_the_cli_is_a_thin_layer_over_admin() -> None:
+    """``cli`` and every ``cli_*`` module import only admin, errors and each other."""
     modules = package_modules()
-    used = {u.target for u in uses("cli", modules["cli"], set(modules)) if u.target}
-    assert used <= {"admin", "errors"}, used
+    cli = {name for name in modules if name == "cli" or name.startswith("cli_")}
+    assert {"cli", "cli_output", "cli_commands"} <= cli, cli
+    for name in sorted(cli):
+        used = {u.target for u in uses(name, modules[name], set(modules)) if u.target}
+        assert used - {name} <= {"admin", "errors"} | cli, (name, used)
 
 
 def foreign_private_members_of(path: Path) -> list[str]:

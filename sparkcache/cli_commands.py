@@ -1,0 +1,413 @@
+"""The ``sparkcache`` subcommands: each calls one :mod:`sparkcache.admin` function.
+
+``cmd_<name>(ctx)`` reads its arguments from ``ctx.args``, opens the store
+through the :class:`~sparkcache.cli_output.Context` (without upgrading its
+schema for read-only commands and dry runs), calls admin, prints the result
+with ``ctx.emit`` and returns the exit status.  Errors are raised, never
+printed: :func:`sparkcache.cli.main` reports them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from sparkcache import admin
+from sparkcache.cli_output import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    Context,
+    Declined,
+    fields,
+    plural,
+    table,
+    when,
+)
+from sparkcache.errors import InvalidArgument
+
+__all__ = [
+    "cmd_check", "cmd_clear", "cmd_db_current", "cmd_db_downgrade", "cmd_db_upgrade",
+    "cmd_export", "cmd_import", "cmd_ls", "cmd_models", "cmd_pin", "cmd_rm", "cmd_shell",
+    "cmd_show", "cmd_stats", "cmd_sweep", "cmd_verify",
+]
+
+
+def cmd_models(ctx: Context) -> int:
+    with ctx.store(upgrade=False) as store:
+        rows = admin.list_models(store)
+    ctx.emit(rows, lambda: table(
+        ["ID", "NAME", "DIGEST", "SNAPSHOTS", "MB", "CREATED", "DELETED"],
+        [[r.id, r.name, r.digest[:12], r.snapshots, r.mb, when(r.created_at),
+          when(r.deleted_at) if r.deleted_at else None] for r in rows],
+    ) if rows else "no models")
+    return EXIT_OK
+
+
+def _snapshot_table(rows: Sequence[admin.SnapshotRow]) -> str:
+    return table(
+        ["ID", "MODEL", "TOKENS", "MB", "CREATED", "LAST USED", "HITS", "PARENT", "PINNED",
+         "STATE", "REASON"],
+        [[r.id, r.model, r.tokens, r.mb, when(r.created_at), when(r.last_used), r.hits,
+          r.parent, "yes" if r.pinned else "", r.state, r.reason] for r in rows],
+    )
+
+
+def cmd_ls(ctx: Context) -> int:
+    with ctx.store(upgrade=False) as store:
+        rows = admin.list_snapshots(store, ctx.args.model)
+    ctx.emit(rows, lambda: _snapshot_table(rows) if rows else "no snapshots")
+    return EXIT_OK
+
+
+def cmd_show(ctx: Context) -> int:
+    with ctx.store(upgrade=False) as store:
+        d = admin.show(store, ctx.args.id)
+    s = d.snapshot
+
+    def text() -> str:
+        head = fields([
+            ("snapshot", s.id), ("model", f"{s.model} (id {s.model_id}, {d.model_digest})"),
+            ("state", s.state + (f" ({s.reason})" if s.reason else "")),
+            ("tokens", f"{s.tokens} (this link holds [{s.start_token}, {s.tokens}))"),
+            ("size", f"{s.mb} MB ({s.nbytes} bytes)"), ("ranks", s.world_size),
+            ("parent", s.parent), ("depth", s.depth), ("pinned", "yes" if s.pinned else "no"),
+            ("hits", s.hits), ("created", when(s.created_at)), ("last used", when(s.last_used)),
+            ("chain", " -> ".join(f"{c.id}[{c.start_token}:{c.n_tokens}]" for c in d.chain)),
+            ("children", ", ".join(map(str, d.children)) or None),
+        ])
+        segs = table(["RANK", "STATE", "TOKENS", "MB", "DIGEST", "FILE"],
+                     [[g.rank, g.state, f"{g.token_start}-{g.token_end}", admin.mb(g.nbytes),
+                       g.digest, g.object_key] for g in d.segments])
+        parts = [head, "", segs]
+        if d.leases:
+            parts += ["", table(["LEASE", "KIND", "HOLDER", "EXPIRES"],
+                                [[x.id, x.kind, x.holder, when(x.expires_at)] for x in d.leases])]
+        return "\n".join(parts)
+
+    ctx.emit(d, text)
+    return EXIT_OK
+
+
+def cmd_stats(ctx: Context) -> int:
+    with ctx.store(upgrade=False) as store:
+        st = admin.stats(store, ctx.args.model)
+
+    def text() -> str:
+        rate = "-" if st.hit_rate is None else f"{st.hit_rate:.1%}"
+        pairs: list[tuple[str, Any]] = [
+            ("model", st.model or "(all)"), ("hits", st.hits), ("misses", st.misses),
+            ("hit rate", rate), ("publishes", st.publishes), ("skipped", st.skipped),
+            ("written", f"{st.written_tokens} tokens, {admin.mb(st.written_bytes)} MB"),
+            ("restored", f"{st.restored_tokens} tokens, {admin.mb(st.restored_bytes)} MB"),
+            ("evictions", ", ".join(f"{k} {v}" for k, v in st.evictions.items()) or 0),
+            ("quarantines", ", ".join(f"{k} {v}" for k, v in st.quarantined_counts.items())
+             or 0),
+        ]
+        body = fields(pairs)
+        if st.quarantined:
+            body += "\n\nquarantined now:\n" + _snapshot_table(st.quarantined)
+        return body
+
+    ctx.emit(st, text)
+    return EXIT_OK
+
+
+def cmd_verify(ctx: Context) -> int:
+    if ctx.args.requeue:
+        return _requeue(ctx)
+    with ctx.store() as store:
+        bar = ctx.bar("verify")
+        try:
+            report = admin.verify(store, progress=bar)
+        finally:
+            bar.close()
+
+    def text() -> str:
+        head = (f"verified {plural(report.segments, 'segment')} ({admin.mb(report.nbytes)} MB): "
+                + ("all intact" if report.clean else
+                   f"{len(report.corrupt)} corrupt, quarantined: "
+                   + ", ".join(map(str, report.quarantined))))
+        if report.clean:
+            return head
+        return head + "\n" + table(["SNAPSHOT", "RANK", "REASON", "MESSAGE"],
+                                   [[p.snapshot_id, p.rank, p.reason, p.message]
+                                    for p in report.corrupt])
+
+    ctx.emit(report, text)
+    return EXIT_OK if report.clean else EXIT_PROBLEMS
+
+
+def _requeue(ctx: Context) -> int:
+    with ctx.store() as store, ctx.bar("requeue").spin():
+        r = admin.requeue(store)
+
+    def text() -> str:
+        head = (f"requeued {plural(len(r.requeued), 'snapshot')}"
+                + (": " + ", ".join(map(str, r.requeued)) if r.requeued else ""))
+        if not r.still_quarantined:
+            return head
+        return head + "\nstill quarantined:\n" + _problems(r.still_quarantined)
+
+    ctx.emit(r, text)
+    return EXIT_OK if not r.still_quarantined else EXIT_PROBLEMS
+
+
+def _report(result: Any) -> Any:
+    """The report of a result that may be a dry run's."""
+    return result.report if isinstance(result, admin.DryRun) else result
+
+
+def _would(dry: bool, done: str, would: str) -> str:
+    return would if dry else done
+
+
+def _dry_note(result: Any) -> str:
+    """The last line of a dry run's text: what would go; "" for a real run."""
+    if not isinstance(result, admin.DryRun):
+        return ""
+    return (f"\ndry run: nothing was changed ({plural(len(result.files), 'file')}"
+            + (f" and {plural(len(result.folders), 'folder')}" if result.folders else "")
+            + " would be deleted)")
+
+
+def cmd_check(ctx: Context) -> int:
+    fix, dry = ctx.args.fix, ctx.args.dry_run
+    with ctx.store(upgrade=fix and not dry) as store, ctx.bar("check").spin():
+        result = admin.check(store, fix=fix, dry_run=dry)
+    report = _report(result)
+
+    def text() -> str:
+        if report.clean:
+            return "index and files agree: nothing to fix" + _dry_note(result)
+        found: list[tuple[str, list[Any]]] = [
+            ("expired leases", report.expired_leases),
+            ("publishes whose process died (snapshot, rank)", report.dead_publishes),
+            ("snapshots stuck pending", report.stuck_pending),
+            ("snapshots whose file is missing", report.missing_files),
+            ("files no row names", report.orphan_files),
+        ]
+        lines = [f"{name}: {len(items)}  {', '.join(map(str, items[:10]))}"
+                 + (" ..." if len(items) > 10 else "") for name, items in found if items]
+        if not fix:
+            lines.append("run `sparkcache check --fix` to repair.")
+        else:
+            lines.append(_would(dry, "fixed.", "--fix would repair all of it."))
+        return "\n".join(lines) + _dry_note(result)
+
+    ctx.emit(result, text)
+    return EXIT_OK if report.clean else EXIT_PROBLEMS
+
+
+def cmd_clear(ctx: Context) -> int:
+    a = ctx.args
+    if not (a.yes or a.dry_run or ctx.interactive):
+        raise InvalidArgument(
+            f"`sparkcache clear {a.model}` deletes every snapshot of the model and there is "
+            "no terminal to ask on: pass --yes to go ahead (--dry-run shows what would go)")
+    with ctx.store(upgrade=not a.dry_run) as store:
+        if not (a.yes or a.dry_run):
+            plan = admin.clear_model(store, a.model, keep_pinned=a.keep_pinned,
+                                     dry_run=True).report
+            if plan.deleted and not ctx.confirm(
+                    f"delete {plural(len(plan.deleted), 'snapshot')} of {plan.model} "
+                    f"(id {plan.model_id})?"):
+                raise Declined("not confirmed: nothing was deleted")
+        with ctx.bar("clear").spin():
+            result = admin.clear_model(store, a.model, keep_pinned=a.keep_pinned,
+                                       dry_run=a.dry_run)
+    r = _report(result)
+    dry = a.dry_run
+
+    def text() -> str:
+        lines = [f"{_would(dry, 'deleted', 'would delete')} "
+                 f"{plural(len(r.deleted), 'snapshot')} of {r.model} (id {r.model_id})"
+                 + (": " + ", ".join(map(str, r.deleted)) if dry and r.deleted else "")]
+        if r.kept_leased:
+            lines.append(f"{_would(dry, 'kept', 'would keep')} {len(r.kept_leased)} in use "
+                         "(leased, or needed by a leased one): "
+                         + ", ".join(map(str, r.kept_leased)) + "; clear again later")
+        if r.kept_pinned:
+            lines.append(f"{_would(dry, 'kept', 'would keep')} pinned: "
+                         + ", ".join(map(str, r.kept_pinned)))
+        return "\n".join(lines) + _dry_note(result)
+
+    ctx.emit(result, text)
+    return EXIT_OK
+
+
+def cmd_rm(ctx: Context) -> int:
+    dry = ctx.args.dry_run
+    with ctx.store(upgrade=not dry) as store, ctx.bar("rm").spin():
+        result = admin.delete_model(store, ctx.args.model, dry_run=dry)
+    r = _report(result)
+    ctx.emit(result, lambda: (
+        f"{_would(dry, 'deleted', 'would delete')} model {r.model} (id {r.model_id}) and its "
+        "folder" if r.complete else
+        f"model {r.model} (id {r.model_id}) {_would(dry, 'is', 'would be')} marked deleted; "
+        f"{plural(len(r.remaining), 'snapshot')} still leased go when their leases end "
+        "(the sweeper finishes the job)") + _dry_note(result))
+    return EXIT_OK
+
+
+def cmd_pin(ctx: Context) -> int:
+    with ctx.store() as store:
+        row = admin.pin(store, ctx.args.id) if ctx.args.command == "pin" else \
+            admin.unpin(store, ctx.args.id)
+    ctx.emit(row, lambda: f"snapshot {row.id} {'pinned' if row.pinned else 'unpinned'}")
+    return EXIT_OK
+
+
+def cmd_sweep(ctx: Context) -> int:
+    overrides = {k: v for k, v in (("max_age_hours", ctx.args.max_age_hours),
+                                   ("total_mb", ctx.args.total_mb),
+                                   ("min_free_mb", ctx.args.min_free_mb)) if v is not None}
+    settings = admin.retention_settings(ctx.folder, **overrides)
+    dry = ctx.args.dry_run
+    with ctx.store(upgrade=not dry) as store, ctx.bar("sweep").spin():
+        result = admin.sweep(store, settings, dry_run=dry)
+    r = _report(result)
+
+    def text() -> str:
+        if not r.count and not r.folders_removed:
+            return "nothing to sweep" + _dry_note(result)
+        lines = [f"{_would(dry, 'evicted', 'would evict')} {n} ({reason})"
+                 for reason, n in r.counts().items()]
+        if r.models_removed:
+            lines.append(_would(dry, "models removed: ", "models that would be removed: ")
+                         + ", ".join(r.models_removed))
+        if r.folders_removed:
+            lines.append(_would(dry, "folders removed: ", "folders that would be removed: ")
+                         + str(len(r.folders_removed)))
+        return "\n".join(lines) + _dry_note(result)
+
+    ctx.emit(result, text)
+    return EXIT_OK
+
+
+def _problems(items: Sequence[admin.Problem]) -> str:
+    return table(["SNAPSHOT", "RANK", "REASON", "MESSAGE"],
+                 [[p.snapshot_id, p.rank, p.reason, p.message] for p in items])
+
+
+def cmd_export(ctx: Context) -> int:
+    with ctx.store() as store:
+        bar = ctx.bar("export")
+        try:
+            r = admin.export_model(store, ctx.args.model, ctx.args.dest, progress=bar)
+        finally:
+            bar.close()
+    ctx.emit(r, lambda: (
+        f"exported {plural(len(r.snapshots), 'snapshot')} of {r.model} "
+        f"({plural(r.segments, 'file')}, "
+        f"{admin.mb(r.nbytes)} MB) to {r.dest}"
+        + (f"\nleft out {len(r.skipped)}:\n{_problems(r.skipped)}" if r.skipped else "")))
+    return EXIT_PROBLEMS if r.skipped else EXIT_OK
+
+
+def cmd_import(ctx: Context) -> int:
+    bar = ctx.bar("import")
+    try:  # import_into creates the store, and removes it again if nothing was imported
+        r = admin.import_into(ctx.folder, ctx.args.src, storage=ctx.args.storage, progress=bar)
+    finally:
+        bar.close()
+    ctx.emit(r, lambda: (
+        f"imported {plural(len(r.imported), 'snapshot')} of {r.model} ({admin.mb(r.nbytes)} MB, "
+        f"{sum(i.deduplicated for i in r.imported)} already present)"
+        + (f"\nrefused {len(r.refused)}:\n{_problems(r.refused)}" if r.refused else "")))
+    return EXIT_PROBLEMS if r.refused else EXIT_OK
+
+
+def cmd_shell(ctx: Context) -> int:
+    import apsw
+    import apsw.shell
+
+    path = str(admin.index_path(ctx.folder))  # refuses a folder without an index
+    flags = apsw.SQLITE_OPEN_READWRITE if ctx.args.write else apsw.SQLITE_OPEN_READONLY
+    conn = apsw.Connection(path, flags=flags)
+    if ctx.args.json and ctx.args.sql:
+        try:
+            rows = _sql_rows(conn, ctx.args.sql)
+        finally:
+            conn.close()
+        ctx.out.write(json.dumps(rows, indent=2, allow_nan=False) + "\n")
+        return EXIT_OK
+    try:
+        shell: Any = apsw.shell.Shell(db=conn, stdout=ctx.out, stderr=ctx.err)
+        shell.process_command(".header on")
+        if ctx.args.json:
+            shell.process_command(".mode json")
+        if not ctx.args.sql:
+            mode = "read-write" if ctx.args.write else "read-only"
+            shell.cmdloop(intro=f"sparkcache index {path} ({mode}); views: v_models, "
+                                "v_snapshots, v_segments, v_leases, v_counters; .help, .quit\n")
+            return EXIT_OK
+        # Errors become our one line; the shell's own report of them is dropped.
+        shell.stderr = io.StringIO()
+        for sql in ctx.args.sql:
+            try:
+                shell.process_complete_line(sql)
+            except (apsw.Error, apsw.shell.Shell.Error) as exc:
+                raise InvalidArgument(f"{exc} (in {sql!r})") from exc
+    finally:
+        conn.close()
+    return EXIT_OK
+
+
+def _json_value(value: Any) -> Any:
+    """A column value as JSON: BLOBs in base64 (as apsw's shell writes them),
+    infinities as text (JSON has no number for them)."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _sql_rows(conn: Any, statements: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of every statement, in order, as one list of ``{column: value}``.
+
+    Dot-commands print text, not rows: refused (InvalidArgument) under --json.
+    """
+    import apsw
+
+    rows: list[dict[str, Any]] = []
+    for sql in statements:
+        if sql.lstrip().startswith("."):
+            raise InvalidArgument(
+                f"{sql!r} is a dot-command, which prints text, not rows: drop --json, or ask "
+                "in SQL (the sqlite_master table lists the tables and views)")
+        cursor = conn.cursor()
+        try:
+            for row in cursor.execute(sql):
+                names = [column[0] for column in cursor.description]
+                rows.append({n: _json_value(v) for n, v in zip(names, row, strict=True)})
+        except apsw.Error as exc:
+            raise InvalidArgument(f"{exc} (in {sql!r})") from exc
+    return rows
+
+
+def cmd_db_current(ctx: Context) -> int:
+    r = admin.db_current(ctx.folder)
+    ctx.emit(r, lambda: fields([("index", r.path), ("revision", r.current), ("head", r.head)])
+             + ("" if r.up_to_date else "\nbehind: run `sparkcache db upgrade`"))
+    return EXIT_OK if r.up_to_date else EXIT_PROBLEMS
+
+
+def cmd_db_upgrade(ctx: Context) -> int:
+    r = admin.db_upgrade(ctx.folder)
+    ctx.emit(r, lambda: (f"upgraded {r.path} to {r.current} (applied {', '.join(r.applied)})"
+                         if r.applied else f"{r.path} is at {r.current}, the newest revision"))
+    return EXIT_OK
+
+
+def cmd_db_downgrade(ctx: Context) -> int:
+    r = admin.db_downgrade(ctx.folder, ctx.args.revision)
+    ctx.emit(r, lambda: (
+        f"downgraded {r.path} to {r.current} (undid {', '.join(r.undone)}); opening the "
+        "store with this sparkcache would upgrade it again" if r.undone else
+        f"{r.path} is at {r.current} already"))
+    return EXIT_OK
