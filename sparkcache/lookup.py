@@ -21,13 +21,13 @@ from typing import NamedTuple
 import numpy as np
 
 from sparkcache.core import Conn, Core, Match, fetch, scalar
-from sparkcache.errors import InvalidArgument
+from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.hashing import as_token_array, prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
-from sparkcache.reader import tail_tokens
+from sparkcache.reader import stored_tokens
 
-__all__ = ["expected_ranks", "extend", "lookup"]
+__all__ = ["expected_ranks", "extend", "grow", "lookup"]
 
 
 def expected_ranks(identity: ModelIdentity, ranks: Iterable[int] | None) -> list[int]:
@@ -104,11 +104,45 @@ def extend(
         if not restorable(core, conn, match.snapshot_id, n + bs, json.dumps(expected),
                           len(expected)):
             return None
-    stored = tail_tokens(core, match, expected[0], n + bs)
-    if stored is None or not np.array_equal(stored[:tokens.size - n], tokens[n:]):
+    stored = stored_tokens(core, match, expected[0], n + bs)
+    if stored.size < bs or not np.array_equal(stored[:tokens.size - n], tokens[n:]):
         return None
     return Match(match.snapshot_id, n + bs, identity,
                  np.concatenate([tokens, stored[tokens.size - n:]]), match.scope)
+
+
+def grow(
+    core: Core, match: Match, token_ids: Sequence[int] | np.ndarray, *, alias_stride: int,
+    ranks: Iterable[int] | None = None,
+) -> Match:
+    """``match`` grown by the whole blocks after it that its snapshot stores and
+    ``token_ids`` share (at most one ``alias_stride`` more); see
+    :meth:`sparkcache.store.SnapshotStore.grow`."""
+    tokens = as_token_array(token_ids)
+    identity = match.identity
+    bs = identity.block_size
+    n = match.n_tokens
+    if tokens.size < n or not np.array_equal(tokens[:n], match.token_ids):
+        raise InvalidArgument("token_ids must begin with the match's token ids")
+    stop = min(tokens.size // bs * bs, n + max(bs, alias_stride // bs * bs))
+    if stop <= n:
+        return match
+    expected = expected_ranks(identity, ranks)
+    with core.read() as conn:
+        info = core.snapshot(conn, match.snapshot_id)
+        if info is None:
+            raise NotFound(f"snapshot {match.snapshot_id} is no longer restorable")
+        stop = min(stop, info.n_tokens)
+        if stop <= n or not restorable(core, conn, match.snapshot_id, stop,
+                                       json.dumps(expected), len(expected)):
+            return match
+    stored = stored_tokens(core, match, expected[0], stop)
+    same = stored == tokens[n:n + stored.size]
+    shared = stored.size if bool(same.all()) else int(np.argmin(same))
+    grown = n + shared // bs * bs
+    if grown == n:
+        return match
+    return Match(match.snapshot_id, grown, identity, tokens[:grown].copy(), match.scope)
 
 
 def _matched_strides(

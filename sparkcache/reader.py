@@ -31,7 +31,7 @@ from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound
 from sparkcache.identity import ModelIdentity
 from sparkcache.maintenance import quarantine
 
-__all__ = ["read_into", "read_pages", "tail_tokens"]
+__all__ = ["read_into", "read_pages", "stored_tokens"]
 
 
 @dataclass(frozen=True)
@@ -99,31 +99,30 @@ def read_into(
                        on_layer=on_layer, threads=threads, cpus=cpus)
 
 
-def tail_tokens(
-    core: Core, match: Match, rank: int, n_tokens: int
-) -> np.ndarray | None:
-    """The snapshot's stored token ids ``[match.n_tokens, n_tokens)``, verified,
-    or None when the snapshot ends before ``n_tokens``.
+def stored_tokens(core: Core, match: Match, rank: int, n_tokens: int) -> np.ndarray:
+    """The snapshot's stored token ids ``[match.n_tokens, n_tokens)``, verified;
+    fewer when the snapshot ends before ``n_tokens``.
 
-    Reads ``rank``'s segment holding them (header, identity and chunk digests
+    Reads ``rank``'s segments holding them (header, identity and chunk digests
     checked, as on a restore); no payload is read.  Raises NotFound when the
     snapshot is no longer restorable, and CorruptSnapshot (the link
-    quarantined) when the segment fails its checks.
+    quarantined) when a segment fails its checks.
     """
     start = match.n_tokens
-    if not start < n_tokens <= start + match.identity.block_size:
-        raise InvalidArgument(f"n_tokens must be in ({start}, {start + match.identity.block_size}]"
-                              f", got {n_tokens}")
+    if n_tokens <= start:
+        raise InvalidArgument(f"n_tokens must be above the match's {start}, got {n_tokens}")
     _model_id, links = _chain_links(core, match, rank, n_tokens)
-    link = next((k for k in links if k.start <= start < k.end), None)
-    if link is None or link.end < n_tokens:
-        return None
-    with _quarantine_on_failure(core, link), \
-            _open_verified(core, link, match.identity, rank) as opened:
-        stored = _verified_tokens(opened, (n_tokens - link.start) * 4)
-        tail = stored.view("<u4")[start - link.start:].copy()  # before the mapping closes
-        del stored
-    return tail
+    parts: list[np.ndarray] = []
+    for link in links:
+        lo, hi = max(link.start, start), min(link.end, n_tokens)
+        if lo >= hi:
+            continue
+        with _quarantine_on_failure(core, link), \
+                _open_verified(core, link, match.identity, rank) as opened:
+            stored = _verified_tokens(opened, (hi - link.start) * 4)
+            parts.append(stored.view("<u4")[lo - link.start:].copy())  # before it closes
+            del stored
+    return np.concatenate(parts) if parts else np.empty(0, np.uint32)
 
 
 def _chain_links(core: Core, match: Match, rank: int, n: int) -> tuple[int, list[_Link]]:

@@ -269,6 +269,26 @@ class SnapshotStore:
         """
         return lookups.extend(self.core, match, token_ids, ranks=ranks)
 
+    def grow(
+        self, match: Match, token_ids: Sequence[int] | np.ndarray, *,
+        ranks: Iterable[int] | None = None,
+    ) -> Match:
+        """``match`` grown by the whole blocks after it that its snapshot stores
+        and ``token_ids`` (the prompt, starting with the match's tokens) share.
+
+        A lookup ends at a boundary row: the snapshot's end, a stride alias or a
+        breakpoint.  A prompt that shares more of a longer snapshot than its last
+        alias below the divergence restores up to the last whole shared block,
+        as vLLM's own prefix cache would: the stored token ids after the match
+        (at most ``alias_stride`` of them) are read verified from the first of
+        ``ranks`` (every one of which must be able to restore them) and compared.
+        Returns ``match`` itself when nothing more is shared.  A segment failing
+        its checks is quarantined and raises CorruptSnapshot (a vanished snapshot
+        NotFound): the match is then no longer a hit.
+        """
+        return lookups.grow(self.core, match, token_ids, alias_stride=self.alias_stride,
+                            ranks=ranks)
+
     # -- read (sparkcache.reader) -----------------------------------------------------
 
     def read(self, match: Match, rank: int, *, n_tokens: int | None = None) -> list[np.ndarray]:

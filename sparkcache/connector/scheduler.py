@@ -229,6 +229,8 @@ class SchedulerSide:
         finally:
             self.counters.add("lookup_seconds", time.perf_counter() - started)
         self.counters.add("lookups")
+        if match is not None and match.n_tokens < limit:
+            match = self._grow(match, tokens[:limit])
         claim = 0 if match is None else match.n_tokens
         if match is not None and tail and match.n_tokens == limit:
             match, claim = self._extend(match, tokens[:want])
@@ -243,6 +245,22 @@ class SchedulerSide:
             load_async = len(self._live) > 1
         self._offers[request.request_id] = (match, num_computed, load_async, claim)
         return claim - num_computed, load_async
+
+    def _grow(self, match: Match, tokens: Any) -> Match | None:
+        """The match grown to the last whole block the prompt shares with its
+        snapshot (past the alias the lookup stopped at); None when that snapshot
+        turned out broken."""
+        started = time.perf_counter()
+        try:
+            return self.store.grow(match, np.asarray(tokens, np.uint32))
+        except (CorruptSnapshot, NotFound) as exc:  # quarantined or gone: a miss
+            logger.warning("sparkcache: snapshot %d not offered: %s", match.snapshot_id, exc)
+            return None
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: could not compare the stored blocks: %s", exc)
+            return match
+        finally:
+            self.counters.add("lookup_seconds", time.perf_counter() - started)
 
     def _extend(self, match: Match, tokens: Any) -> tuple[Match | None, int]:
         """The match grown by the stored block holding the rest of ``tokens``, and

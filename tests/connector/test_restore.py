@@ -227,3 +227,30 @@ def test_idle_steps_wait_for_a_landing_load(tmp_path: Path) -> None:
         assert not waiter.is_alive()
         assert io.poll()[1] == {"r"}
         io.close()
+
+
+def test_a_shared_prefix_restores_past_the_stride_alias(one_rank: Any) -> None:
+    """A prompt sharing 600 tokens of a stored 700-token one, then going its own
+    way: the offer reaches the last whole shared block (592), as vLLM's own
+    prefix cache would, not only the 512-token stride alias below the divergence
+    (256-token stride); the load restores exactly the stored pages."""
+    store, sched, io, counters = one_rank
+    p = prompt(700, 41)
+    save(sched, io, Req("a", p))
+    other = [*p[:600], *prompt(100, 42)]
+    req = Req("b", other)
+    assert sched.matched_tokens(req, 0) == (592, True)
+    blocks = list(range(10, 10 + 700 // BS))
+    sched.after_alloc(req, blocks, 592)
+    (load,), _ = sched.take_jobs()
+    assert load.n_tokens == 592 and load.block_ids == blocks[:37]
+    fresh = FakePages(64, seed=11)
+    restorer = WorkerIO(store, identity(), 0, fresh, counters)
+    try:
+        restorer.submit_load(load)
+        assert restorer.flush()
+        assert restorer.poll()[1] == {"b"} and not restorer.take_failed_blocks()
+        for i in range(37):
+            np.testing.assert_array_equal(fresh.arr[:, blocks[i]], io.pages.arr[:, i])
+    finally:
+        restorer.close()

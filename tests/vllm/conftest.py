@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from random_models import build_model
 from tiny_model import (
+    ALIAS_END_PROMPT,
     CHAT_TURNS,
     CONCURRENT_PROMPTS,
     EVICT_A,
@@ -55,6 +56,8 @@ def baseline(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         {"op": "template", "name": "template", "content": TEXTS[0]},
         {"op": "reset"},
         {"op": "gen", "name": "concurrent", "prompts": CONCURRENT_PROMPTS},
+        {"op": "reset"},
+        {"op": "gen", "name": "alias_end", "prompts": [ALIAS_END_PROMPT]},
         {"op": "reset"},
         {"op": "chat", "name": "chat", "turns": CHAT_TURNS, "reset": True},
         {"op": "chat", "name": "evict", "turns": [EVICT_A, EVICT_A_NEXT], "reset": True},

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from conftest import CHUNK
 from tiny_model import (
-    CONCURRENT_PROMPTS,
+    ALIAS_END_PROMPT,
     LONG_PROMPT,
     NEEDS_VLLM,
     SHARED_PREFIX_PROMPT,
@@ -56,7 +56,7 @@ def test_corrupt_and_deleted_snapshots_are_recomputed(
         {"op": "gen", "name": "deleted", "prompts": [LONG_PROMPT], "ready": 2},
         {"op": "reset"},
         {"op": "delete_newest", "name": "delete2"},
-        {"op": "gen", "name": "deleted2", "prompts": [CONCURRENT_PROMPTS[0]], "ready": 2},
+        {"op": "gen", "name": "deleted2", "prompts": [ALIAS_END_PROMPT], "ready": 2},
     ]
     run = run_scenario(tiny_model_dir, tmp_path, ops, folder=folder, engine=CHUNK,
                        extra={"load_async": load_async})
@@ -65,10 +65,11 @@ def test_corrupt_and_deleted_snapshots_are_recomputed(
     assert same_answer(shared, baseline["shared"][0]) == "", run["_log"]
     assert same_answer(long, baseline["long"][0]) == ""
     assert same_answer(again, baseline["long"][0]) == ""
-    assert same_answer(other, baseline["concurrent"][0]) == ""
-    # Corrupt: offered at admission (counted by vLLM), failed on the worker,
+    assert same_answer(other, baseline["alias_end"][0]) == ""
+    # Corrupt: offered at admission (counted by vLLM: the 288 whole blocks it
+    # shares, its token ids verified intact), failed on the worker (the payload),
     # quarantined, recomputed; vLLM's cache then served LONG_PROMPT's first 288.
-    assert run["shared"]["metrics"]["vllm:external_prefix_cache_hits"] == 256
+    assert run["shared"]["metrics"]["vllm:external_prefix_cache_hits"] == 288
     assert any(k.startswith("quarantined.") for k in run["shared"]["stats"]), run["shared"]
     assert "hits" not in run["long"]["stats"]
     in_step = run["deleted2"]["metrics"].get("vllm:sparkcache_loads_in_step", 0)
@@ -81,8 +82,9 @@ def test_corrupt_and_deleted_snapshots_are_recomputed(
     assert stats.get("quarantined.missing") == 1, stats
     assert run["deleted"]["metrics"]["vllm:external_prefix_cache_hits"] == \
         run["long"]["metrics"]["vllm:external_prefix_cache_hits"]
-    # Again removed; a prompt sharing its 480-token alias (no tail block to check)
-    # is offered those, which are missing on the worker: quarantined, recomputed.
+    # Again removed; a prompt ending right after its 480-token alias (nothing for
+    # admission to read: no growth, no tail block) is offered those, which are
+    # missing on the worker: quarantined, recomputed.
     stats = run["deleted2"]["stats"]
     assert stats.get("quarantined.missing") == 2, stats
     external = run["deleted2"]["metrics"]["vllm:external_prefix_cache_hits"]
