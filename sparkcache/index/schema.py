@@ -45,6 +45,8 @@ __all__ = [
     "MODEL_USAGE",
     "PRAGMAS",
     "RELEASE_SAVEPOINT",
+    "REQUEST_APIS",
+    "REQUEST_LOG",
     "ROLLBACK",
     "ROLLBACK_TO_SAVEPOINT",
     "SAVEPOINT",
@@ -63,6 +65,7 @@ __all__ = [
     "V_COUNTERS",
     "V_LEASES",
     "V_MODELS",
+    "V_REQUEST_LOG",
     "V_SEGMENTS",
     "V_SNAPSHOTS",
 ]
@@ -70,7 +73,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0004"
+SCHEMA_REVISION: Final = "0005"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -103,6 +106,8 @@ SETTING_SQLITE_VERSION: Final = "sqlite_version"
 SNAPSHOT_STATES: Final = ("pending", "ready", "quarantined")
 SEGMENT_STATES: Final = ("writing", "ready")
 BOUNDARY_KINDS: Final = ("end", "stride", "breakpoint")
+# The server API a logged request came through (NULL: not through the server).
+REQUEST_APIS: Final = ("messages", "chat", "completions", "responses")
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:
@@ -253,6 +258,39 @@ MODEL_USAGE: Final = Table(
     PrimaryKeyConstraint("model_id", name="pk_model_usage"),
 )
 
+# Revision 0005.  One row per request, in the order first recorded: ``seq`` is
+# AUTOINCREMENT (never reused), so a reader following the log by seq misses no
+# row, and trimming to the newest N rows is one range delete on the primary key.
+# No foreign key on model_id: the log outlives a deleted model.
+REQUEST_LOG: Final = Table(
+    "request_log",
+    METADATA,
+    Column("seq", Integer, primary_key=True),
+    Column("request_id", Text, nullable=False, unique=True),
+    Column("created_at", REAL, nullable=False),
+    Column("model_id", Integer, nullable=True),
+    Column("model", Text, nullable=True),
+    Column("api", Text, nullable=True),
+    Column("cache_key", Text, nullable=True),
+    Column("prompt_tokens", Integer, nullable=True),
+    Column("live_tokens", Integer, nullable=True),
+    Column("restored_tokens", Integer, nullable=True),
+    Column("written_tokens", Integer, nullable=True),
+    Column("output_tokens", Integer, nullable=True),
+    Column("breakpoints", Text, nullable=True),
+    Column("queue_s", REAL, nullable=True),
+    Column("restore_s", REAL, nullable=True),
+    Column("ttft_s", REAL, nullable=True),
+    Column("total_s", REAL, nullable=True),
+    Column("status", Integer, nullable=True),
+    CheckConstraint(_one_of("api", REQUEST_APIS), name="ck_request_log_api"),
+    # One model's requests, newest first (the log's listing and --follow).
+    Index("ix_request_log_model_seq", "model_id", "seq"),
+    # The requests of one prompt_cache_key; most requests have none.
+    Index("ix_request_log_cache_key", "cache_key", sqlite_where=text("cache_key IS NOT NULL")),
+    sqlite_autoincrement=True,
+)
+
 TR_USAGE_INSERT: Final = """CREATE TRIGGER tr_usage_insert AFTER INSERT ON snapshots
 BEGIN
     INSERT INTO model_usage (model_id, snapshots, nbytes) VALUES (NEW.model_id, 1, NEW.nbytes)
@@ -276,7 +314,7 @@ TRIGGERS: Final[dict[str, str]] = {
     "tr_usage_resize": TR_USAGE_RESIZE,
 }
 
-# -- views for people at the sqlite3 shell (revision 0002) ---------------------------------
+# -- views for people at the sqlite3 shell (revisions 0002 and 0005) -----------------------
 # Times are UTC 'YYYY-MM-DD HH:MM:SS' text, which sorts like the number it shows;
 # sizes are decimal megabytes (10**6 bytes).  Nothing in sparkcache reads the views.
 # v_leases computes "now" in unix seconds as (julianday('now') - 2440587.5) * 86400.0,
@@ -344,6 +382,30 @@ SELECT CASE WHEN c.model_id = 0 THEN '(all)'
        c.model_id AS model_id
 FROM counters AS c LEFT JOIN models AS m ON m.id = c.model_id"""
 
+# Revision 0005.  ``model``: as the request named it, else the engine's model
+# name; ``cached``: tokens the request did not compute (live + restored).
+V_REQUEST_LOG: Final = """CREATE VIEW v_request_log AS
+SELECT r.seq AS seq,
+       datetime(r.created_at, 'unixepoch') AS created,
+       coalesce(r.model, m.name, '#' || r.model_id) AS model,
+       r.api AS api,
+       r.prompt_tokens AS prompt,
+       coalesce(r.live_tokens, 0) + coalesce(r.restored_tokens, 0) AS cached,
+       r.live_tokens AS live,
+       r.restored_tokens AS restored,
+       r.written_tokens AS written,
+       r.output_tokens AS output,
+       r.breakpoints AS breakpoints,
+       r.cache_key AS cache_key,
+       round(r.queue_s, 3) AS queue_s,
+       round(r.restore_s, 3) AS restore_s,
+       round(r.ttft_s, 3) AS ttft_s,
+       round(r.total_s, 3) AS total_s,
+       r.status AS status,
+       r.request_id AS request_id,
+       r.model_id AS model_id
+FROM request_log AS r LEFT JOIN models AS m ON m.id = r.model_id"""
+
 # name -> CREATE VIEW statement, in creation order.
 VIEWS: Final[dict[str, str]] = {
     "v_models": V_MODELS,
@@ -351,4 +413,5 @@ VIEWS: Final[dict[str, str]] = {
     "v_segments": V_SEGMENTS,
     "v_leases": V_LEASES,
     "v_counters": V_COUNTERS,
+    "v_request_log": V_REQUEST_LOG,
 }

@@ -6,6 +6,7 @@ so an existing file is refused::
 
     .venv/bin/python tests/index/make_golden.py 0001   # golden_0001.sqlite
     .venv/bin/python tests/index/make_golden.py 0003   # golden_0003.sqlite
+    .venv/bin/python tests/index/make_golden.py 0004   # golden_0004.sqlite
 """
 
 from __future__ import annotations
@@ -79,8 +80,16 @@ COUNTER_ROWS = [
     ("INSERT INTO counters (model_id, name, value) VALUES (?, ?, ?)", (1, "publishes", 2)),
 ]
 
+# Revision 0004 records the request scope of a snapshot (the default scope here);
+# the quarantined child keeps NULL, as a snapshot published before 0004 does.
+SCOPE_JSON = '{"cache_salt":null,"lora":null,"mm":[]}'
+SCOPE_ROWS = [
+    ("UPDATE snapshots SET scope_json = ? WHERE id = ?", (SCOPE_JSON, 1)),
+]
+
 #: The rows of each golden database, by revision.
-GOLDEN_ROWS = {"0001": ROWS, "0003": ROWS + COUNTER_ROWS}
+GOLDEN_ROWS = {"0001": ROWS, "0003": ROWS + COUNTER_ROWS,
+               "0004": ROWS + COUNTER_ROWS + SCOPE_ROWS}
 
 
 def main(revision: str) -> Path:

@@ -35,7 +35,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert upgrade(conn, "0001") == ["0001"]
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
-    assert upgrade(conn) == ["0002", "0003", "0004"]
+    assert upgrade(conn) == ["0002", "0003", "0004", "0005"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -48,7 +48,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
-        assert db.migrated == ["0002", "0003", "0004"]
+        assert db.migrated == ["0002", "0003", "0004", "0005"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -90,7 +90,7 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0003.sqlite", path)
     assert current_revision(raw(path)) == "0003"
     with Database(path) as db:
-        assert db.migrated == ["0004"]
+        assert db.migrated == ["0004", "0005"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -111,6 +111,49 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
             conn.execute("DELETE FROM snapshots WHERE id = 2")
             assert conn.execute("SELECT snapshots, nbytes FROM model_usage").fetchall() == [
                 (1, 3145728)]
+
+
+def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "index.sqlite"
+    shutil.copyfile(DATA / "golden_0004.sqlite", path)
+    assert current_revision(raw(path)) == "0004"
+    with Database(path) as db:
+        assert db.migrated == ["0005"]
+        with db.read() as conn:
+            assert current_revision(conn) == head_revision()
+            rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
+            assert [(s.id, s.n_tokens, s.state, s.scope_json) for s in rows] == [
+                (1, 512, "ready", '{"cache_salt":null,"lora":null,"mm":[]}'),
+                (2, 768, "quarantined", None)]
+            assert conn.execute("SELECT snapshots, nbytes FROM model_usage").fetchall() == [
+                (2, 3145728 + 1572864)]
+            assert conn.execute("SELECT count(*) FROM counters").fetchall() == [(3,)]
+            # 0005: the request log starts empty.
+            assert conn.execute("SELECT count(*) FROM request_log").fetchall() == [(0,)]
+            assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        fresh = Database(tmp_path / "fresh.sqlite")
+        assert schema_objects(db.connection) == schema_objects(fresh.connection)
+        fresh.close()
+        with db.write() as conn:  # the new table and its view work on the old rows
+            conn.execute("INSERT INTO request_log (request_id, created_at, model_id) "
+                         "VALUES ('r1', 1767323045.0, 1)")
+            assert conn.execute("SELECT seq, created, model FROM v_request_log").fetchall() == [
+                (1, "2026-01-02 03:04:05", "meta-llama/Llama-3.1-8B")]
+
+
+def test_0005_downgrades_to_the_schema_of_0004(tmp_path: Path) -> None:
+    """0005's downgrade (drop the view and the table) leaves exactly the 0004 schema."""
+    at_0004 = raw(tmp_path / "0004.sqlite")
+    upgrade(at_0004, "0004")
+    at_0005 = raw(tmp_path / "0005.sqlite")
+    upgrade(at_0005, "0005")
+    at_0005.execute("INSERT INTO request_log (request_id, created_at) VALUES ('r1', 1.0)")
+    buffer = io.StringIO()
+    command.downgrade(alembic_config(buffer), "0005:0004", sql=True)
+    with at_0005:
+        at_0005.execute(buffer.getvalue())
+    assert schema_objects(at_0005) == schema_objects(at_0004)
+    assert current_revision(at_0005) == "0004"
 
 
 def test_0004_downgrades_to_the_schema_of_0003(tmp_path: Path) -> None:

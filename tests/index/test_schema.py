@@ -18,14 +18,14 @@ from .helpers import raw, schema_objects
 
 TABLES = {
     "settings", "models", "snapshots", "segments", "boundaries", "leases", "counters",
-    "model_usage",
+    "model_usage", "request_log",
 }
 TRIGGERS = {"tr_usage_insert", "tr_usage_delete", "tr_usage_resize"}
-VIEWS = {"v_models", "v_snapshots", "v_segments", "v_leases", "v_counters"}
+VIEWS = {"v_models", "v_snapshots", "v_segments", "v_leases", "v_counters", "v_request_log"}
 
 
 def test_revisions_form_one_line_ending_at_schema_revision() -> None:
-    assert known_revisions() == ("0001", "0002", "0003", "0004")
+    assert known_revisions() == ("0001", "0002", "0003", "0004", "0005")
     assert head_revision() == schema.SCHEMA_REVISION
 
 
@@ -35,11 +35,11 @@ def test_revisions_ship_inside_the_package() -> None:
     assert root.joinpath("script.py.mako").is_file()
     names = {entry.name for entry in root.joinpath("versions").iterdir()}
     assert {"0001_initial.py", "0002_counters_views.py", "0003_model_usage.py",
-            "0004_snapshot_scope.py"} <= names
+            "0004_snapshot_scope.py", "0005_request_log.py"} <= names
 
 
 def test_fresh_database_reaches_head(db: Database, db_path: Path) -> None:
-    assert db.migrated == ["0001", "0002", "0003", "0004"]
+    assert db.migrated == ["0001", "0002", "0003", "0004", "0005"]
     conn = db.connection
     assert current_revision(conn) == head_revision()
     names = {
@@ -148,6 +148,40 @@ def test_views_read_the_tables(db: Database) -> None:
         assert leases.fetchall() == [("read", 1, 0), ("publish", 0, 1)]
         counters = conn.execute("SELECT model, name, value FROM v_counters ORDER BY model")
         assert counters.fetchall() == [("(all)", "hits", 5), ("llama", "hits", 2)]
+
+
+def test_request_log_rules_and_view(db: Database) -> None:
+    t = 1767323045.0  # 2026-01-02 03:04:05 UTC
+    insert = ("INSERT INTO request_log (request_id, created_at, model_id, model, api, "
+              "prompt_tokens, live_tokens, restored_tokens, ttft_s) "
+              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    with db.write() as conn:
+        conn.execute(
+            "INSERT INTO models (id, digest, name, folder, identity_json, created_at) "
+            "VALUES (7, 'd', 'llama', 'objects/m-d', '{}', ?)",
+            (t,),
+        )
+        conn.execute(insert, ("a", t, 7, None, "chat", 100, 64, 16, 0.12345))
+        conn.execute(insert, ("b", t + 1, 7, "llama-served", None, 10, None, None, None))
+        conn.execute(insert, ("c", t + 2, 99, None, None, None, None, None, None))
+        conn.execute("DELETE FROM models WHERE id = 7")  # no foreign key: the log stays
+    for bad in [("a", t, None, None, None, 1, 0, 0, 0.0),  # request_id is unique
+                ("d", t, None, None, "embeddings", 1, 0, 0, 0.0),  # not a known api
+                ("e", None, None, None, None, 1, 0, 0, 0.0)]:  # created_at is required
+        with pytest.raises(CorruptIndex) as info, db.write() as conn:
+            conn.execute(insert, bad)
+        assert isinstance(info.value.__cause__, apsw.ConstraintError)
+    with db.write() as conn:
+        conn.execute("DELETE FROM request_log WHERE request_id = 'c'")
+        # AUTOINCREMENT: a seq is never reused, so a reader following the log misses nothing.
+        conn.execute(insert, ("f", t, None, None, None, None, None, None, None))
+    with db.read() as conn:
+        assert conn.execute(
+            "SELECT seq, created, model, api, prompt, cached, ttft_s FROM v_request_log "
+            "ORDER BY seq").fetchall() == [
+            (1, "2026-01-02 03:04:05", "#7", "chat", 100, 80, 0.123),
+            (2, "2026-01-02 03:04:06", "llama-served", None, 10, 0, None),
+            (4, "2026-01-02 03:04:05", None, None, None, 0, None)]
 
 
 def test_foreign_database_is_refused(db_path: Path) -> None:
