@@ -18,21 +18,22 @@ This class is a facade: it opens the :class:`~sparkcache.core.Core` (index,
 backend, clock, counters) and calls down into the modules that do the work
 (:mod:`~sparkcache.publish`, :mod:`~sparkcache.lookup`,
 :mod:`~sparkcache.reader`, :mod:`~sparkcache.maintenance`,
-:mod:`~sparkcache.retention`), each of which takes the core, never the store.
+:mod:`~sparkcache.retention`, :mod:`~sparkcache.requestlog`), each of which
+takes the core, never the store.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from sparkcache import lookup as lookups
-from sparkcache import maintenance, reader
+from sparkcache import maintenance, reader, requestlog
 from sparkcache.backends import Backend, canonical_url, open_backend
 from sparkcache.core import (
     DEFAULT_INDEX_RESERVE,
@@ -52,6 +53,7 @@ from sparkcache.index.db import Database
 from sparkcache.maintenance import CheckReport
 from sparkcache.publish import PublishResult
 from sparkcache.publish import publish as publish_segment
+from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
 from sparkcache.retention import Retention, SweepReport
 
 __all__ = ["Match", "PublishResult", "SnapshotInfo", "SnapshotStore"]
@@ -424,3 +426,29 @@ class SnapshotStore:
         with self.core.read() as conn:
             model_id = self.core.model_id(conn, model)
         return {} if model_id is None else self.core.counter_totals(model_id)
+
+    # -- the request log (sparkcache.requestlog) ------------------------------------------
+
+    def log_requests(self, rows: Sequence[Mapping[str, Any]], *, keep: int) -> None:
+        """Record request log rows and keep the newest ``keep``: see
+        :func:`sparkcache.requestlog.record`."""
+        requestlog.record(self.core, rows, keep=keep)
+
+    def requests(self, *, model_id: int | None = None, limit: int = 50,
+                 after_seq: int | None = None) -> list[RequestRow]:
+        """The newest logged requests, or those after ``after_seq`` oldest first:
+        see :func:`sparkcache.requestlog.requests`."""
+        return requestlog.requests(self.core, model_id=model_id, limit=limit,
+                                   after_seq=after_seq)
+
+    def request(self, request_id: str) -> RequestRow | None:
+        """One logged request, or None."""
+        return requestlog.request(self.core, request_id)
+
+    def request_summary(self, *, model_id: int | None = None) -> LogSummary:
+        """Requests and token sums over the request log (of one model)."""
+        return requestlog.summary(self.core, model_id=model_id)
+
+    def requests_by_key(self, *, model_id: int | None = None) -> list[KeySummary]:
+        """The request log summed per ``prompt_cache_key``, most requests first."""
+        return requestlog.by_cache_key(self.core, model_id=model_id)

@@ -190,6 +190,67 @@ PUT_SETTING = (
     "ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at"
 )
 
+# -- the request log (sparkcache.requestlog) --------------------------------------
+# The columns a record may write (all but seq), in table order.
+REQUEST_FIELDS = (
+    "request_id, created_at, model_id, model, api, cache_key, prompt_tokens, live_tokens, "
+    "restored_tokens, written_tokens, output_tokens, breakpoints, queue_s, restore_s, ttft_s, "
+    "total_s, status"
+)
+REQUEST_COLUMNS = f"seq, {REQUEST_FIELDS}"
+# A record fills in the row of its request: a column it leaves NULL keeps its
+# value.  An update, then an insert where nothing was updated, rather than one
+# INSERT ... ON CONFLICT DO UPDATE: an upsert that updates still takes the next
+# AUTOINCREMENT value, and the gaps it leaves (a request is recorded twice, when
+# scheduled and when finished) would make TRIM_REQUEST_LOG keep too few rows.
+# Bound by name (``:request_id``, ``:created_at``, ...); ``:now`` is the
+# created_at of a first record that gives none.
+UPDATE_REQUEST = (
+    "UPDATE request_log SET "
+    + ", ".join(f"{c} = coalesce(:{c}, {c})" for c in REQUEST_FIELDS.split(", ")[1:])
+    + " WHERE request_id = :request_id"
+)
+INSERT_REQUEST = (
+    f"INSERT INTO request_log ({REQUEST_FIELDS}) VALUES ("
+    + ", ".join("coalesce(:created_at, :now)" if c == "created_at" else f":{c}"
+                for c in REQUEST_FIELDS.split(", "))
+    + ")"
+)
+# Keep the newest ``?`` rows: seq has no gaps but the trimmed ones, so this is
+# one range delete on the primary key (max(seq) is one probe).
+TRIM_REQUEST_LOG = "DELETE FROM request_log WHERE seq <= (SELECT max(seq) FROM request_log) - ?"
+REQUEST_BY_ID = f"SELECT {REQUEST_COLUMNS} FROM request_log WHERE request_id = ?"
+# Newest first (ix (model_id, seq) for one model), and the rows after a seq
+# oldest first (following the log).
+REQUESTS_NEWEST = f"SELECT {REQUEST_COLUMNS} FROM request_log ORDER BY seq DESC LIMIT ?"
+REQUESTS_NEWEST_OF_MODEL = (
+    f"SELECT {REQUEST_COLUMNS} FROM request_log WHERE model_id = ? ORDER BY seq DESC LIMIT ?"
+)
+REQUESTS_AFTER = f"SELECT {REQUEST_COLUMNS} FROM request_log WHERE seq > ? ORDER BY seq LIMIT ?"
+REQUESTS_AFTER_OF_MODEL = (
+    f"SELECT {REQUEST_COLUMNS} FROM request_log WHERE model_id = ? AND seq > ? "
+    "ORDER BY seq LIMIT ?"
+)
+# Sums over the log (at most the rows it keeps), of every model or of one.
+REQUEST_SUMMARY = (
+    "SELECT count(*), coalesce(sum(prompt_tokens), 0), coalesce(sum(live_tokens), 0), "
+    "coalesce(sum(restored_tokens), 0), coalesce(sum(written_tokens), 0) FROM request_log"
+)
+REQUEST_SUMMARY_OF_MODEL = f"{REQUEST_SUMMARY} WHERE model_id = ?"
+# Per prompt_cache_key (requests without one left out), most requests first.
+REQUEST_KEY_SUMS = (
+    "SELECT cache_key, count(*), coalesce(sum(prompt_tokens), 0), "
+    "coalesce(sum(live_tokens), 0) + coalesce(sum(restored_tokens), 0) FROM request_log"
+)
+REQUESTS_BY_KEY = (
+    f"{REQUEST_KEY_SUMS} WHERE cache_key IS NOT NULL "
+    "GROUP BY cache_key ORDER BY count(*) DESC, cache_key"
+)
+REQUESTS_BY_KEY_OF_MODEL = (
+    f"{REQUEST_KEY_SUMS} WHERE cache_key IS NOT NULL AND model_id = ? "
+    "GROUP BY cache_key ORDER BY count(*) DESC, cache_key"
+)
+
 # -- admin API and CLI (sparkcache.admin) ---------------------------------------
 # Read by people-facing commands only; never on the serving path.
 ADMIN_MODELS = (

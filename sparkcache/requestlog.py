@@ -1,0 +1,302 @@
+"""The request log: what each request found cached, what it wrote and what it cost.
+
+One row per request in the index's ``request_log`` table (revision 0005; every
+column in docs/index.md), visible at the ``sqlite3`` shell (``v_request_log``),
+in ``sparkcache log`` and in ``sparkcache serve``'s reports.  :func:`record`
+writes a batch of rows in one transaction: a row names its request
+(``request_id``) and gives what is known so far, and a later row of the same
+request fills in the rest (the connector records a request when its prompt is
+scheduled and again when it finished).  The log keeps the newest rows only
+(``keep``, from ``SPARK_KV_CACHE_LOG_ROWS``: :func:`log_rows_setting`), so it
+never grows with the life of the store.  Every function takes the narrow
+:class:`~sparkcache.core.Core`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sparkcache.core import Conn, Core, fetch, fetch_one
+from sparkcache.errors import InvalidArgument
+from sparkcache.index import queries as q
+from sparkcache.index.schema import REQUEST_APIS
+
+__all__ = [
+    "DEFAULT_LOG_ROWS",
+    "LOG_FIELDS",
+    "LOG_ROWS_VARIABLE",
+    "KeySummary",
+    "LogSummary",
+    "RequestRow",
+    "by_cache_key",
+    "log_rows_setting",
+    "record",
+    "request",
+    "requests",
+    "summary",
+]
+
+#: Rows the log keeps unless ``SPARK_KV_CACHE_LOG_ROWS`` says otherwise.
+DEFAULT_LOG_ROWS: Final = 10_000
+LOG_ROWS_VARIABLE: Final = "SPARK_KV_CACHE_LOG_ROWS"
+#: The columns a row given to :func:`record` may name: every one but ``seq``.
+LOG_FIELDS: Final[tuple[str, ...]] = tuple(q.REQUEST_FIELDS.split(", "))
+
+# What each field holds (request_id, model, api, cache_key are text).
+_COUNTS: Final = frozenset({"model_id", "prompt_tokens", "live_tokens", "restored_tokens",
+                            "written_tokens", "output_tokens", "status"})
+_TIMES: Final = frozenset({"created_at", "queue_s", "restore_s", "ttft_s", "total_s"})
+
+
+# -- rows ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    """One ``request_log`` row (``queries.REQUEST_COLUMNS``); None: never recorded."""
+
+    seq: int  # the order rows were first recorded
+    request_id: str
+    created_at: float  # unix seconds the request arrived
+    model_id: int | None  # models.id of the engine's model (that row may be gone)
+    model: str | None  # as the API request named it
+    api: str | None  # 'messages', 'chat', 'completions', 'responses'; None: not the server
+    cache_key: str | None  # the OpenAI prompt_cache_key
+    prompt_tokens: int | None
+    live_tokens: int | None  # served by vLLM's own prefix cache
+    restored_tokens: int | None  # restored from snapshots
+    written_tokens: int | None  # newly written as snapshots at its breakpoints
+    output_tokens: int | None
+    breakpoints: tuple[int, ...]  # token positions; () when none were recorded
+    queue_s: float | None
+    restore_s: float | None
+    ttft_s: float | None
+    total_s: float | None
+    status: int | None  # the HTTP status answered
+
+    def __post_init__(self) -> None:
+        # The index holds the JSON text (or NULL).
+        if not isinstance(self.breakpoints, tuple):
+            object.__setattr__(self, "breakpoints", _read_breakpoints(self.breakpoints))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens not computed: vLLM's own hit plus the restored ones."""
+        return (self.live_tokens or 0) + (self.restored_tokens or 0)
+
+
+@dataclass(frozen=True)
+class LogSummary:
+    """Sums over the rows the log holds (of one model, or of all)."""
+
+    requests: int
+    prompt_tokens: int
+    live_tokens: int
+    restored_tokens: int
+    written_tokens: int
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.live_tokens + self.restored_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of prompt tokens not computed; 0.0 for an empty log."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class KeySummary:
+    """The requests of one ``prompt_cache_key`` in the log."""
+
+    cache_key: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int  # live + restored
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _read_breakpoints(stored: object) -> tuple[int, ...]:
+    """Breakpoints as stored (JSON text, NULL) or given as a list.  A row written
+    by hand that is not a JSON list of integers reads as none: the log is for
+    looking at, and one bad row must not hide the others."""
+    if isinstance(stored, str):
+        try:
+            stored = json.loads(stored)
+        except ValueError:
+            return ()
+    if isinstance(stored, list) and all(isinstance(n, int) for n in stored):
+        return tuple(stored)
+    return ()
+
+
+# -- writing ------------------------------------------------------------------------
+
+
+def _bad(name: str, value: object, what: str) -> InvalidArgument:
+    return InvalidArgument(f"request log field {name}={value!r} must be {what}")
+
+
+def _whole(value: object) -> bool:
+    """A whole number >= 0 (numpy's integers too; never a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
+
+
+def _field(name: str, value: Any) -> Any:
+    """``value`` as the index stores field ``name``; InvalidArgument if it cannot."""
+    if value is None:
+        return None
+    if name in _COUNTS:
+        if not _whole(value):
+            raise _bad(name, value, "a whole number >= 0")
+        return int(value)
+    if name in _TIMES:
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not math.isfinite(value) or value < 0):
+            raise _bad(name, value, "a number of seconds >= 0")
+        return float(value)
+    if name == "breakpoints":
+        points = value
+        if isinstance(value, str):  # given as JSON already
+            try:
+                points = json.loads(value)
+            except ValueError:
+                points = None
+        if not isinstance(points, (list, tuple)) or not all(_whole(n) for n in points):
+            raise _bad(name, value, "a list of token positions (whole numbers >= 0)")
+        return json.dumps([int(n) for n in points], separators=(",", ":"))
+    if not isinstance(value, str) or not value:
+        raise _bad(name, value, "a non-empty string")
+    if name == "api" and value not in REQUEST_APIS:
+        raise _bad(name, value, f"one of {', '.join(REQUEST_APIS)} (None: not the server)")
+    return value
+
+
+def _params(row: Mapping[str, Any], now: float) -> dict[str, Any]:
+    """The named parameters of UPDATE_REQUEST and INSERT_REQUEST for one row."""
+    if not isinstance(row, Mapping):
+        raise InvalidArgument(f"a request log row is a mapping of fields, got {row!r}")
+    unknown = [key for key in row if key not in LOG_FIELDS]
+    if unknown:
+        raise InvalidArgument(
+            f"unknown request log field(s) {', '.join(map(repr, unknown))}: a row names "
+            f"{', '.join(LOG_FIELDS)}")
+    params = {name: _field(name, row.get(name)) for name in LOG_FIELDS}
+    if params["request_id"] is None:
+        raise InvalidArgument(f"a request log row needs its request_id: {dict(row)!r}")
+    params["now"] = now
+    return params
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgument(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return value
+
+
+def record(core: Core, rows: Sequence[Mapping[str, Any]], *, keep: int) -> None:
+    """Record ``rows`` (each a mapping of :data:`LOG_FIELDS`), then keep only the
+    newest ``keep`` (>= 1) rows of the log, all in one write transaction.
+
+    A row names its request (``request_id``, required) and fills in its row: a
+    field it gives (not None) is written, the others keep what an earlier record
+    of the request stored.  A request recorded for the first time without
+    ``created_at`` arrived now (the core's clock).  ``breakpoints`` is a list of
+    token positions (or that list as JSON text), stored as JSON.  An unknown
+    field, or a value its column cannot hold, raises InvalidArgument and nothing
+    of the batch is written.
+    Trimming is one range delete on the primary key: the log costs the same
+    whatever it held before.
+    """
+    _check_count("keep", keep, 1)
+    now = core.clock()
+    params = [_params(row, now) for row in rows]
+    with core.write() as conn:
+        for one in params:
+            conn.execute(q.UPDATE_REQUEST, one)
+            if conn.changes() == 0:
+                conn.execute(q.INSERT_REQUEST, one)
+        conn.execute(q.TRIM_REQUEST_LOG, (keep,))
+
+
+# -- reading ------------------------------------------------------------------------
+
+
+def requests(core: Core, *, model_id: int | None = None, limit: int = 50,
+             after_seq: int | None = None) -> list[RequestRow]:
+    """At most ``limit`` rows (of one model, when given): the newest first, or,
+    with ``after_seq``, the rows recorded after that one, oldest first (to
+    follow the log: pass the last ``seq`` seen)."""
+    _check_count("limit", limit, 1)
+    with core.read() as conn:
+        if after_seq is None:
+            if model_id is None:
+                return fetch(conn, q.REQUESTS_NEWEST, (limit,), into=RequestRow)
+            return fetch(conn, q.REQUESTS_NEWEST_OF_MODEL, (model_id, limit), into=RequestRow)
+        _check_count("after_seq", after_seq, 0)
+        if model_id is None:
+            return fetch(conn, q.REQUESTS_AFTER, (after_seq, limit), into=RequestRow)
+        return fetch(conn, q.REQUESTS_AFTER_OF_MODEL, (model_id, after_seq, limit),
+                     into=RequestRow)
+
+
+def request(core: Core, request_id: str) -> RequestRow | None:
+    """The row of one request, or None (never recorded, or trimmed since)."""
+    with core.read() as conn:
+        return fetch_one(conn, q.REQUEST_BY_ID, (request_id,), into=RequestRow)
+
+
+def _sums(conn: Conn, model_id: int | None) -> LogSummary:
+    if model_id is None:
+        found = fetch_one(conn, q.REQUEST_SUMMARY, into=LogSummary)
+    else:
+        found = fetch_one(conn, q.REQUEST_SUMMARY_OF_MODEL, (model_id,), into=LogSummary)
+    return found or LogSummary(0, 0, 0, 0, 0)
+
+
+def summary(core: Core, *, model_id: int | None = None) -> LogSummary:
+    """Requests and token sums over the log (of one model, when given)."""
+    with core.read() as conn:
+        return _sums(conn, model_id)
+
+
+def by_cache_key(core: Core, *, model_id: int | None = None) -> list[KeySummary]:
+    """One summary per ``prompt_cache_key`` (requests without one left out), most
+    requests first."""
+    with core.read() as conn:
+        if model_id is None:
+            return fetch(conn, q.REQUESTS_BY_KEY, into=KeySummary)
+        return fetch(conn, q.REQUESTS_BY_KEY_OF_MODEL, (model_id,), into=KeySummary)
+
+
+# -- the setting --------------------------------------------------------------------
+
+
+def log_rows_setting(env: Mapping[str, str] | None = None) -> int:
+    """How many rows the request log keeps: ``SPARK_KV_CACHE_LOG_ROWS`` in ``env``
+    (default ``os.environ``), else :data:`DEFAULT_LOG_ROWS`.  0 means no log:
+    the caller records nothing (:func:`record` itself needs ``keep`` >= 1).  A
+    value that is not a whole number >= 0 raises InvalidArgument naming the
+    variable."""
+    env = os.environ if env is None else env
+    raw = env.get(LOG_ROWS_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_LOG_ROWS
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise InvalidArgument(
+            f"{LOG_ROWS_VARIABLE}={raw!r} is not valid: give the number of requests the "
+            f"request log keeps, a whole number >= 0 (0: no log; default {DEFAULT_LOG_ROWS})")
+    return rows
