@@ -8,7 +8,8 @@ arguments and prints, and imports nothing of the store but this module, which
 re-exports the result types it prints.  Listing and naming models live in
 :mod:`sparkcache.catalog`, the rules of deletion, eviction, checking and
 verification in :mod:`sparkcache.maintenance` and :mod:`sparkcache.retention`,
-export and import in :mod:`sparkcache.transfer`.
+export and import in :mod:`sparkcache.transfer`, the request log in
+:mod:`sparkcache.requestlog`.
 
 The deleting functions (:func:`clear_model`, :func:`delete_model`,
 :func:`check` with ``fix``, :func:`sweep`) take ``dry_run=True``: the very same
@@ -38,6 +39,7 @@ from sparkcache.index import migrate
 from sparkcache.index import queries as q
 from sparkcache.maintenance import CheckReport
 from sparkcache.rehearsal import DryRun
+from sparkcache.requestlog import KeySummary, RequestRow
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
 from sparkcache.store import SnapshotStore
 from sparkcache.transfer import ExportReport, ImportReport
@@ -53,9 +55,12 @@ __all__ = [
     "DryRun",
     "ExportReport",
     "ImportReport",
+    "KeySummary",
     "ModelRow",
     "Problem",
     "Progress",
+    "RequestRow",
+    "RequestSummary",
     "SnapshotDetail",
     "SnapshotRow",
     "SnapshotStore",
@@ -77,6 +82,8 @@ __all__ = [
     "mb",
     "open_store",
     "pin",
+    "request_log",
+    "request_summary",
     "resolve_folder",
     "resolve_model",
     "retention_settings",
@@ -128,6 +135,21 @@ class DeleteModelReport:
 
 
 @dataclass(frozen=True)
+class RequestSummary:
+    """The request log summed (:func:`request_summary`)."""
+
+    model: str | None  # None: every model
+    requests: int
+    prompt_tokens: int
+    live_tokens: int  # served by vLLM's own prefix cache
+    restored_tokens: int  # restored from snapshots
+    written_tokens: int
+    cached_tokens: int  # live + restored
+    hit_rate: float  # cached / prompt tokens; 0.0 for an empty log
+    by_cache_key: list[KeySummary]  # most requests first
+
+
+@dataclass(frozen=True)
 class DbRevision:
     path: str
     current: str | None
@@ -159,7 +181,7 @@ def to_dict(result: Any) -> Any:
         return {**asdict(result), "counts": result.counts(), "count": result.count}
     if is_dataclass(result) and not isinstance(result, type):
         out = asdict(result)
-        for extra in ("clean", "up_to_date"):
+        for extra in ("clean", "up_to_date", "cached_tokens"):
             if hasattr(result, extra):
                 out[extra] = getattr(result, extra)
         return out
@@ -276,6 +298,33 @@ def stats(store: SnapshotStore, model: str | int | None = None) -> Stats:
         restored_bytes=totals.get("restored_bytes", 0),
         evictions=by_prefix("evictions."), quarantined_counts=by_prefix("quarantined."),
         quarantined=quarantined, counters=dict(sorted(totals.items())),
+    )
+
+
+# -- the request log (sparkcache.requestlog) --------------------------------------------------
+
+
+def request_log(store: SnapshotStore, *, model: str | int | None = None, limit: int = 50,
+                after: int | None = None) -> list[RequestRow]:
+    """The logged requests (of one model: an id, a name or a digest prefix, as
+    :func:`resolve_model` reads it): the newest ``limit``, newest first; with
+    ``after`` (a ``seq``), at most ``limit`` of those recorded after it, oldest
+    first, to follow the log."""
+    model_id = None if model is None else resolve_model(store, model).id
+    return store.requests(model_id=model_id, limit=limit, after_seq=after)
+
+
+def request_summary(store: SnapshotStore, *, model: str | int | None = None) -> RequestSummary:
+    """The request log summed (of one model), and per ``prompt_cache_key``."""
+    row = None if model is None else resolve_model(store, model)
+    model_id = None if row is None else row.id
+    total = store.request_summary(model_id=model_id)
+    return RequestSummary(
+        model=None if row is None else row.name, requests=total.requests,
+        prompt_tokens=total.prompt_tokens, live_tokens=total.live_tokens,
+        restored_tokens=total.restored_tokens, written_tokens=total.written_tokens,
+        cached_tokens=total.cached_tokens, hit_rate=total.hit_rate,
+        by_cache_key=store.requests_by_key(model_id=model_id),
     )
 
 

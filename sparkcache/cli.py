@@ -2,13 +2,14 @@
 
 Each subcommand parses its arguments, calls one admin function and prints the
 result: an aligned table for people, or the admin result as JSON with
-``--json``.  Long commands (verify, export, import, sweep) draw a progress bar
-on stderr when stderr is a terminal or ``--progress`` is given.  Errors print
-one line on stderr, ``sparkcache: error: <message>`` (with ``--json``, a JSON
-object: ``error``, ``message``, ``exit_code``), never a traceback (``--debug``
-shows it), and the exit status says what happened (:data:`EXIT_CODES`).
+``--json`` (``log``: one JSON object per request, a line each).  Long commands
+(verify, export, import, sweep) draw a progress bar on stderr when stderr is a
+terminal or ``--progress`` is given.  Errors print one line on stderr,
+``sparkcache: error: <message>`` (with ``--json``, a JSON object: ``error``,
+``message``, ``exit_code``), never a traceback (``--debug`` shows it), and the
+exit status says what happened (:data:`EXIT_CODES`).
 
-Read-only commands (models, ls, show, stats, check without --fix) and every
+Read-only commands (models, ls, show, stats, log, check without --fix) and every
 ``--dry-run`` open the store without upgrading its schema; commands that delete
 (clear, rm, sweep, check --fix) can rehearse with ``--dry-run``, and ``clear``
 asks first on a terminal.
@@ -40,6 +41,7 @@ from sparkcache.cli_commands import (
     cmd_db_upgrade,
     cmd_export,
     cmd_import,
+    cmd_log,
     cmd_ls,
     cmd_models,
     cmd_pin,
@@ -86,6 +88,16 @@ def _ids(text: str) -> int:
     return value
 
 
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests (1 or more)")
+    return value
+
+
 def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     """Options accepted before or after the subcommand (``sparkcache ls --json``).
 
@@ -119,6 +131,7 @@ COMMANDS: list[tuple[str, Callable[[Context], int], str]] = [
     ("show", cmd_show, "one snapshot with its segments, chain, children and leases"),
     ("stats", cmd_stats, "hits, misses, written/restored tokens and bytes, evictions, "
                          "quarantines"),
+    ("log", cmd_log, "the requests served: what each found cached, wrote and cost"),
     ("verify", cmd_verify, "re-hash every segment file; quarantine the corrupt ones"),
     ("check", cmd_check, "compare the index with the files and processes (fsck)"),
     ("clear", cmd_clear, "delete every snapshot of a model (leased ones stay)"),
@@ -170,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub[name] = p
     sub["ls"].add_argument("model", nargs="?", help=MODEL_HELP + "; default: every model")
     sub["stats"].add_argument("model", nargs="?", help=MODEL_HELP + "; default: every model")
+    sub["log"].add_argument("--model", help=MODEL_HELP + "; default: every model")
+    sub["log"].add_argument("--limit", type=_limit, default=50, metavar="N",
+                            help="show the newest N requests (default 50)")
+    sub["log"].add_argument("--follow", action="store_true",
+                            help="then print new requests as they are logged (every 0.5 s) "
+                                 "until Ctrl-C; with --json, one JSON object per line "
+                                 "throughout")
     for name in ("show", "pin", "unpin"):
         sub[name].add_argument("id", type=_ids, help="snapshot id (see `sparkcache ls`)")
     sub["verify"].add_argument("--requeue", action="store_true",

@@ -13,6 +13,7 @@ import base64
 import io
 import json
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,9 +32,20 @@ from sparkcache.errors import InvalidArgument
 
 __all__ = [
     "cmd_check", "cmd_clear", "cmd_db_current", "cmd_db_downgrade", "cmd_db_upgrade",
-    "cmd_export", "cmd_import", "cmd_ls", "cmd_models", "cmd_pin", "cmd_rm", "cmd_shell",
-    "cmd_show", "cmd_stats", "cmd_sweep", "cmd_verify",
+    "cmd_export", "cmd_import", "cmd_log", "cmd_ls", "cmd_models", "cmd_pin", "cmd_rm",
+    "cmd_shell", "cmd_show", "cmd_stats", "cmd_sweep", "cmd_verify",
 ]
+
+#: How often ``log --follow`` looks for new requests, in seconds.
+FOLLOW_INTERVAL = 0.5
+#: Rows ``log --follow`` reads at a time; it reads again at once after a full batch.
+FOLLOW_BATCH = 500
+LOG_HEADERS = ("TIME", "MODEL", "API", "PROMPT", "CACHED", "LIVE+RESTORED", "WRITTEN",
+               "BREAKPOINTS", "CACHE KEY", "TTFT", "TOTAL")
+#: The least widths and the alignment of the log's columns: the rows ``--follow``
+#: prints later line up with the first ones (columns only ever widen).
+LOG_WIDTHS = (19, 16, 11, 6, 6, 13, 7, 11, 9, 6, 7)
+LOG_RIGHT = (False, False, False, True, True, True, True, False, False, True, True)
 
 
 def cmd_models(ctx: Context) -> int:
@@ -114,6 +126,71 @@ def cmd_stats(ctx: Context) -> int:
 
     ctx.emit(st, text)
     return EXIT_OK
+
+
+class _LogTable:
+    """The request log as text: a table whose header is printed once, and whose
+    rows name a model as the request did, else by its model row's name."""
+
+    def __init__(self, ctx: Context, store: admin.SnapshotStore) -> None:
+        self.ctx, self.store = ctx, store
+        self.names: dict[int, str] = {}
+        self.header = True
+        self.widths = list(LOG_WIDTHS)
+
+    def model(self, row: admin.RequestRow) -> str | None:
+        if row.model is not None or row.model_id is None:
+            return row.model
+        if row.model_id not in self.names:  # a model new since the last look
+            self.names = {m.id: m.name for m in admin.list_models(self.store)}
+        return self.names.get(row.model_id, f"#{row.model_id}")
+
+    def print(self, rows: Sequence[admin.RequestRow]) -> None:
+        if self.ctx.args.json:
+            self.ctx.emit_lines(rows)
+            return
+        if not rows:
+            return
+        cells = [[when(r.created_at), self.model(r), r.api, r.prompt_tokens, r.cached_tokens,
+                  f"{r.live_tokens or 0}+{r.restored_tokens or 0}", r.written_tokens,
+                  ",".join(map(str, r.breakpoints)) or None, r.cache_key, _seconds(r.ttft_s),
+                  _seconds(r.total_s)] for r in rows]
+        self.widths = [max(width, *(len("-" if c is None else str(c)) for c in column))
+                       for width, column in zip(self.widths, zip(*cells, strict=True),
+                                                strict=True)]
+        self.ctx.out.write(table(LOG_HEADERS, cells, widths=self.widths, right=LOG_RIGHT,
+                                 header=self.header) + "\n")
+        self.ctx.out.flush()
+        self.header = False
+
+
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def cmd_log(ctx: Context) -> int:
+    a = ctx.args
+    with ctx.store(upgrade=False) as store:
+        out = _LogTable(ctx, store)
+        rows = admin.request_log(store, model=a.model, limit=a.limit)[::-1]  # oldest first
+        out.print(rows)
+        if not a.follow:
+            if not rows and not a.json:
+                ctx.out.write("no requests logged\n")
+            return EXIT_OK
+        last = rows[-1].seq if rows else 0
+        try:
+            while True:
+                time.sleep(FOLLOW_INTERVAL)
+                while True:
+                    rows = admin.request_log(store, model=a.model, limit=FOLLOW_BATCH,
+                                             after=last)
+                    out.print(rows)
+                    last = rows[-1].seq if rows else last
+                    if len(rows) < FOLLOW_BATCH:
+                        break
+        except KeyboardInterrupt:  # how a follow ends
+            return EXIT_OK
 
 
 def cmd_verify(ctx: Context) -> int:
@@ -343,7 +420,8 @@ def cmd_shell(ctx: Context) -> int:
         if not ctx.args.sql:
             mode = "read-write" if ctx.args.write else "read-only"
             shell.cmdloop(intro=f"sparkcache index {path} ({mode}); views: v_models, "
-                                "v_snapshots, v_segments, v_leases, v_counters; .help, .quit\n")
+                                "v_snapshots, v_segments, v_leases, v_counters, "
+                                "v_request_log; .help, .quit\n")
             return EXIT_OK
         # Errors become our one line; the shell's own report of them is dropped.
         shell.stderr = io.StringIO()

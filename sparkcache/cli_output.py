@@ -2,7 +2,8 @@
 
 A command gets a :class:`Context` (the parsed arguments, the streams, the store
 to open, a person to ask) and prints through it: :meth:`Context.emit` writes the
-admin result as JSON under ``--json`` and the command's text otherwise, and
+admin result as JSON under ``--json`` and the command's text otherwise,
+:meth:`Context.emit_lines` one JSON object per line (a log), and
 :meth:`Context.bar` draws a :class:`ProgressBar` on stderr.  The text helpers
 (:func:`table`, :func:`fields`, :func:`when`, :func:`plural`) format the
 results for people.  A command returns one of the exit statuses of
@@ -61,23 +62,32 @@ def when(t: float | None) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Columns aligned to their widest cell; numbers right-aligned, text left."""
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+          widths: Sequence[int] = (), right: Sequence[bool] = (), header: bool = True) -> str:
+    """Columns aligned to their widest cell; numbers right-aligned, text left.
+
+    For tables printed one after another (a log followed) to line up, give
+    ``widths``, the least widths of the columns, and ``right``, which columns
+    are right-aligned whatever the cells hold.  ``header=False`` leaves out
+    the header line.
+    """
     cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-    numeric = [any(number(row[i]) for row in rows)
-               and all(number(row[i]) or row[i] is None for row in rows)
-               for i in range(len(headers))]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    numeric = list(right) or [any(number(row[i]) for row in rows)
+                              and all(number(row[i]) or row[i] is None for row in rows)
+                              for i in range(len(headers))]
+    least = [*widths, *[0] * (len(headers) - len(widths))]
+    sizes = [max([len(h), least[i], *(len(r[i]) for r in cells)])
+             for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> str:
         parts = [v.rjust(w) if num else v.ljust(w)
-                 for v, w, num in zip(values, widths, numeric, strict=True)]
+                 for v, w, num in zip(values, sizes, numeric, strict=True)]
         return "  ".join(parts).rstrip()
 
-    return "\n".join([line(headers), *(line(r) for r in cells)])
+    return "\n".join([*([line(headers)] if header else []), *(line(r) for r in cells)])
 
 
 def fields(pairs: Sequence[tuple[str, Any]]) -> str:
@@ -214,3 +224,10 @@ class Context:
             body = text()
             if body:
                 self.out.write(body + "\n")
+
+    def emit_lines(self, results: Sequence[Any]) -> None:
+        """Print each result as one line of JSON (for a log: ``jq`` reads it as it
+        comes), and flush."""
+        for result in results:
+            self.out.write(json.dumps(admin.to_dict(result), sort_keys=True) + "\n")
+        self.out.flush()

@@ -4,6 +4,7 @@ in order, summed, and visible to a plain sqlite3 reader of index.sqlite."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sqlite3
 import tempfile
 from collections.abc import Iterator
@@ -14,11 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparkcache import SnapshotStore, requestlog
-from sparkcache.errors import InvalidArgument
+from sparkcache import SnapshotStore, admin, requestlog
+from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.index import schema
 from sparkcache.requestlog import LOG_FIELDS, RequestRow, log_rows_setting
 
+from .filled import Filled
 from .store.helpers import Clock, identity, pages_for, tokens
 
 T0 = 1767323045.0  # 2026-01-02 03:04:05 UTC
@@ -201,6 +203,39 @@ def test_the_log_is_plain_sqlite(store: SnapshotStore) -> None:
         ).fetchall() == [("2026-01-02 03:04:05", "messages", 64, 48, 16, 32, 0.123)]
     finally:
         conn.close()
+
+
+# -- the admin API -----------------------------------------------------------------
+
+
+def test_admin_names_the_model(filled: Filled) -> None:
+    store = filled.store
+    mine, other = (admin.resolve_model(store, name).id for name in ("tiny-llama", "other"))
+    store.log_requests([
+        {"request_id": "a", "model_id": mine, "cache_key": "k", "prompt_tokens": 10,
+         "live_tokens": 5},
+        {"request_id": "b", "model_id": other, "prompt_tokens": 30, "restored_tokens": 30},
+        {"request_id": "c", "model_id": mine, "cache_key": "k", "prompt_tokens": 10,
+         "restored_tokens": 10, "written_tokens": 4},
+    ], keep=10)
+    assert ids(admin.request_log(store)) == ["c", "b", "a"]
+    assert ids(admin.request_log(store, model="tiny-llama")) == ["c", "a"]
+    assert ids(admin.request_log(store, model=other)) == ["b"]
+    assert ids(admin.request_log(store, model="tiny-llama", after=1)) == ["c"]
+    assert ids(admin.request_log(store, limit=1)) == ["c"]
+    with pytest.raises(NotFound, match="sparkcache models"):
+        admin.request_log(store, model="llama-9")
+    summed = admin.request_summary(store, model="tiny")
+    assert (summed.model, summed.requests, summed.prompt_tokens, summed.cached_tokens,
+            summed.written_tokens, summed.hit_rate) == ("tiny-llama", 2, 20, 15, 4, 0.75)
+    assert [(k.cache_key, k.requests, k.cached_tokens) for k in summed.by_cache_key] == [
+        ("k", 2, 15)]
+    everything = admin.to_dict(admin.request_summary(store))
+    assert (everything["model"], everything["requests"], everything["hit_rate"]) == (
+        None, 3, 0.9)
+    rows = json.loads(json.dumps(admin.to_dict(admin.request_log(store))))
+    assert [(r["request_id"], r["cached_tokens"], r["breakpoints"]) for r in rows] == [
+        ("c", 10, []), ("b", 30, []), ("a", 5, [])]
 
 
 # -- against a plain model ---------------------------------------------------------
