@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Final, Protocol, TypeVar, cast
 
 import apsw
 import numpy as np
@@ -36,6 +36,8 @@ from sparkcache.index.db import Database
 __all__ = [
     "DEFAULT_INDEX_RESERVE",
     "INDEX_FILE",
+    "KEEP_HOLDER",
+    "KEEP_LEASE",
     "OBJECTS",
     "RESERVE_FILE",
     "ChainLink",
@@ -98,6 +100,13 @@ def ids(conn: Conn, sql: str, params: Sequence[Any] = ()) -> list[int]:
 def model_folder(identity: ModelIdentity) -> str:
     """The backend folder holding one model's segments (a digest, never a name)."""
     return f"{OBJECTS}/m-{identity.digest()}"
+
+
+#: The lease kind of a kept snapshot (an API breakpoint's ``ttl``): retention
+#: respects it like any lease, an explicit clear or delete does not.
+KEEP_LEASE: Final = "keep"
+#: Its holder: no process, so it lasts its whole ttl, across restarts.
+KEEP_HOLDER: Final = "cache_control"
 
 
 def lease_blocks(holder: str, expires_at: float, now: float) -> bool:
@@ -389,10 +398,13 @@ class Core:
 
     @classmethod
     def leased(cls, conn: Conn, snapshot_id: int, now: float,
-               kind: str | None = None) -> list[str]:
-        """Holders of the leases (of ``kind``, if given) that protect a snapshot now."""
+               kind: str | None = None, *, explicit: bool = False) -> list[str]:
+        """Holders of the leases (of ``kind``, if given) that protect a snapshot now;
+        ``explicit``: against a user's own clear or delete, which keep leases
+        (:data:`KEEP_LEASE`) do not stop."""
         return [lease.holder for lease in cls.leases(conn, snapshot_id)
-                if (kind is None or lease.kind == kind) and lease.blocks(now)]
+                if (kind is None or lease.kind == kind) and lease.blocks(now)
+                and not (explicit and lease.kind == KEEP_LEASE)]
 
     # -- the index's reserve ---------------------------------------------------------------
 

@@ -118,7 +118,7 @@ def _delete(core: Core, snapshot_ids: list[int], force: bool, reason: str) -> li
                 raise NotFound(f"no snapshot {snapshot_id}")
             if not force:
                 for sub in subtree:
-                    for holder in core.leased(conn, sub, now):
+                    for holder in core.leased(conn, sub, now, explicit=True):
                         raise LeaseError(
                             f"snapshot {sub} is leased by {holder}; wait for the lease to "
                             "expire or pass force=True"
@@ -376,7 +376,8 @@ def clear_model(
     """Delete every snapshot of a model in one transaction, deepest first.
 
     Leased snapshots stay with their ancestors (they cannot be read without
-    them), and pinned ones too with ``keep_pinned``.  Files go after the commit.
+    them), and pinned ones too with ``keep_pinned``; a keep lease (an API
+    breakpoint's ttl) does not stop an explicit clear.  Files go after the commit.
     Returns (deleted, kept because leased, kept because pinned).
     """
     return core.freeing(lambda: _clear(core, model_id, keep_pinned, reason))
@@ -392,7 +393,8 @@ def _clear(core: Core, model_id: int, keep_pinned: bool,
         def with_ancestors(chosen: set[int]) -> set[int]:
             return {link.id for sid in chosen for link in core.chain(conn, sid)}
 
-        leased = with_ancestors({i for i in deepest_first if core.leased(conn, i, now)})
+        leased = with_ancestors({i for i in deepest_first
+                                 if core.leased(conn, i, now, explicit=True)})
         pinned = with_ancestors({i for i in deepest_first if keep_pinned and (
             (info := core.snapshot(conn, i)) is not None and info.pinned)}) - leased
         for sid in deepest_first:

@@ -38,12 +38,14 @@ from typing import Any
 
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.layout import check_tensors, model_identity, rank_of
+from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
 from sparkcache.connector.worker import WorkerIO
 from sparkcache.cuda import KVPages
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
+from sparkcache.requestlog import log_rows_setting
 from sparkcache.retention import Retention, RetentionSettings, Sweeper
 from sparkcache.store import SnapshotStore
 
@@ -195,6 +197,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _init_scheduler(self) -> None:
         self.sweeper: Sweeper | None = None
+        self.log_writer: LogWriter | None = None
         self.sched: SchedulerSide | None = None
         config = self._kv_transfer_config
         if config.kv_load_failure_policy != "recompute":
@@ -207,11 +210,18 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.store is None:
             return
         min_tokens = self.settings.min_tokens
+        log_rows = self.settings.log_rows
+        if log_rows is None:
+            log_rows = log_rows_setting()
+        if log_rows > 0:
+            self.log_writer = LogWriter(self.settings.folder, self.identity, self.counters,
+                                        keep=log_rows)
         self.sched = SchedulerSide(
             self.store, self.identity, self.counters,
             restore=self.settings.restore, publish=self.settings.publish,
             load_async=self.settings.load_async, tail_block=self.settings.tail_block,
             min_tokens=self.retention.settings.min_tokens if min_tokens is None else min_tokens,
+            on_facts=None if self.log_writer is None else self.log_writer.put,
         )
         if self.settings.sweep:
             # Its own store (own index connection): a long sweep never holds the
@@ -323,11 +333,15 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         its whole computed blocks is planned for the next
         :meth:`build_connector_meta` unless they are too few or already stored.
 
-        Returns ``(True, None)`` when the blocks must stay allocated until every
-        worker reports the id in ``finished_sending`` (a save is planned, or a
-        breakpoint copy may still read them), else ``(False, None)`` - also for a
-        request aborted while its restore is in flight (vLLM holds those blocks
-        until the load reports).  No transfer params are returned.
+        Returns ``(hold, params)``: ``hold`` is True when the blocks must stay
+        allocated until every worker reports the id in ``finished_sending`` (a
+        save is planned, or a breakpoint copy may still read them), False also
+        for a request aborted while its restore is in flight (vLLM holds those
+        blocks until the load reports).  ``params`` is
+        ``{"sparkcache": {...}}``, the request's row of the request log
+        (tokens from vLLM's own cache, restored, written at breakpoints,
+        timings); vLLM returns it with the request's output as its
+        ``kv_transfer_params`` (``sparkcache serve`` turns it into usage).
         """
         if self.sched is None:
             return False, None
@@ -540,6 +554,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self.sweeper is not None:
                 self.sweeper.stop()
                 self.sweeper.core.close()
+            if self.log_writer is not None:
+                self.log_writer.close()
         elif self.io is not None:
             self.io.close()
         if self.store is not None:

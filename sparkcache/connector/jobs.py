@@ -48,6 +48,9 @@ class SaveJob:
     #: finished_sending (vLLM knows nothing of it); the request's release at its
     #: finish waits until it was copied out.  A job without blocks is such a release.
     report: bool = True
+    #: Seconds to keep the published snapshot at least (a breakpoint's ``ttl``):
+    #: rank 0 takes a keep lease on it once published.
+    keep: float | None = None
 
 
 class Counters:

@@ -44,12 +44,14 @@ from typing import Any
 import numpy as np
 
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
+from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.store import Match, SnapshotStore
 
-__all__ = ["SchedulerSide", "breakpoints_of", "scope_of"]
+__all__ = ["MAX_KEEP_SECONDS", "RequestParams", "SchedulerSide", "breakpoints_of", "params_of",
+           "scope_of"]
 
 logger = logging.getLogger("vllm.sparkcache")
 
@@ -70,31 +72,124 @@ def scope_of(request: Any) -> RequestScope | None:
     return None if scope.is_default else scope
 
 
-def breakpoints_of(request: Any) -> tuple[int, ...]:
-    """``kv_transfer_params["sparkcache"]["breakpoints"]``: token positions to alias."""
+#: The longest ``ttl`` a breakpoint may ask for (Anthropic's longest cache lifetime).
+MAX_KEEP_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What a request asks of sparkcache in ``kv_transfer_params["sparkcache"]``.
+
+    ``{"id": "...", "breakpoints": [812, {"at": 1500, "ttl": 3600}]}``: ``id``
+    names the request in the request log (default vLLM's request id);
+    each breakpoint is a token position, or ``{"at": position, "ttl": seconds}``
+    to keep the prefix's snapshot at least that long after its last write or
+    read (a lease retention respects; at most :data:`MAX_KEEP_SECONDS`).
+    """
+
+    log_id: str | None = None
+    breakpoints: tuple[int, ...] = ()
+    keep: Mapping[int, float] = field(default_factory=dict)  # position -> seconds
+
+
+def _position(mark: Any) -> tuple[int, float | None] | None:
+    if isinstance(mark, dict):
+        at, ttl = mark.get("at"), mark.get("ttl")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                                or not 0 < ttl <= MAX_KEEP_SECONDS):
+            return None
+        keep = None if ttl is None else float(ttl)
+    else:
+        at, keep = mark, None
+    if not isinstance(at, int) or isinstance(at, bool) or at < 0:
+        return None
+    return at, keep
+
+
+def params_of(request: Any) -> RequestParams:
+    """The request's :class:`RequestParams`; malformed parts are ignored (logged)."""
     params = getattr(request, "kv_transfer_params", None) or {}
     ours = params.get("sparkcache") if isinstance(params, dict) else None
     if not isinstance(ours, dict):
-        return ()
+        return RequestParams()
+    log_id = ours.get("id")
+    if log_id is not None and not (isinstance(log_id, str) and 0 < len(log_id) <= 128):
+        logger.warning("sparkcache: ignoring request log id %r of %s", log_id,
+                       getattr(request, "request_id", "?"))
+        log_id = None
     marks = ours.get("breakpoints") or ()
-    if not isinstance(marks, (list, tuple)) or not all(
-        isinstance(m, int) and not isinstance(m, bool) and m >= 0 for m in marks
-    ):
+    parsed = [_position(m) for m in marks] if isinstance(marks, (list, tuple)) else [None]
+    if any(p is None for p in parsed):
         logger.warning("sparkcache: ignoring breakpoints %r of %s (want a list of token "
-                       "positions)", marks, getattr(request, "request_id", "?"))
-        return ()
-    return tuple(int(m) for m in marks)
+                       "positions or {\"at\": position, \"ttl\": seconds})", marks,
+                       getattr(request, "request_id", "?"))
+        parsed = []
+    keep: dict[int, float] = {}
+    for at, ttl in (p for p in parsed if p is not None):
+        if ttl is not None:
+            keep[at] = max(ttl, keep.get(at, 0.0))
+    return RequestParams(log_id, tuple(p[0] for p in parsed if p is not None), keep)
+
+
+def breakpoints_of(request: Any) -> tuple[int, ...]:
+    """``kv_transfer_params["sparkcache"]["breakpoints"]``: token positions to alias."""
+    return params_of(request).breakpoints
 
 
 @dataclass
 class _ReqState:
     scope: RequestScope | None
     seed: bytes
+    request: Any
+    params: RequestParams
     hashes: list[bytes] = field(default_factory=list)  # of tokens [0, len * block_size)
     waited: bool = False
-    request: Any = None  # kept while breakpoints are pending
     marks: list[int] = field(default_factory=list)  # breakpoints not published yet
     mid_saves: int = 0  # breakpoint saves planned while the request ran
+    # -- what the request log and the usage report (wall-clock times) --
+    local: int | None = None  # vLLM's own prefix hit at the last admission
+    restored: int = 0  # tokens a planned restore supplies
+    new_prefixes: list[tuple[int, int]] = field(default_factory=list)  # (n, stored before)
+    admitted_at: float | None = None
+    loaded_at: float | None = None  # an asynchronous restore landed
+    first_token_at: float | None = None
+    reported: bool = False  # the prefill's facts went out
+
+    def facts(self, *, final: bool) -> dict[str, Any]:
+        """The request's row of the request log (``requestlog.LOG_FIELDS``).
+
+        ``written_tokens`` counts the tokens its breakpoint saves add to the
+        store beyond what it read (vLLM's own hit and the restore) and what
+        was stored before: a breakpoint already stored adds none.
+        """
+        request = self.request
+        arrival = float(getattr(request, "arrival_time", 0.0) or 0.0) or None
+        covered = (self.local or 0) + self.restored
+        written = 0
+        for n, before in sorted(self.new_prefixes):
+            base = max(covered, before)
+            written += max(0, n - base)
+            covered = max(covered, n)
+        row: dict[str, Any] = {
+            "request_id": self.params.log_id or str(request.request_id),
+            "created_at": arrival,
+            "prompt_tokens": int(request.num_prompt_tokens),
+            "live_tokens": self.local,
+            "restored_tokens": self.restored,
+            "written_tokens": written,
+            "breakpoints": list(self.params.breakpoints),
+            "queue_s": _since(arrival, self.admitted_at),
+            "restore_s": _since(self.admitted_at, self.loaded_at),
+        }
+        if final:
+            row["output_tokens"] = max(0, len(request.all_token_ids)
+                                       - int(request.num_prompt_tokens))
+            row["ttft_s"] = _since(arrival, self.first_token_at)
+        return row
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)
 
 
 def _shared_blocks(a: list[bytes], b: list[bytes]) -> int:
@@ -123,8 +218,12 @@ class SchedulerSide:
         load_async: bool | None = True,
         min_tokens: int = 64,
         tail_block: bool = True,
+        on_facts: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.store = store
+        #: Called with a request's log row when its prompt has been scheduled
+        #: (what usage reports) and again when it finished (timings, output).
+        self.on_facts = on_facts
         self.identity = identity
         self.counters = counters
         self.restore, self.publish, self.load_async = restore, publish, load_async
@@ -140,6 +239,7 @@ class SchedulerSide:
         self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []
+        self._kept: dict[int, float] = {}  # snapshot -> when our keep lease on it ends
 
     # -- hashing -----------------------------------------------------------------------
 
@@ -147,12 +247,12 @@ class SchedulerSide:
         state = self._reqs.get(request.request_id)
         if state is None:
             scope = scope_of(request)
-            state = _ReqState(scope, prefix_seed(self.identity, scope))
+            params = params_of(request)
+            state = _ReqState(scope, prefix_seed(self.identity, scope), request, params)
             if self.publish:
                 floor = max(self.min_tokens, self.bs)
-                state.marks = sorted(m for m in set(breakpoints_of(request))
+                state.marks = sorted(m for m in set(params.breakpoints)
                                      if m // self.bs * self.bs >= floor)
-                state.request = request if state.marks else None
             self._reqs[request.request_id] = state
         return state
 
@@ -199,7 +299,7 @@ class SchedulerSide:
         self._live.add(request.request_id)
         if request.prompt_token_ids is None:
             return 0, False
-        self._state(request)  # also notes the request's breakpoints
+        self._state(request).local = num_computed  # also notes its breakpoints
         if not self.restore:
             return 0, False
         tokens = request.all_token_ids
@@ -288,6 +388,11 @@ class SchedulerSide:
         ``hit_tokens``.  A count other than the one offered plans nothing (logged).
         """
         offer = self._offers.pop(request.request_id, None)
+        state = self._reqs.get(request.request_id)
+        if state is not None:
+            if state.admitted_at is None:
+                state.admitted_at = time.time()
+            state.restored = 0
         if num_external == 0 or offer is None:
             return
         match, local, load_async, claim = offer
@@ -313,41 +418,89 @@ class SchedulerSide:
             self.counters.add("lease_failures")
         self.counters.add("hits")
         self.counters.add("hit_tokens", num_external)
+        if state is not None:
+            state.restored = num_external
 
     def plan_breakpoints(
         self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], list[int]]
     ) -> None:
-        """Plan saves of the prefixes whose breakpoint this step computes past.
+        """Plan saves of the prefixes whose breakpoint this step computes past, and
+        report the facts of requests whose prompt this step finishes (``on_facts``).
 
         ``scheduled``: tokens each request computes in this step (vLLM's
         ``num_scheduled_tokens``, seen before vLLM advances ``num_computed_tokens``);
         ``block_ids_of``: a request's KV blocks.  Workers copy the blocks out
         after the step's forward, so the planned tokens are computed by then.
+        Notes the time a request's first output token is first seen.
         """
+        now = time.time()
         for req_id, state in self._reqs.items():
-            step = scheduled.get(req_id)
-            if not state.marks or step is None:
-                continue
             request = state.request
-            # Only tokens already in the sequence: speculative drafts may be rejected.
-            done = min(int(request.num_computed_tokens) + int(step), len(request.all_token_ids))
-            reached = [m for m in state.marks if m <= done]
-            if not reached:
+            if state.first_token_at is None and \
+                    len(request.all_token_ids) > int(request.num_prompt_tokens):
+                state.first_token_at = now
+            step = scheduled.get(req_id)
+            if step is None:
                 continue
-            state.marks = [m for m in state.marks if m > done]
-            if not state.marks:
-                state.request = None
-            n = reached[-1] // self.bs * self.bs
+            if state.marks:
+                self._plan_marks(req_id, state, int(step), block_ids_of)
+            if not state.reported and int(request.num_computed_tokens) + int(step) >= \
+                    int(request.num_prompt_tokens):
+                state.reported = True
+                self._report(state, final=False)
+
+    def _plan_marks(self, req_id: str, state: _ReqState, step: int,
+                    block_ids_of: Callable[[str], list[int]]) -> None:
+        request = state.request
+        # Only tokens already in the sequence: speculative drafts may be rejected.
+        done = min(int(request.num_computed_tokens) + step, len(request.all_token_ids))
+        reached = [m for m in state.marks if m <= done]
+        if not reached:
+            return
+        state.marks = [m for m in state.marks if m > done]
+        n = reached[-1] // self.bs * self.bs
+        keep = max((state.params.keep.get(m, 0.0) for m in reached), default=0.0) or None
+        try:
+            job, known = self._save_job(request, n, block_ids_of(req_id), tuple(reached),
+                                        mid_request=True, keep=keep)
+        except (SparkCacheError, KeyError, IndexError) as exc:
+            logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
+            return
+        if job is not None:
+            self._saves.append(job)
+            state.mid_saves += 1
+            state.new_prefixes.append((n, 0 if known is None else known.n_tokens))
+            self.counters.add("breakpoint_saves_planned")
+        elif known is not None and known.n_tokens == n:
+            state.new_prefixes.append((n, n))
+            if keep is not None:
+                self._keep(known.snapshot_id, keep)
+
+    def _keep(self, snapshot_id: int, seconds: float) -> None:
+        """Renew the keep lease (a breakpoint's ``ttl``) on a stored snapshot, at
+        most once per half ``seconds``: a read refreshes it as a write does."""
+        now = time.time()
+        if self._kept.get(snapshot_id, 0.0) - now > seconds / 2:
+            return
+        try:
+            self.store.acquire_lease(snapshot_id, kind=KEEP_LEASE, ttl=seconds,
+                                     holder=KEEP_HOLDER)
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: could not keep snapshot %d: %s", snapshot_id, exc)
+            return
+        self._kept[snapshot_id] = now + seconds
+        if len(self._kept) > 4096:  # forget the oldest renewals
+            for sid in sorted(self._kept, key=self._kept.__getitem__)[:1024]:
+                del self._kept[sid]
+
+    def _report(self, state: _ReqState, *, final: bool) -> dict[str, Any]:
+        facts = state.facts(final=final)
+        if self.on_facts is not None:
             try:
-                job = self._save_job(request, n, block_ids_of(req_id), tuple(reached),
-                                     mid_request=True)
-            except (SparkCacheError, KeyError, IndexError) as exc:
-                logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
-                continue
-            if job is not None:
-                self._saves.append(job)
-                state.mid_saves += 1
-                self.counters.add("breakpoint_saves_planned")
+                self.on_facts(facts)
+            except Exception as exc:  # the log is never worth a failed step
+                logger.warning("sparkcache: request log: %s", exc)
+        return facts
 
     def preempted(self, req_ids: Iterable[str]) -> list[str]:
         """Of vLLM's preempted requests, those whose breakpoint saves may still be
@@ -368,6 +521,8 @@ class SchedulerSide:
         for req_id in finished_recving:
             self._inflight.pop(req_id, None)
             self._release_lease(req_id)
+            if (state := self._reqs.get(req_id)) is not None:
+                state.loaded_at = time.time()
         self._saving.difference_update(finished_sending)
 
     def _release_lease(self, req_id: str) -> None:
@@ -393,21 +548,31 @@ class SchedulerSide:
         Forgets the request: its offer, its state, its lease unless its
         asynchronous load is still in flight (that lease goes in
         :meth:`on_output`; the blocks are not saved then).  Returns ``(True,
-        None)`` when a save is planned or a breakpoint save may still copy the
-        blocks (a release job without blocks is then planned), else ``(False, None)``.
+        params)`` when a save is planned or a breakpoint save may still copy the
+        blocks (a release job without blocks is then planned), else ``(False,
+        params)``; ``params`` is ``{"sparkcache": <the request's log row>}``
+        (vLLM returns it with the request's output), None for a request never
+        admitted.
         """
         req_id = request.request_id
         self._offers.pop(req_id, None)
         self._live.discard(req_id)
+        state = self._reqs.get(req_id)
+        params: dict[str, Any] | None = None
+        if state is not None:
+            if state.first_token_at is None and \
+                    len(request.all_token_ids) > int(request.num_prompt_tokens):
+                state.first_token_at = time.time()
+            facts = self._report(state, final=True)
+            params = {"sparkcache": {k: v for k, v in facts.items() if k != "created_at"}}
         try:
             if self._inflight.pop(req_id, None) is not None:
                 # Aborted while its restore is in flight: the blocks are still being
                 # written (vLLM holds them until the load reports); nothing to save.
                 # The lease goes when the load reports (on_output).
-                return False, None
+                return False, params
             self._release_lease(req_id)  # a sync load (never reported) or done
-            hold, params = self._plan_save(request, block_ids)
-            state = self._reqs.get(req_id)
+            hold = self._plan_save(request, block_ids)
             if not hold and state is not None and state.mid_saves:
                 # Nothing more to save, but breakpoint saves may still be copying
                 # these blocks out: hold them until the workers say so.
@@ -421,39 +586,42 @@ class SchedulerSide:
         finally:
             self._reqs.pop(req_id, None)
 
-    def _plan_save(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _plan_save(self, request: Any, block_ids: list[int]) -> bool:
         if not self.publish or request.prompt_token_ids is None:
-            return False, None
+            return False
         tokens = request.all_token_ids
         n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs)
         marks = (int(request.num_prompt_tokens) - 1, *breakpoints_of(request))
-        job = self._save_job(request, n // self.bs * self.bs, block_ids, marks)
+        job, _known = self._save_job(request, n // self.bs * self.bs, block_ids, marks)
         if job is None:
-            return False, None
+            return False
         self._saves.append(job)
         self._saving.add(request.request_id)
         self.counters.add("saves_planned")
-        return True, None
+        return True
 
     def _save_job(self, request: Any, n: int, block_ids: list[int], marks: tuple[int, ...],
-                  *, mid_request: bool = False) -> SaveJob | None:
+                  *, mid_request: bool = False, keep: float | None = None,
+                  ) -> tuple[SaveJob | None, Match | None]:
         """A save of the request's tokens ``[0, n)`` (whole blocks), or None when
         too short or already stored; when a stored snapshot is a whole prefix,
-        only the tail is written (copy-on-write)."""
+        only the tail is written (copy-on-write).  Also returns the longest
+        stored prefix found (None when none, or not looked up)."""
         if n < max(self.min_tokens, self.bs):
-            return None
+            return None, None
         if len(block_ids) * self.bs < n:
             raise SparkCacheError(f"{len(block_ids)} blocks cannot hold {n} tokens")
         token_ids = np.asarray(request.all_token_ids[:n], dtype=np.uint32)
         hashes = self._hashes(request, n)
         scope = self._state(request).scope
         parent_id, parent_tokens = None, 0
+        known: Match | None = None
         try:
             known = self.store.lookup(self.identity, token_ids, scope=scope, hashes=hashes)
             if known is not None:
                 if known.n_tokens == n:
                     self.counters.add("saves_known")
-                    return None  # already stored (perhaps restored from it)
+                    return None, known  # already stored (perhaps restored from it)
                 if self.store.snapshot(known.snapshot_id).n_tokens == known.n_tokens:
                     # A whole stored snapshot is our prefix: write only the tail.
                     parent_id, parent_tokens = known.snapshot_id, known.n_tokens
@@ -463,4 +631,5 @@ class SchedulerSide:
             req_id=request.request_id, token_ids=token_ids,
             block_ids=list(block_ids[parent_tokens // self.bs:n // self.bs]),
             parent=parent_id, scope=scope, breakpoints=marks, report=not mid_request,
-        )
+            keep=keep,
+        ), known

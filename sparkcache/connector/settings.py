@@ -108,6 +108,8 @@ class ConnectorSettings:
     prompt's last tokens when the snapshot holds it too, so vLLM
     computes only the last token; ``false`` stops at the prompt's last whole
     block, as vLLM's own prefix cache does (up to a block is recomputed).
+    ``log_rows``: the request log keeps this many newest rows in the index
+    (default SPARK_KV_CACHE_LOG_ROWS, else 10000); 0 writes no log.
     """
 
     folder: str
@@ -121,6 +123,7 @@ class ConnectorSettings:
     max_queued_saves: int = DEFAULT_MAX_QUEUED
     sweep: bool = True
     tail_block: bool = True
+    log_rows: int | None = None  # None: SPARK_KV_CACHE_LOG_ROWS, else the default
 
     @property
     def restore(self) -> bool:
@@ -154,6 +157,7 @@ class ConnectorSettings:
         if revision is not None and not isinstance(revision, str):
             raise InvalidArgument("kv_connector_extra_config['revision'] must be a string")
         min_tokens = extra.get("min_tokens")
+        log_rows = extra.get("log_rows")
         return cls(
             folder=str(resolve_folder(folder)),
             mode=mode,
@@ -174,4 +178,5 @@ class ConnectorSettings:
             ),
             sweep=_as_bool("sweep", extra.get("sweep", True)),
             tail_block=_as_bool("tail_block", extra.get("tail_block", True)),
+            log_rows=None if log_rows is None else _as_int("log_rows", log_rows, 0),
         )

@@ -36,6 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
+from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.cpus import read_cpus, widen_affinity
 from sparkcache.errors import NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity
@@ -462,6 +463,13 @@ class WorkerIO:
         self.counters.add("saves")
         self.counters.add("saved_tokens", len(job.block_ids) * self.bs)
         self.counters.add("saved_bytes", result.bytes_written)
+        if job.keep and self.rank == 0:
+            try:
+                self.store.acquire_lease(result.snapshot_id, kind=KEEP_LEASE, ttl=job.keep,
+                                         holder=KEEP_HOLDER)
+            except SparkCacheError as exc:  # gone already: nothing to keep
+                logger.warning("sparkcache: could not keep snapshot %d: %s",
+                               result.snapshot_id, exc)
 
     # -- reporting -------------------------------------------------------------------
 

@@ -1,0 +1,137 @@
+"""What the scheduler side reports of each request: the request log row and usage.
+
+The facts go out twice: when the prompt has been scheduled (``sparkcache
+serve`` reads them for a streamed answer's usage) and at the finish, where
+they are also the ``kv_transfer_params`` vLLM returns with the output.  A
+breakpoint's ``ttl`` becomes a keep lease that retention respects and an
+explicit clear does not.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sparkcache import SnapshotStore, admin
+from sparkcache.connector.jobs import Counters, SaveJob
+from sparkcache.connector.logwriter import LogWriter
+from sparkcache.connector.scheduler import SchedulerSide, params_of
+from sparkcache.connector.worker import WorkerIO
+from sparkcache.core import KEEP_LEASE
+
+from .helpers import BS, FakePages, Req, identity, prompt, save, step
+
+
+def test_params_accept_positions_and_ttls_and_ignore_garbage() -> None:
+    req = Req("a", [1], kv_transfer_params={"sparkcache": {
+        "id": "sc-1", "breakpoints": [40, {"at": 70, "ttl": 3600}, {"at": 70, "ttl": 300}]}})
+    params = params_of(req)
+    assert (params.log_id, params.breakpoints, dict(params.keep)) == \
+        ("sc-1", (40, 70, 70), {70: 3600.0})
+    for bad in ([{"at": 70, "ttl": 99999}], [{"at": -1}], [True], "x", [{"ttl": 5}]):
+        assert params_of(Req("b", [1], kv_transfer_params={
+            "sparkcache": {"breakpoints": bad}})).breakpoints == (), bad
+    assert params_of(Req("c", [1], kv_transfer_params={"sparkcache": {"id": 7}})).log_id is None
+    assert params_of(Req("d", [1])).log_id is None
+
+
+def run(sched: SchedulerSide, req: Req, blocks: list[int], local: int = 0) -> list[SaveJob]:
+    """Admit ``req`` (vLLM's own hit: ``local`` tokens) and prefill it in one step;
+    the saves that step plans."""
+    offered, _ = sched.matched_tokens(req, local)
+    sched.after_alloc(req, blocks, offered or 0)
+    req.num_computed_tokens = local + (offered or 0)
+    return step(sched, req, len(req.prompt_token_ids) - req.num_computed_tokens, blocks)
+
+
+def test_facts_at_prefill_and_finish(one_rank: Any) -> None:
+    store, _sched, io, _counters = one_rank
+    facts: list[dict[str, Any]] = []
+    sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=True,
+                          on_facts=facts.append)
+    p = prompt(200, 21)
+    req = Req("a", p, kv_transfer_params={"sparkcache": {"id": "sc-a", "breakpoints": [150]}})
+    req.arrival_time = time.time() - 0.5  # type: ignore[attr-defined]
+    saves = run(sched, req, list(range(10)))
+    (prefill,) = facts
+    assert prefill["request_id"] == "sc-a" and prefill["prompt_tokens"] == 200
+    assert (prefill["live_tokens"], prefill["restored_tokens"], prefill["written_tokens"]) == \
+        (0, 0, 144)  # the breakpoint's whole blocks, all new
+    assert prefill["breakpoints"] == [150] and prefill["queue_s"] >= 0.5
+    assert "ttft_s" not in prefill  # no token yet
+    for job in saves:
+        io.submit_save(job)
+    assert io.flush()
+    _held, params = sched.finished(req, list(range(10)))
+    final = facts[-1]
+    assert params == {"sparkcache": {k: v for k, v in final.items() if k != "created_at"}}
+    assert final["written_tokens"] == 144 and final["output_tokens"] == 0
+    # A second request under the same 150-token prefix: vLLM's own cache has the
+    # first 128 tokens, a restore the next 16; the breakpoint is stored already.
+    other = Req("b", p[:150] + prompt(40, 22),
+                kv_transfer_params={"sparkcache": {"breakpoints": [150]}})
+    facts.clear()
+    run(sched, other, list(range(10, 22)), local=128)
+    (prefill,) = facts
+    assert prefill["request_id"] == "b"  # no id given: vLLM's own
+    assert (prefill["live_tokens"], prefill["restored_tokens"], prefill["written_tokens"]) == \
+        (128, 16, 0)
+
+
+def test_written_counts_only_what_was_not_read_or_stored(one_rank: Any) -> None:
+    store, _sched, io, _counters = one_rank
+    facts: list[dict[str, Any]] = []
+    sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=True,
+                          on_facts=facts.append)
+    p = prompt(300, 23)
+    save(sched, io, Req("x", p[:96]))  # 96 (+16 answer -> 96 stored tokens) published
+    facts.clear()
+    req = Req("a", p, kv_transfer_params={"sparkcache": {"breakpoints": [200, 260]}})
+    run(sched, req, list(range(20)))
+    (prefill,) = facts
+    assert prefill["restored_tokens"] == 96  # the stored prefix is read...
+    assert prefill["written_tokens"] == 256 - 96  # ...and only the rest is new
+
+
+def test_a_ttl_keeps_the_snapshot_from_retention_not_from_clear(tmp_path: Path) -> None:
+    ident = identity()
+    with SnapshotStore(tmp_path / "s") as store:
+        io = WorkerIO(store, ident, 0, FakePages(32, 1), Counters())
+        sched = SchedulerSide(store, ident, Counters(), min_tokens=BS, load_async=True)
+        p = prompt(100, 24)
+        req = Req("a", p, kv_transfer_params={"sparkcache": {"breakpoints": [
+            {"at": 96, "ttl": 3600}]}})
+        sched.matched_tokens(req, 0)
+        (job,) = step(sched, req, 100, list(range(8)))
+        assert job.keep == 3600
+        io.submit_save(job)
+        assert io.flush()
+        (snap,) = store.snapshots()
+        (lease,) = _leases(store, snap.id)
+        assert lease.kind == KEEP_LEASE and 3599 < lease.expires_at - lease.created_at <= 3600
+        assert store.evict(count=10) == []  # retention passes it by
+        report = admin.clear_model(store, snap.model_id)
+        assert report.deleted == [snap.id]  # an explicit clear does not
+        io.close()
+
+
+def _leases(store: SnapshotStore, snapshot_id: int) -> list[Any]:
+    with store.core.read() as conn:
+        return store.core.leases(conn, snapshot_id)
+
+
+def test_the_log_writer_commits_rows_off_the_caller(tmp_path: Path) -> None:
+    counters = Counters()
+    writer = LogWriter(str(tmp_path / "s"), identity(), counters, keep=3)
+    try:
+        for i in range(5):
+            writer.put({"request_id": f"r{i}", "created_at": 1000.0 + i, "prompt_tokens": i})
+        writer.put({"request_id": "r4", "restored_tokens": 32})
+    finally:
+        writer.close()
+    with SnapshotStore(tmp_path / "s") as store:
+        rows = store.requests()
+    assert [r.request_id for r in rows] == ["r4", "r3", "r2"]  # the newest 3 kept
+    assert rows[0].restored_tokens == 32 and rows[0].prompt_tokens == 4
+    assert rows[0].model_id == writer.model_id and "log_failures" not in counters.take()
