@@ -392,7 +392,8 @@ class SchedulerSide:
         if state is not None:
             if state.admitted_at is None:
                 state.admitted_at = time.time()
-            state.restored = 0
+            if offer is not None:  # (not the call after an asynchronous load landed)
+                state.restored = 0
         if num_external == 0 or offer is None:
             return
         match, local, load_async, claim = offer

@@ -39,8 +39,11 @@ def test_params_accept_positions_and_ttls_and_ignore_garbage() -> None:
 def run(sched: SchedulerSide, req: Req, blocks: list[int], local: int = 0) -> list[SaveJob]:
     """Admit ``req`` (vLLM's own hit: ``local`` tokens) and prefill it in one step;
     the saves that step plans."""
-    offered, _ = sched.matched_tokens(req, local)
+    offered, load_async = sched.matched_tokens(req, local)
     sched.after_alloc(req, blocks, offered or 0)
+    if offered and load_async:  # the load lands; vLLM then calls again, with 0
+        sched.on_output([req.request_id], ())
+        sched.after_alloc(req, blocks, 0)
     req.num_computed_tokens = local + (offered or 0)
     return step(sched, req, len(req.prompt_token_ids) - req.num_computed_tokens, blocks)
 
