@@ -46,6 +46,7 @@ from sparkcache.cli_commands import (
     cmd_models,
     cmd_pin,
     cmd_rm,
+    cmd_serve,
     cmd_shell,
     cmd_show,
     cmd_stats,
@@ -63,6 +64,7 @@ from sparkcache.cli_output import (
     Declined,
 )
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
+from sparkcache.serve import launch
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -225,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub["shell"].add_argument("--write", action="store_true",
                               help="open the index read-write (bypasses the store's "
                                    "bookkeeping; prefer the admin commands)")
+    # `sparkcache serve ...` goes to the launcher unparsed (main); this parser is
+    # for `sparkcache --folder DIR serve ...` and the command list.
+    # No option prefix: every argument after `serve`, --help included, is the launcher's.
+    serve = subs.add_parser("serve", add_help=False, prefix_chars="\x01", help=launch.SUMMARY,
+                            description=launch.SUMMARY[0].upper() + launch.SUMMARY[1:] + ".",
+                            formatter_class=fmt, epilog=launch.EPILOG)
+    serve.add_argument("serve_args", nargs=argparse.REMAINDER,
+                       help="MODEL, sparkcache's options and vLLM's (sparkcache serve --help)")
+    serve.set_defaults(func=cmd_serve)
     db_subs = sub["db"].add_subparsers(dest="db_command", metavar="ACTION", required=True,
                                        title="actions")
     for name, func, text in (
@@ -265,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see EXIT_CODES)."""
     out, err, inp = sys.stdout, sys.stderr, sys.stdin
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # every other argument may be vLLM's: no parsing here
+        return launch.main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -29,11 +29,12 @@ from sparkcache.cli_output import (
     when,
 )
 from sparkcache.errors import InvalidArgument
+from sparkcache.serve import launch
 
 __all__ = [
     "cmd_check", "cmd_clear", "cmd_db_current", "cmd_db_downgrade", "cmd_db_upgrade",
     "cmd_export", "cmd_import", "cmd_log", "cmd_ls", "cmd_models", "cmd_pin", "cmd_rm",
-    "cmd_shell", "cmd_show", "cmd_stats", "cmd_sweep", "cmd_verify",
+    "cmd_serve", "cmd_shell", "cmd_show", "cmd_stats", "cmd_sweep", "cmd_verify",
 ]
 
 #: How often ``log --follow`` looks for new requests, in seconds.
@@ -46,6 +47,15 @@ LOG_HEADERS = ("TIME", "MODEL", "API", "PROMPT", "CACHED", "LIVE+RESTORED", "WRI
 #: prints later line up with the first ones (columns only ever widen).
 LOG_WIDTHS = (19, 16, 11, 6, 6, 13, 7, 11, 9, 6, 7)
 LOG_RIGHT = (False, False, False, True, True, True, True, False, False, True, True)
+
+
+def cmd_serve(ctx: Context) -> int:
+    """``sparkcache [--folder DIR] serve ...``: becomes vLLM's server (the launcher
+    parses the rest; a global ``--folder`` is passed on unless ``serve`` has its own)."""
+    argv = list(ctx.args.serve_args)
+    if ctx.args.folder and "--folder" not in argv:
+        argv = ["--folder", str(ctx.args.folder), *argv]
+    return launch.main(argv)
 
 
 def cmd_models(ctx: Context) -> int:

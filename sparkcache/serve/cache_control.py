@@ -1,0 +1,156 @@
+"""Anthropic ``cache_control`` blocks: validated, and turned into prompt cuts.
+
+A ``cache_control`` on a tool, a system block, a message or a content block
+marks the prompt prefix up to and including that block; a top-level
+``cache_control`` marks everything up to the last message.  Anthropic's prompt
+order is tools, then system, then messages.  For each mark, :func:`cuts`
+returns the request with everything after the marked block removed (a
+:class:`Cut`); the server renders it with the model's chat template and the
+breakpoint's token position is where that rendering stops agreeing with the
+full prompt's (:func:`common_prefix`; the connector rounds it down to a whole
+block).  Whatever the template does, the position is a prefix of the real
+prompt: the comparison makes sure of that.
+
+Pure functions over the request's JSON: no vLLM, no I/O.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sparkcache.errors import InvalidArgument
+
+__all__ = ["MAX_BREAKPOINTS", "TTLS", "CacheControlError", "Cut", "common_prefix", "cuts",
+           "strip"]
+
+#: Anthropic's limit on blocks with ``cache_control`` per request.
+MAX_BREAKPOINTS = 4
+#: The ``ttl`` values Anthropic accepts, in seconds; "5m" is the default.
+TTLS = {"5m": 300.0, "1h": 3600.0}
+DEFAULT_TTL = "5m"
+#: Stands in for the first message when a cut leaves none (chat templates
+#: render at least one); nothing after it is compared.
+PLACEHOLDER = {"role": "user", "content": "\u2400"}
+
+
+class CacheControlError(InvalidArgument):
+    """A malformed ``cache_control`` (the server answers 400 with this message)."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The request up to one marked block."""
+
+    where: str  # e.g. "system[1]", "messages[3].content[0]", "tools[0]", "cache_control"
+    ttl: float  # seconds to keep the snapshot at least
+    body: dict[str, Any]  # the request with everything after the block removed
+
+
+def _ttl(mark: Any, where: str) -> float | None:
+    """The mark's ttl in seconds; None when there is no mark."""
+    if mark is None:
+        return None
+    if not isinstance(mark, dict):
+        raise CacheControlError(f"{where}.cache_control must be an object like "
+                                f'{{"type": "ephemeral"}}, got {mark!r}')
+    kind = mark.get("type")
+    if kind != "ephemeral":
+        raise CacheControlError(f"{where}.cache_control.type must be 'ephemeral', got {kind!r}")
+    ttl = mark.get("ttl", DEFAULT_TTL)
+    if not isinstance(ttl, str) or ttl not in TTLS:
+        raise CacheControlError(f"{where}.cache_control.ttl must be one of "
+                                f"{sorted(TTLS)}, got {ttl!r}")
+    return TTLS[ttl]
+
+
+def _marks(body: dict[str, Any]) -> list[tuple[str, float, dict[str, Any]]]:
+    """Every mark in prompt order: (where, ttl, the request up to it)."""
+    found: list[tuple[str, float, dict[str, Any]]] = []
+
+    def up_to(tools: int | None, system: Any, messages: list[Any] | None) -> dict[str, Any]:
+        cut = {k: v for k, v in body.items() if k not in ("cache_control", "stream")}
+        if tools is not None:
+            cut["tools"] = body["tools"][:tools]
+        if system is not _KEEP:
+            if system is None:
+                cut.pop("system", None)
+            else:
+                cut["system"] = system
+        if messages is not None:
+            cut["messages"] = messages or [dict(PLACEHOLDER)]
+        return copy.deepcopy(cut)
+
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        for i, tool in enumerate(tools):
+            if isinstance(tool, dict):
+                ttl = _ttl(tool.get("cache_control"), f"tools[{i}]")
+                if ttl is not None:
+                    found.append((f"tools[{i}]", ttl, up_to(i + 1, None, [])))
+    system = body.get("system")
+    if isinstance(system, list):
+        for j, block in enumerate(system):
+            if isinstance(block, dict):
+                ttl = _ttl(block.get("cache_control"), f"system[{j}]")
+                if ttl is not None:
+                    found.append((f"system[{j}]", ttl, up_to(None, system[:j + 1], [])))
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for k, message in enumerate(messages):
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                for j, block in enumerate(content):
+                    if isinstance(block, dict):
+                        where = f"messages[{k}].content[{j}]"
+                        ttl = _ttl(block.get("cache_control"), where)
+                        if ttl is not None:
+                            cut = {**message, "content": content[:j + 1]}
+                            found.append((where, ttl, up_to(None, _KEEP,
+                                                            [*messages[:k], cut])))
+            ttl = _ttl(message.get("cache_control"), f"messages[{k}]")
+            if ttl is not None:
+                found.append((f"messages[{k}]", ttl, up_to(None, _KEEP, messages[:k + 1])))
+    ttl = _ttl(body.get("cache_control"), "request")
+    if ttl is not None:
+        found.append(("cache_control", ttl, up_to(None, _KEEP, None)))
+    return found
+
+
+_KEEP: Any = object()  # "leave this part of the request as it is"
+
+
+def cuts(body: dict[str, Any]) -> list[Cut]:
+    """The request's breakpoints in prompt order; raises :class:`CacheControlError`
+    for a malformed ``cache_control``, more than :data:`MAX_BREAKPOINTS`, or a
+    longer ttl after a shorter one (Anthropic's rule: "1h" marks come first)."""
+    found = _marks(body)
+    if len(found) > MAX_BREAKPOINTS:
+        raise CacheControlError(
+            f"at most {MAX_BREAKPOINTS} blocks may carry cache_control, found {len(found)} "
+            f"({', '.join(where for where, _, _ in found)})")
+    for (before, short, _), (after, long, _) in itertools.pairwise(found):
+        if long > short:
+            raise CacheControlError(
+                f"{after} asks for a longer ttl than {before}, which comes before it: "
+                "marks with ttl '1h' must come before marks with ttl '5m'")
+    return [Cut(where, ttl, cut) for where, ttl, cut in found]
+
+
+def strip(body: dict[str, Any]) -> dict[str, Any]:
+    """The request without its ``cache_control`` fields (for a render of the whole prompt)."""
+    return {k: v for k, v in body.items() if k not in ("cache_control", "stream")}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token sequences share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

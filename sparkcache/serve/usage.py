@@ -1,0 +1,116 @@
+"""Usage in each API's terms, from what the connector did for the request.
+
+The connector reports a request's facts (``kv_transfer_params["sparkcache"]``
+of a finished request, and the same row in the request log while it runs):
+``prompt_tokens``, ``live_tokens`` (vLLM's own prefix cache),
+``restored_tokens`` (read from snapshots) and ``written_tokens`` (added to the
+store at the request's breakpoints, beyond what it read and what was stored).
+Anthropic's usage is then
+
+* ``cache_read_input_tokens`` = live + restored,
+* ``cache_creation_input_tokens`` = written,
+* ``input_tokens`` = the rest of the prompt,
+
+so that the three add up to the prompt.  OpenAI's
+``prompt_tokens_details.cached_tokens`` is vLLM's own count, which is live +
+restored already.
+
+:class:`SseRewriter` rewrites the usage of a streamed Anthropic answer
+(``message_start`` and ``message_delta``) event by event.  Pure functions: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+__all__ = ["SseRewriter", "anthropic_usage", "facts_of"]
+
+Facts = Mapping[str, Any]
+
+
+def facts_of(response: Mapping[str, Any]) -> Facts | None:
+    """The connector's facts in a response's ``kv_transfer_params``, if any."""
+    params = response.get("kv_transfer_params")
+    ours = params.get("sparkcache") if isinstance(params, Mapping) else None
+    return ours if isinstance(ours, Mapping) and "prompt_tokens" in ours else None
+
+
+def anthropic_usage(usage: Mapping[str, Any] | None, facts: Facts) -> dict[str, Any]:
+    """vLLM's Anthropic ``usage`` with the cache fields from the connector's facts."""
+    out = dict(usage or {})
+    prompt = int(facts.get("prompt_tokens") or 0)
+    read = int(facts.get("live_tokens") or 0) + int(facts.get("restored_tokens") or 0)
+    written = min(int(facts.get("written_tokens") or 0), max(0, prompt - read))
+    out["cache_read_input_tokens"] = read
+    out["cache_creation_input_tokens"] = written
+    out["input_tokens"] = max(0, prompt - read - written)
+    out.setdefault("output_tokens", 0)
+    return out
+
+
+class SseRewriter:
+    """Rewrites the usage of Anthropic stream events as the bytes pass.
+
+    ``facts`` is awaited once, at the first event that carries usage; None
+    leaves vLLM's usage as it is.  Events are split on blank lines; an event
+    is passed on as soon as it is whole.
+    """
+
+    def __init__(self, facts: Callable[[], Awaitable[Facts | None]]) -> None:
+        self._facts = facts
+        self._known: Facts | None = None
+        self._asked = False
+        self._pending = b""
+        self.output_tokens: int | None = None  # from the last message_delta seen
+
+    async def feed(self, chunk: bytes) -> bytes:
+        """The whole events in ``chunk`` (plus what was pending), rewritten."""
+        data = self._pending + chunk
+        head, sep, self._pending = data.rpartition(b"\n\n")
+        if not sep:
+            self._pending = data
+            return b""
+        out = [await self._event(event) for event in head.split(b"\n\n")]
+        return b"\n\n".join(out) + b"\n\n"
+
+    def rest(self) -> bytes:
+        """Whatever incomplete event is left when the stream ends (passed on as is)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+    async def _event(self, event: bytes) -> bytes:
+        lines = event.split(b"\n")
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                payload = json.loads(line[5:].strip())
+            except ValueError:
+                return event
+            if not isinstance(payload, dict):
+                return event
+            kind = payload.get("type")
+            if kind == "message_start" and isinstance(payload.get("message"), dict):
+                holder: dict[str, Any] = payload["message"]
+            elif kind == "message_delta":
+                holder = payload
+                usage = holder.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+                    self.output_tokens = usage["output_tokens"]
+            else:
+                return event
+            facts = await self._get()
+            if facts is None:
+                return event
+            holder["usage"] = anthropic_usage(holder.get("usage"), facts)
+            lines[i] = b"data: " + json.dumps(payload, separators=(",", ":")).encode()
+            return b"\n".join(lines)
+        return event
+
+    async def _get(self) -> Facts | None:
+        if not self._asked:
+            self._asked = True
+            self._known = await self._facts()
+        return self._known

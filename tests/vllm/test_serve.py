@@ -1,0 +1,301 @@
+"""``sparkcache serve`` on real vLLM, through the official ``anthropic`` and ``openai`` clients.
+
+One server (``served``) runs the tests in file order: a bad ``cache_control``
+is a 400; a breakpoint writes its prefix as a snapshot and the next request
+reads it, with exact usage (whole answers and streamed ones); OpenAI requests
+carry ``prompt_cache_key`` into the request log; a conversation pushed out of
+vLLM's 64-block live cache by another is restored, not lost; a second server
+started on the same store (a restart) reads a breakpoint's prefix from disk
+and answers as the first one did; and the page, in a real headless Chromium,
+clears the model's snapshots and their files.
+
+The tiny model's tokenizer is byte-level (one token per ASCII character, one
+per special token) and its chat template is
+``<bos><|role|>\\n{content}<|end|>\\n ... <|assistant|>\\n``: so the token
+positions below are counted by hand from the texts, not by the code under test.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serve_helpers import MODEL_NAME, Server
+from tiny_model import BLOCK_SIZE, NEEDS_VLLM
+
+from sparkcache.store import SnapshotStore
+from tests.browser import Browser, find_chromium, skip_reason
+
+pytestmark = NEEDS_VLLM
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Tokens the template puts around a system prompt up to the next message's
+#: text: <bos> <|system|> \n ... <|end|> \n <|user|> \n
+SYSTEM_FRAME = 7
+#: ... and around one user message: <|end|> \n <|assistant|> \n after it.
+USER_FRAME = 4
+
+
+def whole(n: int) -> int:
+    return n // BLOCK_SIZE * BLOCK_SIZE
+
+
+def system_prompt(seed: int, n: int) -> str:
+    """``n`` ASCII characters (tokens) of text, different for each seed."""
+    words = ["river", "stone", "cloud", "amber", "delta", "orbit", "maple", "quartz"]
+    out, i = [], seed
+    while sum(len(w) + 1 for w in out) < n:
+        out.append(words[(i * 7 + len(out) * 3) % len(words)] + str(i % 10))
+        i += 1
+    return " ".join(out)[:n]
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve-store")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path, store_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("serve-log") / "server-a.log"
+    with Server(tiny_model_dir, store_dir, log) as server:
+        yield server
+
+
+def clients(server: Server) -> tuple[Any, Any]:
+    return (anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0),
+            openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0))
+
+
+def ask(client: Any, system: str, user: str, *, ttl: str | None = None,
+        max_tokens: int = 8) -> Any:
+    mark: dict[str, str] = {"type": "ephemeral"}
+    if ttl:
+        mark["ttl"] = ttl
+    return client.messages.create(
+        model=MODEL_NAME, max_tokens=max_tokens, extra_body={"temperature": 0},
+        system=[{"type": "text", "text": system, "cache_control": mark}],
+        messages=[{"role": "user", "content": user}])
+
+
+def usage(message: Any) -> tuple[int, int, int]:
+    u = message.usage
+    return u.input_tokens, u.cache_read_input_tokens, u.cache_creation_input_tokens
+
+
+def log_rows(folder: Path, until: Any = None, timeout: float = 10.0) -> list[Any]:
+    """The request log, newest first; with ``until``, polled until it holds for
+    the rows (the server writes its part just after the answer is sent)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with SnapshotStore(folder) as store:
+            rows = store.requests(limit=1000)
+        if until is None or until(rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
+def test_bad_cache_control_is_a_400_that_says_what_is_wrong(served: Server) -> None:
+    client, _ = clients(served)
+    base = {"model": MODEL_NAME, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello"}]}
+    cases = {
+        "ttl": ({"type": "ephemeral", "ttl": "10m"}, "ttl must be one of"),
+        "type": ({"type": "persistent"}, "type must be 'ephemeral'"),
+        "shape": ("yes", "must be an object"),
+    }
+    for mark, expected in cases.values():
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(**base, system=[
+                {"type": "text", "text": "be brief", "cache_control": mark}])
+        assert expected in caught.value.message, caught.value.message
+        assert "system[0]" in caught.value.message
+    five = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}}
+            for i in range(5)]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(**base, system=five)
+    assert "at most 4" in caught.value.message and "found 5" in caught.value.message
+    rows = [r for r in log_rows(served.folder, lambda rows: sum(r.status == 400 for r in rows) >= 4)
+            if r.status == 400]
+    assert len(rows) == 4 and all(r.api == "messages" for r in rows)
+
+
+def test_a_breakpoint_writes_its_prefix_and_the_next_request_reads_it(served: Server) -> None:
+    client, _ = clients(served)
+    system = system_prompt(1, 700)
+    boundary = len(system) + SYSTEM_FRAME  # the placeholder differs from the user text
+    first = ask(client, system, "alpha: what is the plan?")
+    prompt = len(system) + SYSTEM_FRAME + len("alpha: what is the plan?") + USER_FRAME
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens + \
+        first.usage.cache_creation_input_tokens == prompt
+    assert usage(first) == (prompt - whole(boundary), 0, whole(boundary))
+    # Another question under the same system prompt: the prefix is read, nothing written.
+    second = ask(client, system, "bravo: and then?")
+    prompt2 = len(system) + SYSTEM_FRAME + len("bravo: and then?") + USER_FRAME
+    assert usage(second) == (prompt2 - whole(boundary), whole(boundary), 0)
+    rows = {r.request_id: r for r in log_rows(served.folder)}
+    mine = [r for r in rows.values() if r.prompt_tokens in (prompt, prompt2)]
+    assert sorted((r.prompt_tokens, r.written_tokens, r.breakpoints) for r in mine) == sorted(
+        [(prompt, whole(boundary), (boundary,)), (prompt2, 0, (boundary,))])
+    with SnapshotStore(served.folder) as store:
+        assert whole(boundary) in {s.n_tokens for s in store.snapshots()}
+
+
+def test_streamed_usage_is_exact_at_message_start_and_at_the_end(served: Server) -> None:
+    client, _ = clients(served)
+    system = system_prompt(2, 500)
+    boundary = len(system) + SYSTEM_FRAME
+    user = "charlie: stream it"
+    prompt = len(system) + SYSTEM_FRAME + len(user) + USER_FRAME
+    started: list[Any] = []
+    with client.messages.stream(
+            model=MODEL_NAME, max_tokens=8, extra_body={"temperature": 0},
+            system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            messages=[{"role": "user", "content": user}]) as stream:
+        for event in stream:
+            if event.type == "message_start":
+                started.append(event.message.usage)
+        final = stream.get_final_message()
+    assert len(started) == 1
+    expected = (prompt - whole(boundary), 0, whole(boundary))
+    assert (started[0].input_tokens, started[0].cache_read_input_tokens,
+            started[0].cache_creation_input_tokens) == expected
+    assert usage(final) == expected and final.usage.output_tokens == 8
+    # The same request again reads (at least) the prefix and writes nothing.
+    again = ask(client, system, user)
+    assert sum(usage(again)) == prompt
+    assert usage(again)[1] >= whole(boundary) and usage(again)[2] == 0
+
+
+def test_prompt_cache_key_is_accepted_and_logged(served: Server) -> None:
+    _, client = clients(served)
+    text = system_prompt(3, 300)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=4,
+        temperature=0, prompt_cache_key="team-chat")
+    assert chat.usage.prompt_tokens_details is not None
+    again = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=4,
+        temperature=0, prompt_cache_key="team-chat")
+    assert again.usage.prompt_tokens_details.cached_tokens >= whole(len(text))
+    for _ in range(2):
+        done = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=4,
+                                         temperature=0,
+                                         extra_body={"prompt_cache_key": "team-cmpl"})
+    assert done.usage.prompt_tokens_details.cached_tokens >= whole(len(text))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"prompt_cache_key": 42})
+    assert "prompt_cache_key" in str(caught.value)
+    expected = [("chat", "team-chat", 200)] * 2 + [("completions", "team-cmpl", 200)] * 2
+
+    def keyed(rows: list[Any]) -> list[tuple[Any, ...]]:
+        return sorted((r.api, r.cache_key, r.status) for r in rows if r.cache_key)
+
+    assert keyed(log_rows(served.folder, lambda rows: keyed(rows) == expected)) == expected
+    with SnapshotStore(served.folder) as store:
+        groups = {k.cache_key: k for k in store.requests_by_key()}
+    assert groups["team-chat"].requests == 2 and groups["team-cmpl"].requests == 2
+    assert groups["team-chat"].cached_tokens >= whole(len(text))
+
+
+def test_a_conversation_pushed_out_of_the_live_cache_is_restored(served: Server) -> None:
+    client, _ = clients(served)
+    first_user = system_prompt(4, 1200)
+    a = client.messages.create(model=MODEL_NAME, max_tokens=8, extra_body={"temperature": 0},
+                               messages=[{"role": "user", "content": first_user}])
+    # 1860 tokens of another conversation take 59 of the 64 blocks.
+    client.messages.create(model=MODEL_NAME, max_tokens=4, extra_body={"temperature": 0},
+                           messages=[{"role": "user", "content": system_prompt(5, 1860)}])
+    answer = "".join(block.text for block in a.content if block.type == "text")
+    nxt = client.messages.create(
+        model=MODEL_NAME, max_tokens=8, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": first_user},
+                  {"role": "assistant", "content": answer or "ok"},
+                  {"role": "user", "content": "and next?"}])
+    shared = 3 + len(first_user) + USER_FRAME  # up to A's answer
+    assert nxt.usage.cache_read_input_tokens >= whole(shared)
+    row = log_rows(served.folder, lambda rows: rows[0].restored_tokens is not None)[0]
+    assert row.restored_tokens > 0, row
+    assert row.live_tokens + row.restored_tokens == nxt.usage.cache_read_input_tokens
+
+
+def test_a_restarted_server_restores_a_breakpoint_and_answers_the_same(
+        served: Server, tiny_model_dir: Path, store_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    system = system_prompt(1, 700)  # published by the breakpoint test above
+    boundary = len(system) + SYSTEM_FRAME
+    user = "delta: after a restart?"
+    prompt = len(system) + SYSTEM_FRAME + len(user) + USER_FRAME
+    log = tmp_path_factory.mktemp("serve-log") / "server-b.log"
+    with Server(tiny_model_dir, store_dir, log) as fresh:
+        after = ask(clients(fresh)[0], system, user, max_tokens=12)
+        assert usage(after) == (prompt - whole(boundary), whole(boundary), 0)
+        row = log_rows(store_dir, lambda rows: rows[0].restored_tokens is not None)[0]
+        assert (row.live_tokens, row.restored_tokens) == (0, whole(boundary)), row
+    # The same request computed from scratch (a cache salt shares nothing).
+    mark = {"type": "ephemeral"}
+    computed = clients(served)[0].messages.create(
+        model=MODEL_NAME, max_tokens=12, extra_body={"temperature": 0, "cache_salt": "fresh"},
+        system=[{"type": "text", "text": system, "cache_control": mark}],
+        messages=[{"role": "user", "content": user}])
+    assert computed.usage.cache_read_input_tokens == 0
+    assert after.content[0].text == computed.content[0].text
+
+
+def test_the_restart_comparison_catches_a_corrupted_restore(
+        served: Server, tiny_model_dir: Path, store_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The negative control of the test above: a server whose restored pages are
+    scrambled after verification (a test-only fault) answers differently."""
+    system = system_prompt(1, 700)
+    user = "echo: corrupted?"
+    log = tmp_path_factory.mktemp("serve-log") / "server-c.log"
+    with Server(tiny_model_dir, store_dir, log,
+                env={"SPARKCACHE_TEST_FAULT": "flip-restored"}) as faulty:
+        wrong = ask(clients(faulty)[0], system, user, max_tokens=12)
+        assert wrong.usage.cache_read_input_tokens >= 704  # it did restore
+    computed = clients(served)[0].messages.create(
+        model=MODEL_NAME, max_tokens=12, extra_body={"temperature": 0, "cache_salt": "fresh"},
+        system=[{"type": "text", "text": system}], messages=[{"role": "user", "content": user}])
+    assert wrong.content[0].text != computed.content[0].text
+
+
+def test_the_page_clears_snapshots_in_a_browser(served: Server, tmp_path: Path) -> None:
+    if find_chromium() is None:
+        pytest.skip(skip_reason())
+    with SnapshotStore(served.folder) as store:
+        before = store.snapshots()
+    assert before, "the tests above published snapshots"
+    objects = served.folder / "objects"
+    assert any(p.is_file() for p in objects.rglob("*"))
+    with Browser() as browser:
+        browser.open(served.url + "/sparkcache")
+        text = browser.text()
+        assert "Clear KV snapshots" in text
+        assert str(before[0].n_tokens) in text
+        assert "Latest requests" in text and "team-chat" in text
+        shot = tmp_path / "serve-page.png"
+        browser.screenshot(shot, width=1100)
+        if os.environ.get("SPARKCACHE_UPDATE_DOCS"):
+            (ROOT / "docs" / "serve-page.png").write_bytes(shot.read_bytes())
+        model_id = before[0].model_id
+        browser.click(f"#clear-{model_id}")
+        after = browser.text()
+    assert "Cleared" in after and "No snapshots." in after, after
+    with SnapshotStore(served.folder) as store:
+        assert store.snapshots() == []
+    assert not any(p.is_file() for p in objects.rglob("*")), list(objects.rglob("*"))
+    # The next request after a clear is computed and stored again.
+    client, _ = clients(served)
+    again = ask(client, system_prompt(1, 700), "echo: from scratch")
+    assert again.usage.cache_read_input_tokens == 0, usage(again)
