@@ -113,7 +113,7 @@ def _model(store: SnapshotStore, model: admin.ModelRow, csrf: str) -> str:
     if snapshots:
         parts.append(_table(
             ["id", "state", "tokens", "MB", "last used", "hits", "parent"],
-            ([s.id, s.state, s.tokens, f"{s.mb:.2f}", _when(s.last_used), s.hits,
+            ([s.id, s.state, s.tokens, f"{s.nbytes / 2**20:.2f}", _when(s.last_used), s.hits,
               s.parent if s.parent is not None else "-"] for s in snapshots[:SNAPSHOT_ROWS])))
     else:
         parts.append('<p class="muted">No snapshots.</p>')
