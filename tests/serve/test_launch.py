@@ -55,6 +55,9 @@ def test_the_command_is_vllms_server_with_the_connector(env: dict[str, str],
         "kv_connector_extra_config": {"folder": folder},
     }
     assert "--enforce-eager" not in cmd.argv  # CUDA: vLLM's default (graphs)
+    assert option(cmd.argv, "--shutdown-timeout") == "30"  # saves in flight finish
+    given = build(["/models/tiny", "--shutdown-timeout", "5"], env, cuda=True)
+    assert option(given.argv, "--shutdown-timeout") == "5"
     assert cmd.env["SPARKCACHE_SERVE_FOLDER"] == folder
     assert "SPARKCACHE_ADMIN_TOKEN" not in cmd.env
     assert "SPARK_KV_CACHE_LOG_ROWS" not in cmd.env

@@ -3,7 +3,8 @@
 One server (``served``) runs the tests in file order: a bad ``cache_control``
 is a 400; a breakpoint writes its prefix as a snapshot and the next request
 reads it, with exact usage (whole answers and streamed ones); OpenAI requests
-carry ``prompt_cache_key`` into the request log; a conversation pushed out of
+(chat completions, completions, responses) carry ``prompt_cache_key`` into
+the request log; a conversation pushed out of
 vLLM's 64-block live cache by another is restored, not lost; a second server
 started on the same store (a restart) reads a breakpoint's prefix from disk
 and answers as the first one did; and the page, in a real headless Chromium,
@@ -191,12 +192,17 @@ def test_prompt_cache_key_is_accepted_and_logged(served: Server) -> None:
                                          temperature=0,
                                          extra_body={"prompt_cache_key": "team-cmpl"})
     assert done.usage.prompt_tokens_details.cached_tokens >= whole(len(text))
+    for _ in range(2):
+        answer = client.responses.create(model=MODEL_NAME, input=text, max_output_tokens=4,
+                                         temperature=0, prompt_cache_key="team-resp")
+    assert answer.usage.input_tokens_details.cached_tokens >= whole(len(text))
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL_NAME, max_tokens=4,
                                        messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"prompt_cache_key": 42})
     assert "prompt_cache_key" in str(caught.value)
-    expected = [("chat", "team-chat", 200)] * 2 + [("completions", "team-cmpl", 200)] * 2
+    expected = [("chat", "team-chat", 200)] * 2 + [("completions", "team-cmpl", 200)] * 2 + \
+        [("responses", "team-resp", 200)] * 2
 
     def keyed(rows: list[Any]) -> list[tuple[Any, ...]]:
         return sorted((r.api, r.cache_key, r.status) for r in rows if r.cache_key)
@@ -237,11 +243,17 @@ def test_a_restarted_server_restores_a_breakpoint_and_answers_the_same(
     user = "delta: after a restart?"
     prompt = len(system) + SYSTEM_FRAME + len(user) + USER_FRAME
     log = tmp_path_factory.mktemp("serve-log") / "server-b.log"
+    with SnapshotStore(store_dir) as store:
+        stored = len(store.snapshots())
     with Server(tiny_model_dir, store_dir, log) as fresh:
         after = ask(clients(fresh)[0], system, user, max_tokens=12)
-        assert usage(after) == (prompt - whole(boundary), whole(boundary), 0)
-        row = log_rows(store_dir, lambda rows: rows[0].restored_tokens is not None)[0]
-        assert (row.live_tokens, row.restored_tokens) == (0, whole(boundary)), row
+    # Stopped right after answering: the answer's snapshot, written after the
+    # response went out, was finished before the server exited.
+    with SnapshotStore(store_dir) as store:
+        assert len(store.snapshots()) == stored + 1
+    assert usage(after) == (prompt - whole(boundary), whole(boundary), 0)
+    row = log_rows(store_dir, lambda rows: rows[0].restored_tokens is not None)[0]
+    assert (row.live_tokens, row.restored_tokens) == (0, whole(boundary)), row
     # The same request computed from scratch (a cache salt shares nothing).
     mark = {"type": "ephemeral"}
     computed = clients(served)[0].messages.create(
@@ -283,7 +295,7 @@ def test_the_page_clears_snapshots_in_a_browser(served: Server, tmp_path: Path) 
         text = browser.text()
         assert "Clear KV snapshots" in text
         assert str(before[0].n_tokens) in text
-        assert "Latest requests" in text and "team-chat" in text
+        assert "Latest requests" in text and "team-resp" in text
         shot = tmp_path / "serve-page.png"
         browser.screenshot(shot, width=1100)
         if os.environ.get("SPARKCACHE_UPDATE_DOCS"):
