@@ -426,8 +426,9 @@ class SparkCacheMiddleware:
         try:
             request = AnthropicMessagesRequest.model_validate(body)
             result = await renderer.render_messages_request(request)
-        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
-            logger.debug("sparkcache: render failed: %s", exc)
+        except Exception as exc:  # a breakpoint is never worth a failed request
+            logger.warning("sparkcache: render failed (%s: %s); no breakpoint there",
+                           type(exc).__name__, exc)
             return None
         tokens = getattr(result, "token_ids", None)
         if not isinstance(tokens, list):

@@ -531,3 +531,53 @@ def test_a_good_request_reaches_vllm_named_for_the_log(server: Server) -> None:
         row = store.request(ours["id"])
     assert row is not None
     assert (row.api, row.cache_key, row.status) == ("chat", "user-7", 200)
+
+
+class Renderer:
+    """vLLM's renderer as the middleware uses it: one token per character of the
+    system and message texts, in order; ``fail`` raises for a cut that has it."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.fail = fail
+        self.calls = 0
+
+    async def render_messages_request(self, request: Any) -> Any:
+        self.calls += 1
+        text = "".join(str(b.text) for b in request.system or [])
+        text += "|" + "|".join(
+            m.content if isinstance(m.content, str) else "".join(str(b.text) for b in m.content)
+            for m in request.messages)
+        if self.fail is not None and self.fail in text:
+            raise RuntimeError("the template cannot render this")
+        return SimpleNamespace(token_ids=[ord(c) for c in text])
+
+
+def breakpoints_seen(server: Server, renderer: Renderer) -> list[dict[str, Any]]:
+    request = {"model": "tiny", "max_tokens": 8,
+               "system": [{"type": "text", "text": "a" * 40},
+                          {"type": "text", "text": "b" * 30,
+                           "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+               "messages": [{"role": "user", "content": [
+                   {"type": "text", "text": "question",
+                    "cache_control": {"type": "ephemeral"}}]}]}
+    app = SimpleNamespace(state=SimpleNamespace(serving_render=renderer))
+    r = server.call("POST", "/v1/messages", body=json.dumps(request).encode(),
+                    headers=[("content-type", "application/json")], scope={"app": app})
+    assert r.status == 200
+    ((_scope, seen),) = server.inner.calls
+    ours: dict[str, Any] = json.loads(seen)["kv_transfer_params"]["sparkcache"]
+    return list(ours.get("breakpoints", []))
+
+
+def test_breakpoints_are_where_the_cut_renders_stop_agreeing(server: Server) -> None:
+    renderer = Renderer()
+    marks = breakpoints_seen(server, renderer)
+    # system (70 chars) + "|" then the placeholder differs; the whole prompt for the last.
+    assert marks == [{"at": 71, "ttl": 3600.0}, {"at": 71 + len("question"), "ttl": 300.0}]
+    assert renderer.calls == 2  # the last cut is the whole prompt: rendered once
+
+
+def test_a_cut_that_fails_to_render_sets_no_breakpoint_and_the_request_goes_on(
+        server: Server) -> None:
+    marks = breakpoints_seen(server, Renderer(fail="\u2400"))  # the placeholder's cut
+    assert marks == [{"at": 71 + len("question"), "ttl": 300.0}]
