@@ -42,7 +42,7 @@ def expected_ranks(identity: ModelIdentity, ranks: Iterable[int] | None) -> list
 def lookup(
     core: Core, identity: ModelIdentity, token_ids: Sequence[int] | np.ndarray, *,
     alias_stride: int, scope: RequestScope | None = None, ranks: Iterable[int] | None = None,
-    hashes: Sequence[bytes] | None = None,
+    hashes: Sequence[bytes] | None = None, whole_first: bool = False,
 ) -> Match | None:
     """The longest stored prefix of ``token_ids`` every rank in ``ranks`` can
     restore, or None; see :meth:`sparkcache.store.SnapshotStore.lookup`."""
@@ -73,7 +73,12 @@ def lookup(
         for shorter in (False, True):
             if shorter:
                 found = _find(conn, model_id, hashes, probe[:max(0, matched - 1)], bs)
-            found.sort(key=lambda c: (-c[1], -c[0]))
+            if whole_first:  # at the same length, a snapshot that ends there first
+                ends = {sid: info.n_tokens for sid, _ in found
+                        if (info := core.snapshot(conn, sid)) is not None}
+                found.sort(key=lambda c: (-c[1], ends.get(c[0]) != c[1], -c[0]))
+            else:
+                found.sort(key=lambda c: (-c[1], -c[0]))
             for snapshot_id, n in found:
                 if restorable(core, conn, snapshot_id, n, ranks_json, len(expected)):
                     return Match(snapshot_id, n, identity, tokens[:n].copy(), scope)

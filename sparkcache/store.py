@@ -239,15 +239,19 @@ class SnapshotStore:
         scope: RequestScope | None = None,
         ranks: Iterable[int] | None = None,
         hashes: Sequence[bytes] | None = None,
+        whole_first: bool = False,
     ) -> Match | None:
         """The longest stored prefix of ``token_ids`` that every rank in ``ranks``
         (default: all ranks of the topology) can restore, or None.
 
         ``hashes`` may pass precomputed :func:`~sparkcache.hashing.prefix_hashes`.
-        Read-only: it takes no write lock.  Token ids are compared on ``read``.
+        Among snapshots holding the same longest prefix the newest is chosen, or
+        with ``whole_first`` one that ends there (a copy-on-write parent for a
+        save of a longer prompt).  Read-only: it takes no write lock.  Token ids
+        are compared on ``read``.
         """
         return lookups.lookup(self.core, identity, token_ids, alias_stride=self.alias_stride,
-                              scope=scope, ranks=ranks, hashes=hashes)
+                              scope=scope, ranks=ranks, hashes=hashes, whole_first=whole_first)
 
     def extend(
         self, match: Match, token_ids: Sequence[int] | np.ndarray, *,

@@ -618,7 +618,8 @@ class SchedulerSide:
         parent_id, parent_tokens = None, 0
         known: Match | None = None
         try:
-            known = self.store.lookup(self.identity, token_ids, scope=scope, hashes=hashes)
+            known = self.store.lookup(self.identity, token_ids, scope=scope, hashes=hashes,
+                                      whole_first=True)
             if known is not None:
                 if known.n_tokens == n:
                     self.counters.add("saves_known")

@@ -142,3 +142,23 @@ def test_preemption_cancels_queued_breakpoint_copies(tmp_path: Path) -> None:
         assert pages.gathered[-1] == [8, 9, 10, 11]
         assert io.flush()
         io.close()
+
+
+def test_a_save_builds_on_the_breakpoint_snapshot_not_a_longer_one(one_rank: Any) -> None:
+    """Two conversations under one breakpoint prefix: each saves only its own
+    tail on the breakpoint's snapshot, though the first conversation's
+    snapshot also has an alias row where the breakpoint is (and is newer)."""
+    store, sched, io, _counters = one_rank
+    system = prompt(64, 31)
+    first = Req("a", system + prompt(40, 32),
+                kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
+    sched.matched_tokens(first, 0)
+    (mid,) = step(sched, first, 104, list(range(8)))
+    io.submit_save(mid)
+    assert io.flush()
+    (base,) = store.snapshots()
+    assert save(sched, io, first).parent == base.id
+    second = Req("b", system + prompt(40, 33),
+                 kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
+    job = save(sched, io, second)
+    assert job.parent == base.id and len(job.block_ids) == (len(job.token_ids) - 64) // BS
