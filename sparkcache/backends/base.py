@@ -116,7 +116,9 @@ class Backend(Protocol):
 
         Atomic: concurrent readers see the old object or the complete new one, never a
         partial one.  The bytes go to a temp object (:func:`temp_key`) first, which
-        is published by a rename.  On any failure -- including an exception raised by
+        is published by a rename; an object store, whose uploads become visible only
+        once complete, may write ``key`` directly and never makes a bucket.  On any
+        failure -- including an exception raised by
         the ``chunks`` iterator -- the temp object is removed and the error re-raised
         (``StoreFull`` for a full disk or quota, ``BackendError`` for other OS
         errors).  ``durable=True`` means the object survives a power cut once

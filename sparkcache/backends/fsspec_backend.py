@@ -9,9 +9,12 @@ the filesystem allows:
   nothing survives the process.
 * ``file://``: the move is ``os.rename`` (atomic), but nothing is fsynced; use
   ``local://`` or a plain path for durable local storage.
-* object stores (``s3://``, ``gs://``): an upload becomes visible whole when it
-  completes, and ``mv`` is copy-then-delete, so readers never see a partial
-  object; ``durable`` is the store's own guarantee.
+* object stores (``s3://``, ``gs://``, ``az://``, ...: :data:`OBJECT_STORES`): an
+  upload becomes visible whole when it completes, so ``put`` writes the final key
+  directly (``autocommit=False``: committed once every byte was sent, discarded
+  on failure) -- no temp object, no copy-then-delete, and never a folder made:
+  s3fs's ``makedirs`` would create a missing bucket, and a typo must not become
+  a bucket with its own owner and costs.  ``durable`` is the store's own guarantee.
 
 Every failure reaches the caller as a :class:`~sparkcache.errors.SparkCacheError`
 (a filesystem's own errors, botocore's included, as ``BackendError`` saying what to
@@ -39,7 +42,7 @@ from sparkcache.errors import BackendError, NotFound, SparkCacheError, UnsafeNam
 if TYPE_CHECKING:
     from sparkcache.backends.base import Blob, BufferLike
 
-__all__ = ["FSSPEC_PREFIX", "FsspecBackend"]
+__all__ = ["FSSPEC_PREFIX", "OBJECT_STORES", "FsspecBackend", "is_object_store"]
 
 FSSPEC_PREFIX = "fsspec::"
 """Prefix that forces :func:`~sparkcache.backends.open_backend` to use this backend."""
@@ -52,6 +55,10 @@ S3_CLIENT_DEFAULTS: dict[str, Any] = {
     "connect_timeout": 5, "read_timeout": 60,
     "retries": {"max_attempts": 3, "mode": "standard"},
 }
+
+#: fsspec protocols of object stores: the first part of a path is a bucket (or
+#: container), there are no folders, and an upload is visible only once complete.
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
 
 class _CallersError(Exception):
     """Carries an exception the caller's chunk iterator raised through ``put``."""
@@ -139,6 +146,9 @@ class FsspecBackend:
         # "/" becomes "" and keys become "/key", which is what both the local and the
         # memory filesystem expect.
         self._root: str = str(root).rstrip("/")
+        #: True on an object store (:data:`OBJECT_STORES`): ``put`` writes the key
+        #: directly and never makes folders (nor buckets).
+        self.object_store = is_object_store(fs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -146,16 +156,35 @@ class FsspecBackend:
     def _path(self, key: str) -> str:
         return f"{self._root}/{validate_key(key)}"
 
+    def _os_error(self, exc: OSError, action: str, key: str, where: str, *,
+                  missing_is_not_found: bool = True) -> SparkCacheError:
+        """:func:`translate_os_error`, saying what to check on an object store
+        (where a failure is no disk's): credentials, endpoint, bucket."""
+        error = translate_os_error(exc, action, key, where,
+                                   missing_is_not_found=missing_is_not_found)
+        if not self.object_store or type(error) is not BackendError:
+            return error
+        what = ("access denied" if isinstance(exc, PermissionError)
+                else "no such bucket or object" if isinstance(exc, FileNotFoundError)
+                else f"{type(exc).__name__}: {exc}")
+        return BackendError(
+            f"{action} object {key!r} in {where} failed ({what}): check the credentials "
+            "(the AWS_* environment, the profile), the endpoint and that the bucket exists")
+
     # -- writes -----------------------------------------------------------------
 
     @_guarded("writing")
     def put(self, key: str, chunks: Iterable[BufferLike], *, durable: bool = True) -> int:
-        """Write ``chunks`` to a temp key, then move it onto ``key``.
+        """Write ``chunks`` to a temp key, then move it onto ``key`` (on an object
+        store: to ``key`` itself, committed only once complete).
 
         ``durable`` is accepted for the protocol; durability is the filesystem's
-        (see the module doc).  On failure the temp object is removed; a failure to
-        remove it is swallowed so that the original error is the one raised.
+        (see the module doc).  On failure the temp object is removed (the upload
+        discarded); a failure to remove it is swallowed so that the original
+        error is the one raised.
         """
+        if self.object_store:
+            return self._upload(key, chunks)
         path = self._path(key)
         tmp = self._path(temp_key(key))
         handle: Any = None
@@ -177,7 +206,31 @@ class FsspecBackend:
             with suppress(Exception):
                 self.fs.rm_file(tmp)
             if isinstance(exc, OSError):
-                raise translate_os_error(
+                raise self._os_error(
+                    exc, "writing", key, self.url, missing_is_not_found=False
+                ) from exc
+            raise
+        return total
+
+    def _upload(self, key: str, chunks: Iterable[BufferLike]) -> int:
+        """``put`` on an object store: one upload of the final key, visible only
+        when committed; no folder (nor bucket) is ever made."""
+        path = self._path(key)
+        handle: Any = self.fs.open(path, "wb", autocommit=False)
+        try:
+            total = 0
+            for chunk in _chunks_of(chunks):
+                view = as_byte_view(chunk, copy=True)
+                handle.write(view)
+                total += view.size
+            handle.close()
+            handle.commit()
+        except BaseException as exc:
+            with suppress(Exception):
+                handle.discard()
+            handle.closed = True  # never committed by the file's finaliser
+            if isinstance(exc, OSError):
+                raise self._os_error(
                     exc, "writing", key, self.url, missing_is_not_found=False
                 ) from exc
             raise
@@ -193,7 +246,7 @@ class FsspecBackend:
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return False
         except OSError as exc:
-            raise translate_os_error(exc, "deleting", key, self.url) from exc
+            raise self._os_error(exc, "deleting", key, self.url) from exc
         return True
 
     # -- reads ------------------------------------------------------------------
@@ -207,7 +260,7 @@ class FsspecBackend:
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise NotFound(f"no object {key!r} in {self.url}") from exc
         except OSError as exc:
-            raise translate_os_error(exc, "reading", key, self.url) from exc
+            raise self._os_error(exc, "reading", key, self.url) from exc
         return BufferBlob(bytes(data))
 
     @_guarded("looking up")
@@ -220,7 +273,7 @@ class FsspecBackend:
         except (FileNotFoundError, NotADirectoryError):
             return False
         except OSError as exc:
-            raise translate_os_error(exc, "inspecting", key, self.url) from exc
+            raise self._os_error(exc, "inspecting", key, self.url) from exc
 
     @_guarded("inspecting")
     def size(self, key: str) -> int:
@@ -230,7 +283,7 @@ class FsspecBackend:
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise NotFound(f"no object {key!r} in {self.url}") from exc
         except OSError as exc:
-            raise translate_os_error(exc, "inspecting", key, self.url) from exc
+            raise self._os_error(exc, "inspecting", key, self.url) from exc
         if info.get("type") != "file":
             raise NotFound(f"no object {key!r} in {self.url} (that name is a folder)")
         return int(info["size"])
@@ -248,7 +301,7 @@ class FsspecBackend:
         except (FileNotFoundError, NotADirectoryError):
             found = []
         except OSError as exc:
-            raise translate_os_error(exc, "listing", base, self.url) from exc
+            raise self._os_error(exc, "listing", base, self.url) from exc
         inside = self.fs._strip_protocol(folder).rstrip("/") + "/"
         return self._keys(found, inside, base)
 
@@ -274,7 +327,7 @@ class FsspecBackend:
         except (FileNotFoundError, NotADirectoryError):
             return iter(())
         except OSError as exc:
-            raise translate_os_error(exc, "listing", base, self.url) from exc
+            raise self._os_error(exc, "listing", base, self.url) from exc
         found = []
         for entry in entries:
             if entry.get("type") == "directory":
@@ -299,3 +352,9 @@ class FsspecBackend:
 
     def close(self) -> None:
         """Nothing to release: the filesystem instance is fsspec's shared, cached one."""
+
+
+def is_object_store(fs: Any) -> bool:
+    """Whether an fsspec filesystem is an object store (:data:`OBJECT_STORES`)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return any(p in OBJECT_STORES for p in protocols)
