@@ -140,6 +140,8 @@ class SnapshotInfo:
     # The RequestScope's canonical JSON that seeded its prefix hashes; None for a
     # snapshot published before the index recorded scopes (revision 0004).
     scope_json: str | None
+    # When its manifest reached the shared tier (revision 0006); None: not uploaded.
+    uploaded_at: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pinned", bool(self.pinned))  # SQLite stores 0 or 1

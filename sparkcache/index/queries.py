@@ -26,7 +26,7 @@ MODEL_SNAPSHOTS_DEEPEST_FIRST = (
 # -- snapshots ----------------------------------------------------------------
 SNAPSHOT_COLUMNS = (
     "id, model_id, snap_key, n_tokens, start_token, parent_id, depth, world_size, nbytes, "
-    "state, reason, pinned, created_at, last_used, use_count, scope_json"
+    "state, reason, pinned, created_at, last_used, use_count, scope_json, uploaded_at"
 )
 SNAPSHOT_BY_ID = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?"
 LIVE_SNAPSHOT_BY_KEY = (
@@ -86,6 +86,18 @@ RECORD_USE = (
     "UPDATE snapshots SET last_used = max(last_used, ?), use_count = use_count + ? WHERE id = ?"
 )
 SET_PINNED = "UPDATE snapshots SET pinned = ? WHERE id = ?"
+# -- the shared tier (sparkcache.shared) ----------------------------------------
+# The uploader's queue: ready snapshots not uploaded yet, parents first (a
+# parent's depth is below its children's); one range scan of ix_snapshots_upload
+# (named: without statistics the planner would take the state index and sort).
+UPLOAD_QUEUE = (
+    "SELECT id FROM snapshots INDEXED BY ix_snapshots_upload "
+    "WHERE state = 'ready' AND uploaded_at IS NULL "
+    "ORDER BY depth, id LIMIT ?"
+)
+MARK_UPLOADED = "UPDATE snapshots SET uploaded_at = ? WHERE id = ? AND uploaded_at IS NULL"
+# A store that records another shared tier uploads everything again.
+FORGET_UPLOADS = "UPDATE snapshots SET uploaded_at = NULL WHERE uploaded_at IS NOT NULL"
 DELETE_SNAPSHOT = "DELETE FROM snapshots WHERE id = ?"
 LIST_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots"
 # Snapshots whose parent row is gone (only a tampered index or one written with

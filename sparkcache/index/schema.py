@@ -73,7 +73,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0005"
+SCHEMA_REVISION: Final = "0006"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -159,10 +159,17 @@ SNAPSHOTS: Final = Table(
     # multimodal hashes) that seeded the snapshot's prefix hashes.  NULL only for
     # snapshots published before 0004, whose scope was not recorded.
     Column("scope_json", Text, nullable=True),
+    # Revision 0006: when the snapshot's manifest reached the shared tier
+    # (docs/shared.md); NULL: not uploaded, or no shared tier.
+    Column("uploaded_at", REAL, nullable=True),
     CheckConstraint(_one_of("state", SNAPSHOT_STATES), name="ck_snapshots_state"),
     Index("ix_snapshots_model_state_used", "model_id", "state", "last_used"),
     Index("ix_snapshots_state_used", "state", "last_used"),
     Index("ix_snapshots_parent", "parent_id"),
+    # Revision 0006: the uploader's queue, parents first; holds only the ready
+    # snapshots not uploaded yet.
+    Index("ix_snapshots_upload", "depth", "id",
+          sqlite_where=text("state = 'ready' AND uploaded_at IS NULL")),
     # One live snapshot per key and model; quarantined rows may pile up beside it.
     Index(
         "ux_snapshots_model_key_live",
@@ -314,7 +321,7 @@ TRIGGERS: Final[dict[str, str]] = {
     "tr_usage_resize": TR_USAGE_RESIZE,
 }
 
-# -- views for people at the sqlite3 shell (revisions 0002 and 0005) -----------------------
+# -- views for people at the sqlite3 shell (revisions 0002, 0005 and 0006) -----------------------
 # Times are UTC 'YYYY-MM-DD HH:MM:SS' text, which sorts like the number it shows;
 # sizes are decimal megabytes (10**6 bytes).  Nothing in sparkcache reads the views.
 # v_leases computes "now" in unix seconds as (julianday('now') - 2440587.5) * 86400.0,
@@ -348,7 +355,8 @@ SELECT s.id AS id,
        s.use_count AS uses,
        datetime(s.created_at, 'unixepoch') AS created,
        datetime(s.last_used, 'unixepoch') AS last_used,
-       s.snap_key AS snap_key
+       s.snap_key AS snap_key,
+       datetime(s.uploaded_at, 'unixepoch') AS uploaded
 FROM snapshots AS s JOIN models AS m ON m.id = s.model_id"""
 
 V_SEGMENTS: Final = """CREATE VIEW v_segments AS

@@ -7,6 +7,7 @@ so an existing file is refused::
     .venv/bin/python tests/index/make_golden.py 0001   # golden_0001.sqlite
     .venv/bin/python tests/index/make_golden.py 0003   # golden_0003.sqlite
     .venv/bin/python tests/index/make_golden.py 0004   # golden_0004.sqlite
+    .venv/bin/python tests/index/make_golden.py 0005   # golden_0005.sqlite
 """
 
 from __future__ import annotations
@@ -87,9 +88,16 @@ SCOPE_ROWS = [
     ("UPDATE snapshots SET scope_json = ? WHERE id = ?", (SCOPE_JSON, 1)),
 ]
 
+# Revision 0005 logs the requests served.
+REQUEST_LOG_ROWS = [
+    ("INSERT INTO request_log (request_id, created_at, model_id, api, prompt_tokens, "
+     "restored_tokens) VALUES (?, ?, ?, ?, ?, ?)", ("r1", T0 + 20, 1, "chat", 600, 512)),
+]
+
 #: The rows of each golden database, by revision.
 GOLDEN_ROWS = {"0001": ROWS, "0003": ROWS + COUNTER_ROWS,
-               "0004": ROWS + COUNTER_ROWS + SCOPE_ROWS}
+               "0004": ROWS + COUNTER_ROWS + SCOPE_ROWS,
+               "0005": ROWS + COUNTER_ROWS + SCOPE_ROWS + REQUEST_LOG_ROWS}
 
 
 def main(revision: str) -> Path:

@@ -35,7 +35,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert upgrade(conn, "0001") == ["0001"]
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
-    assert upgrade(conn) == ["0002", "0003", "0004", "0005"]
+    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -48,7 +48,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
-        assert db.migrated == ["0002", "0003", "0004", "0005"]
+        assert db.migrated == ["0002", "0003", "0004", "0005", "0006"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -90,7 +90,7 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0003.sqlite", path)
     assert current_revision(raw(path)) == "0003"
     with Database(path) as db:
-        assert db.migrated == ["0004", "0005"]
+        assert db.migrated == ["0004", "0005", "0006"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -118,7 +118,7 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0004.sqlite", path)
     assert current_revision(raw(path)) == "0004"
     with Database(path) as db:
-        assert db.migrated == ["0005"]
+        assert db.migrated == ["0005", "0006"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -139,6 +139,58 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
                          "VALUES ('r1', 1767323045.0, 1)")
             assert conn.execute("SELECT seq, created, model FROM v_request_log").fetchall() == [
                 (1, "2026-01-02 03:04:05", "meta-llama/Llama-3.1-8B")]
+
+
+def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "index.sqlite"
+    shutil.copyfile(DATA / "golden_0005.sqlite", path)
+    assert current_revision(raw(path)) == "0005"
+    with Database(path) as db:
+        assert db.migrated == ["0006"]
+        with db.read() as conn:
+            assert current_revision(conn) == head_revision()
+            rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
+            # 0006: nothing was uploaded before the store had a shared tier.
+            assert [(s.id, s.state, s.uploaded_at) for s in rows] == [
+                (1, "ready", None), (2, "quarantined", None)]
+            assert conn.execute("SELECT request_id, prompt_tokens FROM request_log"
+                                ).fetchall() == [("r1", 600)]
+            assert conn.execute("SELECT snapshots, nbytes FROM model_usage").fetchall() == [
+                (2, 3145728 + 1572864)]
+            # The upload queue holds the ready snapshot only, through its index.
+            plan = " ".join(str(r[-1]) for r in conn.execute(
+                "EXPLAIN QUERY PLAN " + queries.UPLOAD_QUEUE, (10,)))
+            assert "ix_snapshots_upload" in plan and "TEMP B-TREE" not in plan
+            assert [r[0] for r in conn.execute(queries.UPLOAD_QUEUE, (10,))] == [1]
+            assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        fresh = Database(tmp_path / "fresh.sqlite")
+        assert schema_objects(db.connection) == schema_objects(fresh.connection)
+        fresh.close()
+        with db.write() as conn:
+            conn.execute("UPDATE snapshots SET uploaded_at = 1767323045.0 WHERE id = 1")
+            assert conn.execute("SELECT id, uploaded FROM v_snapshots ORDER BY id").fetchall() \
+                == [(1, "2026-01-02 03:04:05"), (2, None)]
+            assert list(conn.execute(queries.UPLOAD_QUEUE, (10,))) == []
+
+
+def test_0006_downgrades_to_the_schema_of_0005(tmp_path: Path) -> None:
+    """0006's downgrade (the view, the index, then the column) leaves exactly 0005's
+    schema, and the snapshots' other columns."""
+    at_0005 = raw(tmp_path / "0005.sqlite")
+    upgrade(at_0005, "0005")
+    path = tmp_path / "0006.sqlite"
+    shutil.copyfile(DATA / "golden_0005.sqlite", path)
+    at_0006 = raw(path)
+    upgrade(at_0006, "0006")
+    at_0006.execute("UPDATE snapshots SET uploaded_at = 1.0")
+    buffer = io.StringIO()
+    command.downgrade(alembic_config(buffer), "0006:0005", sql=True)
+    with at_0006:
+        at_0006.execute(buffer.getvalue())
+    assert schema_objects(at_0006) == schema_objects(at_0005)
+    assert current_revision(at_0006) == "0005"
+    assert at_0006.execute("SELECT id, state FROM v_snapshots ORDER BY id").fetchall() == [
+        (1, "ready"), (2, "quarantined")]
 
 
 def test_0005_downgrades_to_the_schema_of_0004(tmp_path: Path) -> None:

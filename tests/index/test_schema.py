@@ -25,7 +25,7 @@ VIEWS = {"v_models", "v_snapshots", "v_segments", "v_leases", "v_counters", "v_r
 
 
 def test_revisions_form_one_line_ending_at_schema_revision() -> None:
-    assert known_revisions() == ("0001", "0002", "0003", "0004", "0005")
+    assert known_revisions() == ("0001", "0002", "0003", "0004", "0005", "0006")
     assert head_revision() == schema.SCHEMA_REVISION
 
 
@@ -35,11 +35,12 @@ def test_revisions_ship_inside_the_package() -> None:
     assert root.joinpath("script.py.mako").is_file()
     names = {entry.name for entry in root.joinpath("versions").iterdir()}
     assert {"0001_initial.py", "0002_counters_views.py", "0003_model_usage.py",
-            "0004_snapshot_scope.py", "0005_request_log.py"} <= names
+            "0004_snapshot_scope.py", "0005_request_log.py",
+            "0006_snapshot_uploaded.py"} <= names
 
 
 def test_fresh_database_reaches_head(db: Database, db_path: Path) -> None:
-    assert db.migrated == ["0001", "0002", "0003", "0004", "0005"]
+    assert db.migrated == ["0001", "0002", "0003", "0004", "0005", "0006"]
     conn = db.connection
     assert current_revision(conn) == head_revision()
     names = {
