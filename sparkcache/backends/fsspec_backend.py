@@ -11,8 +11,9 @@ the filesystem allows:
   ``local://`` or a plain path for durable local storage.
 * object stores (``s3://``, ``gs://``, ``az://``, ...: :data:`OBJECT_STORES`): an
   upload becomes visible whole when it completes, so ``put`` writes the final key
-  directly (``autocommit=False``: committed once every byte was sent, discarded
-  on failure) -- no temp object, no copy-then-delete, and never a folder made:
+  directly (one PUT, or a multipart upload completed when the file is closed
+  after its last byte; discarded on failure, never committed by a finaliser) --
+  no temp object, no copy-then-delete, and never a folder made:
   s3fs's ``makedirs`` would create a missing bucket, and a typo must not become
   a bucket with its own owner and costs.  ``durable`` is the store's own guarantee.
 
@@ -216,15 +217,14 @@ class FsspecBackend:
         """``put`` on an object store: one upload of the final key, visible only
         when committed; no folder (nor bucket) is ever made."""
         path = self._path(key)
-        handle: Any = self.fs.open(path, "wb", autocommit=False)
+        handle: Any = self.fs.open(path, "wb")
         try:
             total = 0
             for chunk in _chunks_of(chunks):
                 view = as_byte_view(chunk, copy=True)
                 handle.write(view)
                 total += view.size
-            handle.close()
-            handle.commit()
+            handle.close()  # the one commit: a put, or the multipart upload completed
         except BaseException as exc:
             with suppress(Exception):
                 handle.discard()

@@ -15,6 +15,7 @@ import pytest
 from sparkcache.backends import FsspecBackend, is_temp_key
 from sparkcache.errors import BackendError
 
+from ..s3server import s3_calls
 from .conftest import s3_server
 
 
@@ -25,8 +26,10 @@ def test_put_on_an_object_store_writes_the_key_itself() -> None:
     calls: list[str] = []
     real_mv = backend.fs.mv
     backend.fs.mv = lambda *a, **k: calls.append("mv") or real_mv(*a, **k)
-    assert backend.put("a/b.bin", [b"x" * 10, np.arange(4, dtype=np.uint8)]) == 14
+    with s3_calls(backend.fs) as sent:
+        assert backend.put("a/b.bin", [b"x" * 10, np.arange(4, dtype=np.uint8)]) == 14
     assert calls == []
+    assert sent == {"PutObject": 1}
     assert bytes(backend.open("a/b.bin").buffer) == b"x" * 10 + bytes(range(4))
     assert [k for k in backend.list() if is_temp_key(k)] == []
 
@@ -55,3 +58,27 @@ def test_put_into_a_missing_bucket_creates_no_bucket() -> None:
 
     buckets = s3fs.S3FileSystem(**server.options).ls("", refresh=True)
     assert missing not in buckets
+
+
+def test_a_failed_multipart_upload_is_aborted_not_committed() -> None:
+    """Past the block size a put is a multipart upload: a failure after parts
+    were sent aborts it (no object, no upload left to pay for)."""
+    server = s3_server()
+    bucket = server.bucket()
+    backend = FsspecBackend(f"s3://{bucket}/store", default_block_size=5 << 20,
+                            **server.options)
+
+    def chunks():  # type: ignore[no-untyped-def]
+        for _ in range(3):
+            yield bytes(4 << 20)
+        raise RuntimeError("the caller's iterator failed")
+
+    with s3_calls(backend.fs) as sent, pytest.raises(RuntimeError, match="caller's iterator"):
+        backend.put("big", chunks())
+    assert sent["UploadPart"] >= 1 and sent["AbortMultipartUpload"] == 1
+    assert "CompleteMultipartUpload" not in sent
+    assert not backend.exists("big")
+    uploads = backend.fs.call_s3("list_multipart_uploads", Bucket=bucket)
+    assert uploads.get("Uploads", []) == []
+    assert backend.put("big", [bytes(6 << 20), b"tail"]) == (6 << 20) + 4  # and one that works
+    assert backend.size("big") == (6 << 20) + 4

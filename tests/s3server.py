@@ -1,0 +1,123 @@
+"""A real S3-protocol server for tests: moto's, on 127.0.0.1 with a free port.
+
+:func:`s3_server` is the session's server, started on first use; a test
+package that uses it stops it at the end of the session with
+:func:`stop_s3_servers` (its conftest's session fixture).  A test that needs a
+server of its own (one it stops, one that checks credentials) makes an
+:class:`S3Server` and stops it itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["S3Server", "free_port", "s3_calls", "s3_server", "stop_s3_servers"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1, and the options that reach it.
+
+    ``env`` goes to the server's environment (``INITIAL_NO_AUTH_ACTION_COUNT=0``
+    makes it check credentials).  Unless ``set_env`` is False, the client side's
+    ``AWS_ENDPOINT_URL`` and credentials are set to reach it: botocore reads
+    them, so a bare ``s3://`` URL (reopened from a backend's url) reaches this
+    server as it would a real endpoint set in the environment.
+    """
+
+    def __init__(self, *, env: Mapping[str, str] | None = None, set_env: bool = True,
+                 port: int | None = None) -> None:
+        self.port = port or free_port()
+        if set_env:
+            os.environ.update(AWS_ENDPOINT_URL=self.endpoint, AWS_ACCESS_KEY_ID="test",
+                              AWS_SECRET_ACCESS_KEY="test")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 60
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("moto's S3 server did not start")
+            time.sleep(0.05)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def options(self) -> dict[str, object]:
+        return {"endpoint_url": self.endpoint, "key": "test", "secret": "test"}
+
+    def bucket(self) -> str:
+        """A new, empty bucket."""
+        import s3fs
+
+        name = f"sparkcache-{uuid.uuid4().hex[:16]}"
+        s3fs.S3FileSystem(**self.options).mkdir(name)
+        return name
+
+    def buckets(self) -> list[str]:
+        import s3fs
+
+        return [str(b) for b in s3fs.S3FileSystem(**self.options).ls("", refresh=True)]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_S3: list[S3Server] = []
+
+
+def s3_server() -> S3Server:
+    """The session's S3 server, started on first use."""
+    if not _S3:
+        _S3.append(S3Server())
+    return _S3[0]
+
+
+def stop_s3_servers() -> None:
+    """Stop the session's server, if it was started."""
+    while _S3:
+        _S3.pop().stop()
+
+
+@contextmanager
+def s3_calls(fs: Any) -> Iterator[Counter[str]]:
+    """Count the S3 API calls an s3fs filesystem makes meanwhile, by operation
+    (``PutObject``, ``HeadObject``, ``CreateMultipartUpload``, ...): botocore's
+    own event, so every request is seen, whichever s3fs path sent it."""
+    fs.connect()
+    calls: Counter[str] = Counter()
+
+    def count(model: Any, **_: Any) -> None:
+        calls[model.name] += 1
+
+    fs.s3.meta.events.register("before-call.s3", count)
+    try:
+        yield calls
+    finally:
+        fs.s3.meta.events.unregister("before-call.s3", count)
