@@ -288,6 +288,26 @@ class FsspecBackend:
             raise NotFound(f"no object {key!r} in {self.url} (that name is a folder)")
         return int(info["size"])
 
+    @_guarded("inspecting")
+    def head(self, key: str) -> int | None:
+        """The object's size, or None when there is none, in one request where
+        the filesystem allows: on S3 a HEAD (``size`` and ``exists`` go through
+        ``fs.info``, which lists the prefix after a miss to tell a folder)."""
+        path = self._path(key)
+        if self.object_store and hasattr(self.fs, "call_s3"):  # s3fs
+            bucket, name, _version = self.fs.split_path(path)
+            try:
+                out = self.fs.call_s3("head_object", Bucket=bucket, Key=name)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise self._os_error(exc, "inspecting", key, self.url) from exc
+            return int(out["ContentLength"])
+        try:
+            return self.size(key)
+        except NotFound:
+            return None
+
     @_guarded("listing")
     def list(self, prefix: str = "") -> Iterator[str]:
         """Keys of every object under folder ``prefix`` (``fs.find``), temp keys included.

@@ -82,3 +82,18 @@ def test_a_failed_multipart_upload_is_aborted_not_committed() -> None:
     assert uploads.get("Uploads", []) == []
     assert backend.put("big", [bytes(6 << 20), b"tail"]) == (6 << 20) + 4  # and one that works
     assert backend.size("big") == (6 << 20) + 4
+
+
+def test_head_is_one_request() -> None:
+    """A missing object costs one HEAD (``size`` also lists the prefix), an
+    existing one returns its size."""
+    server = s3_server()
+    backend = FsspecBackend(f"s3://{server.bucket()}/store", **server.options)
+    backend.put("a/b.json", [b"{}"])
+    with s3_calls(backend.fs) as sent:
+        assert backend.head("a/b.json") == 2
+        assert backend.head("a/missing.json") is None
+    assert sent == {"HeadObject": 2}
+    memory = FsspecBackend(f"memory://sparkcache-test-{uuid.uuid4().hex}")
+    memory.put("x", [b"abc"])
+    assert (memory.head("x"), memory.head("y")) == (3, None)
