@@ -25,10 +25,14 @@ import xxhash
 from sparkcache.errors import InvalidArgument
 from sparkcache.identity import DTYPE_SIZES, ModelIdentity, canonical_json, normalize_dtype
 
-__all__ = ["check_tensors", "model_identity", "rank_of", "weights_fingerprint"]
+__all__ = [
+    "check_tensors", "config_fingerprint", "model_identity", "rank_of", "weights_fingerprint",
+]
 
 #: Files whose bytes define the weights of a local model folder.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+#: Files of a local model folder that say what its weights compute (HF, Mistral format).
+_CONFIG_FILES = ("config.json", "params.json")
 
 
 def weights_fingerprint(folder: str | os.PathLike[str]) -> str:
@@ -49,6 +53,30 @@ def weights_fingerprint(folder: str | os.PathLike[str]) -> str:
             st = path.stat()
             h.update(f"{path.relative_to(root)}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode())
     return "local:" + h.hexdigest()
+
+
+def config_fingerprint(model_config: Any) -> str:
+    """A digest of the config files vLLM reads this model's architecture from.
+
+    The revision names the weights; the config says what they compute - rope
+    theta and scaling, norm epsilons, multipliers, the head layout - and the
+    same weights under another config write other KV, which no check of the
+    stored bytes can notice.  So the identity names the config too, also when
+    ``revision`` is given: the files of a local model folder and of vLLM's
+    ``hf_config_path``.  ``""`` when neither is a local folder (a hub model's
+    config is named by its revision).
+    """
+    h = xxhash.xxh3_128(b"sparkcache-config\x00")
+    found = False
+    for source in (getattr(model_config, "hf_config_path", None), model_config.model):
+        if not source or not os.path.isdir(str(source)):
+            continue
+        for name in _CONFIG_FILES:
+            path = Path(str(source)) / name
+            if path.is_file():
+                h.update(f"{name}\x00".encode() + path.read_bytes() + b"\x00")
+                found = True
+    return "local:" + h.hexdigest() if found else ""
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -107,6 +135,7 @@ def model_identity(
         "quantization": str(model_config.quantization),
         "spec": type(spec).__name__,
         "hf_overrides": canonical_json(getattr(model_config, "hf_overrides", None) or {}),
+        "config": config_fingerprint(model_config),
     }
     return ModelIdentity(
         model=model,
