@@ -1,0 +1,252 @@
+"""KV caches in bfloat16, float16 and fp8 (e4m3, e5m2) on real vLLM: saved and restored
+bit-exactly, and never offered to an engine of another KV dtype.
+
+One script process runs every engine in turn on one store, over the tests'
+tiny Llama (head size 32, 2 KV heads), in-process like test_model_families.py
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each engine a new engine core, worker,
+zeroed KV cache and connector):
+
+* an fp32 engine publishes :data:`PROMPT`;
+* per KV dtype (:data:`DTYPES`), a *publish* engine answers :data:`PROMPT` from
+  scratch: it must miss, though the store holds the prompt in every dtype
+  before it (fp8 comes after bf16: the same model dtype, another KV dtype;
+  fp8_e5m2 after fp8: the same element size).
+  Its snapshot's pages are read from the store (verified) as the reference;
+* a new *restore* engine of that dtype answers :data:`PROMPT`: restored (all
+  but the last prompt token), with the publishing engine's greedy tokens.  Then
+  the reference snapshot is deleted from the index and the engine answers
+  :data:`PROMPT` + its answer + :data:`MORE`: vLLM's own prefix cache serves the
+  blocks the restore wrote, the rest is computed, and the connector publishes
+  the whole request anew - its first blocks are the bytes the restore put in
+  the engine's KV cache, read back through the connector's save path.  They
+  must equal the reference byte for byte.
+
+If vLLM refuses a dtype on this machine (fp16 on a CPU platform without it; an
+fp8 KV cache needs x86 with AVX-512 or AMX on CPU), its tests skip with
+vLLM's message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import CHUNK
+from tiny_model import BLOCK_SIZE, NEEDS_VLLM, run_engine_script, token_prompt
+
+pytestmark = NEEDS_VLLM
+
+#: The KV dtypes under test: engine arguments, and the identity they must give
+#: (kv_cache_dtype as sparkcache names it, vLLM's cache_dtype).
+DTYPES: dict[str, dict[str, Any]] = {
+    "bf16": {"engine": {"dtype": "bfloat16"}, "kv": "BF16", "cache_dtype": "auto"},
+    "fp16": {"engine": {"dtype": "float16"}, "kv": "F16", "cache_dtype": "auto"},
+    "fp8": {"engine": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}, "kv": "U8",
+            "cache_dtype": "fp8"},
+    # The same bytes per element as e4m3 (both uint8 to vLLM): only vLLM's
+    # cache_dtype in the identity keeps the two apart.
+    "fp8_e5m2": {"engine": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"}, "kv": "U8",
+                 "cache_dtype": "fp8_e5m2"},
+}
+PROMPT = token_prompt(500, seed=70)
+#: Appended to PROMPT + its answer: a request whose snapshot holds the restored blocks.
+MORE = token_prompt(40, seed=71)
+#: The reference snapshot: PROMPT + 15 computed answer tokens, whole blocks.
+STORED = (len(PROMPT) + 15) // BLOCK_SIZE * BLOCK_SIZE  # 512
+#: Restored: all but the last prompt token (the stored block holding the prompt's end too).
+RESTORED = len(PROMPT) - 1
+#: Greedy tokens must be equal; logprobs of a restored answer agree with the
+#: publishing engine's to this in 16-bit dtypes (the last prompt token is
+#: computed alone instead of in a chunk of 116).
+LOGPROB_TOL_16 = 0.05
+ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend": "uni"}
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+SCRIPT = """
+import gc, os, time, traceback
+from contextlib import contextmanager
+import numpy as np
+from vllm import SamplingParams
+from vllm.distributed import cleanup_dist_env_and_memory
+from tiny_model import connector_config, metrics_of
+from sparkcache import SnapshotStore
+from sparkcache.catalog import model_identity
+
+folder = args["folder"]
+store = SnapshotStore(folder)
+
+@contextmanager
+def engine(**kwargs):
+    llm = make_llm(args["model"], kv_transfer_config=connector_config(folder),
+                   **args["engine"], **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+def delta(after, before):
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+def gen(llm, prompt):
+    sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True,
+                        logprobs=1)
+    metrics, stats = metrics_of(llm), store.stats()
+    (o,) = llm.generate([{"prompt_token_ids": prompt}], sp)
+    c = o.outputs[0]
+    return {"tokens": list(c.token_ids), "cached": o.num_cached_tokens,
+            "logprobs": [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
+            "metrics": delta(metrics_of(llm), metrics), "stats": delta(store.stats(), stats)}
+
+def ready():
+    return sorted((s for s in store.snapshots() if s.state == "ready"), key=lambda s: s.id)
+
+def settle(llm, n):
+    # In this process the engine core steps only when asked, and a finished
+    # request's save reaches the worker with the next step.  (A multiprocess
+    # engine core steps by itself.)
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        busy = core is not None and core.scheduler.has_requests()
+        if len(ready()) >= n and not busy:
+            break
+        if core is not None:
+            llm.llm_engine.step()
+        time.sleep(0.01)
+
+def pages(snap, tokens, name):
+    # The snapshot's first STORED tokens, verified, as [layer, block, bytes].
+    ident = model_identity(store.core, snap.model_id)
+    match = store.lookup(ident, tokens)
+    assert match is not None and match.snapshot_id == snap.id, (match, snap)
+    layers = store.read(match, 0, n_tokens=args["stored"])
+    np.save(os.path.join(args["tmp"], name), np.stack(layers))
+    extra = dict(ident.extra)
+    return {"dtype": ident.dtype, "kv_cache_dtype": ident.kv_cache_dtype,
+            "cache_dtype": extra["cache_dtype"], "page_shape": list(ident.page_shape),
+            "page_nbytes": ident.page_nbytes, "model_id": snap.model_id}
+
+prompt = args["prompt"]
+results = {}
+with engine(dtype="float32") as llm:
+    results["fp32"] = gen(llm, prompt)
+    settle(llm, 1)
+for name, spec in args["dtypes"].items():
+    rec = results[name] = {"before": [[s.id, s.n_tokens, s.model_id] for s in ready()]}
+    try:
+        with engine(**spec["engine"]) as llm:
+            rec["publish"] = gen(llm, prompt)
+            settle(llm, len(rec["before"]) + 1)
+    except Exception:
+        rec["refused"] = traceback.format_exc()
+        continue
+    try:
+        ref = ready()[-1]
+        rec["reference"] = [ref.id, ref.n_tokens, ref.parent_id]
+        rec["identity"] = pages(ref, prompt + rec["publish"]["tokens"], name + "-published.npy")
+        with engine(**spec["engine"]) as llm:
+            rec["restore"] = gen(llm, prompt)
+            settle(llm, len(ready()))
+            rec["deleted"] = store.delete(ref.id, force=True)
+            longer = prompt + rec["restore"]["tokens"] + args["more"]
+            rec["republish"] = gen(llm, longer)
+            settle(llm, len(rec["before"]) + 1)
+        new = ready()[-1]
+        rec["republished"] = [new.id, new.n_tokens, new.parent_id]
+        pages(new, longer, name + "-restored.npy")
+    except Exception:
+        rec["error"] = traceback.format_exc()
+report(results)
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("kv-dtypes")
+    result = run_engine_script(SCRIPT, args={
+        "tmp": str(tmp), "model": str(tiny_model_dir), "folder": str(tmp / "store"),
+        "prompt": PROMPT, "more": MORE, "stored": STORED, "max_tokens": 16,
+        "engine": ENGINE, "dtypes": {name: {"engine": d["engine"]} for name, d in DTYPES.items()},
+    }, timeout=600, env=IN_PROCESS)
+    result["tmp"] = tmp
+    return result
+
+
+def _run(runs: dict[str, Any], name: str) -> dict[str, Any]:
+    rec: dict[str, Any] = runs[name]
+    if "refused" in rec:
+        # vLLM's own reason, from the engine's exception or its log.
+        lines = [ln for ln in (rec["refused"] + runs["_log"]).splitlines()
+                 if "Error" in ln or "not support" in ln or "requires" in ln]
+        pytest.skip(f"vLLM refuses {name} here: " + " | ".join(lines[-3:]))
+    assert "error" not in rec, rec["error"] + runs["_log"]
+    return rec
+
+
+def _external(out: dict[str, Any]) -> float:
+    return float(out["metrics"].get("vllm:external_prefix_cache_hits", 0))
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_kv_pages_restore_bit_exactly(runs: dict[str, Any], name: str) -> None:
+    rec = _run(runs, name)
+    ref, out, again = rec["publish"], rec["restore"], rec["republish"]
+    ident = rec["identity"]
+    assert (ident["kv_cache_dtype"], ident["cache_dtype"]) == \
+        (DTYPES[name]["kv"], DTYPES[name]["cache_dtype"]), ident
+    assert len(set(ref["tokens"])) > 1 and all(np.isfinite(ref["logprobs"]))
+    assert rec["reference"][1:] == [STORED, None]
+    # A new engine restores all but the last prompt token, from disk ...
+    assert out["cached"] == RESTORED and _external(out) == RESTORED, runs["_log"]
+    assert out["stats"].get("hits") == 1
+    blocks = -(-RESTORED // BLOCK_SIZE)
+    assert out["metrics"]["vllm:sparkcache_loaded_bytes"] == blocks * 2 * ident["page_nbytes"]
+    assert out["metrics"].get("vllm:sparkcache_load_failures", 0) == 0
+    # ... and answers with the publishing engine's greedy tokens.
+    assert out["tokens"] == ref["tokens"]
+    worst = max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"], strict=True))
+    assert worst <= LOGPROB_TOL_16, worst
+    # The longer request: the restored blocks from vLLM's prefix cache, nothing
+    # from disk (the reference is deleted), all of it published anew.
+    assert rec["deleted"] == [rec["reference"][0]]
+    assert again["cached"] >= STORED and _external(again) == 0
+    assert rec["republished"][1] > STORED and rec["republished"][2] is None
+    published = np.load(runs["tmp"] / f"{name}-published.npy")
+    restored = np.load(runs["tmp"] / f"{name}-restored.npy")
+    layers, blocks = 2, STORED // BLOCK_SIZE
+    assert published.shape == restored.shape == (layers, blocks, ident["page_nbytes"])
+    assert published.any()
+    # Whole blocks below the prompt's last token: exactly what the restore wrote.
+    whole = RESTORED // BLOCK_SIZE
+    assert np.array_equal(published[:, :whole], restored[:, :whole])
+    # The block holding the prompt's end: its restored token slots too.  vLLM's
+    # CPU page of one KV head is K's block (tokens x head size), then V's
+    # (cpu_attn's do_kv_cache_update); vLLM computed the slots from 499 on.
+    heads = ident["page_shape"][0]
+    tail = RESTORED - whole * BLOCK_SIZE
+    a = published[:, whole].reshape(layers, heads, 2, BLOCK_SIZE, -1)[:, :, :, :tail]
+    b = restored[:, whole].reshape(layers, heads, 2, BLOCK_SIZE, -1)[:, :, :, :tail]
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_a_snapshot_in_one_kv_dtype_is_never_offered_to_another(
+    runs: dict[str, Any], name: str
+) -> None:
+    """The publish engine of each dtype finds the prompt stored in every dtype
+    before it (fp32 first; fp8 after bf16, its model dtype) and restores none."""
+    rec = _run(runs, name)
+    assert runs["fp32"]["cached"] == 0
+    others = {m for _, _, m in rec["before"]}
+    earlier = [d for d in list(DTYPES)[:list(DTYPES).index(name)] if "refused" not in runs[d]]
+    assert len(others) == 1 + len(earlier), rec["before"]  # fp32 and each earlier dtype
+    assert rec["identity"]["model_id"] not in others
+    out = rec["publish"]
+    assert out["cached"] == 0 and _external(out) == 0, runs["_log"]
+    assert "hits" not in out["stats"], out["stats"]
+    assert out["metrics"].get("vllm:sparkcache_lookups", 0) >= 1
