@@ -13,13 +13,15 @@ them.  The protocol is described in docs/architecture.md; in short:
 * ``read`` / ``read_into`` verify identity, token ids, header and chunk digests
   before any byte is returned; a failure quarantines the snapshot and raises
   :class:`~sparkcache.errors.CorruptSnapshot`, which callers treat as a miss.
+* with a ``shared`` tier (docs/shared.md), ``upload`` and ``start_uploader``
+  copy every ready snapshot there, in the background for the latter.
 
 This class is a facade: it opens the :class:`~sparkcache.core.Core` (index,
 backend, clock, counters) and calls down into the modules that do the work
 (:mod:`~sparkcache.publish`, :mod:`~sparkcache.lookup`,
 :mod:`~sparkcache.reader`, :mod:`~sparkcache.maintenance`,
-:mod:`~sparkcache.retention`, :mod:`~sparkcache.requestlog`), each of which
-takes the core, never the store.
+:mod:`~sparkcache.retention`, :mod:`~sparkcache.requestlog`,
+:mod:`~sparkcache.shared`), each of which takes the core, never the store.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ from sparkcache.publish import PublishResult
 from sparkcache.publish import publish as publish_segment
 from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
 from sparkcache.retention import Retention, SweepReport
+from sparkcache.shared import (
+    DEFAULT_POLL_SECONDS,
+    SharedTier,
+    Uploader,
+    UploadReport,
+    shared_url,
+    upload_pending,
+)
 
 __all__ = ["Match", "PublishResult", "SnapshotInfo", "SnapshotStore"]
 
@@ -66,6 +76,10 @@ DEFAULT_MAX_CHAIN = 8
 
 #: The settings key recording the store's storage ("" for the root folder itself).
 STORAGE_SETTING = "storage"
+#: The settings key recording the store's shared tier (:func:`shared_url`).
+SHARED_SETTING = "shared"
+#: How long ``close`` waits by default for the uploader's queue.
+DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
 
 
 def _recorded_storage(
@@ -104,6 +118,39 @@ def _recorded_storage(
     return open_backend(chosen or str(root))
 
 
+def _recorded_shared(db: Database) -> str | None:
+    """The shared tier this store recorded (None: none yet)."""
+    with db.read() as conn:
+        row = conn.execute(q.GET_SETTING, (SHARED_SETTING,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _open_shared(core: Core, shared: str | os.PathLike[str],
+                 options: Mapping[str, Any] | None, *, alias_stride: int, relocate: bool,
+                 record: bool) -> SharedTier:
+    """The shared tier, checked against the one the store recorded, then opened
+    and checked (reachable, bucket or folder there); recorded when it is new to
+    the store.  Recording another tier (``relocate``) forgets every upload."""
+    given = shared_url(shared)
+    recorded = _recorded_shared(core.db)
+    if recorded is not None and recorded != given and not relocate:
+        raise StorageMismatch(
+            f"this store ({core.root}) uploads to the shared tier {recorded}, not {given}: "
+            f"open it with that shared tier (or with none); to use {given} from now on, "
+            "open it with relocate=True (`--relocate`), and every snapshot is uploaded there")
+    tier = SharedTier(shared, options, alias_stride=alias_stride)
+    if recorded != given and record:
+        try:
+            with core.write() as conn:
+                conn.execute(q.PUT_SETTING, (SHARED_SETTING, given, core.clock()))
+                if recorded is not None:
+                    conn.execute(q.FORGET_UPLOADS)
+        except BaseException:
+            tier.close()
+            raise
+    return tier
+
+
 class SnapshotStore:
     """The one API over the index and the payload backend.
 
@@ -125,6 +172,18 @@ class SnapshotStore:
     ``relocate=True`` (after the payloads were moved there) records the new
     one.  ``index_reserve`` bytes of the index's disk are held back in
     ``index.reserve`` so that eviction can run when that disk is full.
+
+    ``shared`` names a shared tier (docs/shared.md: ``s3://bucket/prefix``,
+    ``file:///mnt/nfs/kv``, any fsspec URL) that this process uploads to;
+    ``shared_options`` go to its filesystem (``endpoint_url``, ``profile``,
+    ``client_kwargs``; never credentials: they come from the filesystem's usual
+    environment and configuration).  The tier is checked here: an endpoint that
+    does not answer, bad credentials or a missing bucket (never created) raise
+    a SparkCacheError saying what to check.  The store records the first tier it
+    is opened with, without credentials, like its storage: another one raises
+    StorageMismatch unless ``relocate=True`` records it (and every snapshot is
+    then uploaded to it).  Without ``shared`` the tier is neither contacted nor
+    changed.
     """
 
     def __init__(
@@ -140,6 +199,8 @@ class SnapshotStore:
         upgrade: bool = True,
         relocate: bool = False,
         index_reserve: int = DEFAULT_INDEX_RESERVE,
+        shared: str | os.PathLike[str] | None = None,
+        shared_options: Mapping[str, Any] | None = None,
     ) -> None:
         root = Path(root)
         try:
@@ -158,6 +219,18 @@ class SnapshotStore:
         self.core = Core(root, db, backend, clock, index_reserve=index_reserve)
         self.alias_stride = self._fixed_setting("alias_stride", alias_stride, DEFAULT_ALIAS_STRIDE)
         self.max_chain = self._fixed_setting("max_chain", max_chain, DEFAULT_MAX_CHAIN)
+        #: The shared tier this process uploads to, or None.
+        self.shared: SharedTier | None = None
+        self._uploader: Uploader | None = None
+        self._upload_wait = DEFAULT_UPLOAD_WAIT_SECONDS
+        if shared is not None:
+            try:
+                self.shared = _open_shared(self.core, shared, shared_options,
+                                           alias_stride=self.alias_stride, relocate=relocate,
+                                           record=upgrade)
+            except BaseException:
+                self.core.close()
+                raise
         self.core.keep_reserve()
 
     @property
@@ -191,8 +264,16 @@ class SnapshotStore:
         return stored
 
     def close(self) -> None:
-        """Save pending counters and close the index.  Idempotent."""
-        self.core.close()
+        """Stop the uploader (waiting for its queue up to the ``wait_seconds`` it
+        was started with), save pending counters and close the index.  Idempotent."""
+        uploader, self._uploader = self._uploader, None
+        try:
+            if uploader is not None:
+                uploader.close(self._upload_wait)
+        finally:
+            self.core.close()
+            if self.shared is not None:
+                self.shared.close()
 
     def __enter__(self) -> SnapshotStore:
         return self
@@ -224,10 +305,13 @@ class SnapshotStore:
         blocks) get alias rows.  Returns once this rank's bytes are durable; the
         snapshot is restorable when every rank has published.
         """
-        return publish_segment(self.core, identity, rank, token_ids, pages, parent=parent,
-                               scope=scope, breakpoints=breakpoints,
-                               alias_stride=self.alias_stride, max_chain=self.max_chain,
-                               policy=self.retention)
+        result = publish_segment(self.core, identity, rank, token_ids, pages, parent=parent,
+                                 scope=scope, breakpoints=breakpoints,
+                                 alias_stride=self.alias_stride, max_chain=self.max_chain,
+                                 policy=self.retention)
+        if result.state == "ready" and self._uploader is not None:
+            self._uploader.wake()
+        return result
 
     # -- lookup (sparkcache.lookup) -----------------------------------------------------
 
@@ -403,6 +487,37 @@ class SnapshotStore:
         if retention is None:
             raise InvalidArgument("this store has no retention limits; pass retention=")
         return retention.sweep(self.core)
+
+    # -- the shared tier (sparkcache.shared) ---------------------------------------------
+
+    def _tier(self) -> SharedTier:
+        if self.shared is None:
+            raise InvalidArgument(
+                "this store was opened without a shared tier: pass shared= (the CLI's "
+                "--shared, or SPARK_KV_CACHE_SHARED)")
+        return self.shared
+
+    def upload(self, *, limit: int | None = None) -> UploadReport:
+        """Upload the ready snapshots not uploaded yet, parents first, now: see
+        :func:`sparkcache.shared.upload_pending`.  Needs ``shared``."""
+        return upload_pending(self.core, self._tier(), limit=limit)
+
+    def start_uploader(self, *, wait_seconds: float = DEFAULT_UPLOAD_WAIT_SECONDS,
+                       poll_seconds: float | None = None) -> Uploader:
+        """Start uploading in the background (:class:`~sparkcache.shared.Uploader`),
+        once per host: the connector does it in its scheduler process.  ``close``
+        stops it, after waiting up to ``wait_seconds`` for its queue.  Needs
+        ``shared``; a second call returns the running uploader."""
+        tier = self._tier()
+        if not wait_seconds >= 0:
+            raise InvalidArgument(f"wait_seconds must be >= 0, got {wait_seconds!r}")
+        if self._uploader is None:
+            self._uploader = Uploader(
+                self.core, tier,
+                poll_seconds=DEFAULT_POLL_SECONDS if poll_seconds is None else poll_seconds,
+            ).start()
+        self._upload_wait = wait_seconds
+        return self._uploader
 
     # -- inspection ---------------------------------------------------------------------
 

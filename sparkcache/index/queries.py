@@ -95,6 +95,10 @@ UPLOAD_QUEUE = (
     "WHERE state = 'ready' AND uploaded_at IS NULL "
     "ORDER BY depth, id LIMIT ?"
 )
+UPLOAD_QUEUE_COUNT = (
+    "SELECT count(*) FROM snapshots INDEXED BY ix_snapshots_upload "
+    "WHERE state = 'ready' AND uploaded_at IS NULL"
+)
 MARK_UPLOADED = "UPDATE snapshots SET uploaded_at = ? WHERE id = ? AND uploaded_at IS NULL"
 # A store that records another shared tier uploads everything again.
 FORGET_UPLOADS = "UPDATE snapshots SET uploaded_at = NULL WHERE uploaded_at IS NOT NULL"

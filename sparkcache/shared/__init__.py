@@ -1,0 +1,39 @@
+"""The shared tier: snapshots replicated to object storage that several hosts share.
+
+Each host keeps its own store (its SQLite index is the fast local path); a
+shared tier (``s3://bucket/prefix``, ``gs://...``, ``file:///mnt/nfs/...``) is
+a second level behind it.  :mod:`~sparkcache.shared.layout` names every object
+(docs/shared.md), :mod:`~sparkcache.shared.tier` opens and checks a tier, and
+:mod:`~sparkcache.shared.uploader` copies each locally ready snapshot there.
+"""
+
+from __future__ import annotations
+
+from sparkcache.shared.layout import Manifest, parse_manifest
+from sparkcache.shared.tier import SHARED_ENV, SharedTier, check_options, resolve_shared, shared_url
+from sparkcache.shared.uploader import (
+    DEFAULT_POLL_SECONDS,
+    Uploader,
+    UploadReport,
+    UploadResult,
+    pending_uploads,
+    upload_pending,
+    upload_snapshot,
+)
+
+__all__ = [
+    "DEFAULT_POLL_SECONDS",
+    "SHARED_ENV",
+    "Manifest",
+    "SharedTier",
+    "UploadReport",
+    "UploadResult",
+    "Uploader",
+    "check_options",
+    "parse_manifest",
+    "pending_uploads",
+    "resolve_shared",
+    "shared_url",
+    "upload_pending",
+    "upload_snapshot",
+]

@@ -1,0 +1,516 @@
+"""Replication: every locally ready snapshot is copied to the shared tier.
+
+The queue is the index itself: the ready snapshots whose ``uploaded_at`` is
+NULL, parents first (``queries.UPLOAD_QUEUE``, one range scan of a partial
+index).  Nothing is queued in memory, so the queue is bounded by the store's
+own retention, survives a restart (what a crash or an outage left behind goes
+at the next start) and needs no message from the processes that publish: the
+:class:`Uploader` thread polls it, and :meth:`Uploader.wake` polls at once.
+
+:func:`upload_snapshot` sends one snapshot, all of its ranks, in the order
+that keeps the tier consistent at every instant (docs/shared.md):
+
+1. its parent must be uploaded already (a chain reaches the tier root first);
+2. a manifest already in the tier means the snapshot is there (uploaded by
+   this host before a crash, or by another host): nothing is sent;
+3. under an ``upload`` lease (eviction waits), each rank's segment file is
+   verified whole (header, every chunk, and the snapshot key against its
+   token ids: a corrupt file is quarantined, never spread) and sent unless an
+   object of its key and size is there;
+4. the alias markers of its stride boundaries and breakpoints, unless there;
+5. last, its manifest: the snapshot becomes visible in the tier whole or not
+   at all; then ``uploaded_at`` is set.
+
+Every step is idempotent, so a retry after any failure sends only what is
+missing.  Failures of the tier are counted (``upload_failures``), logged once
+per burst and retried with exponential backoff; they never reach a publish, a
+request or the engine, which never wait for the uploader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparkcache import segment as seg
+from sparkcache.core import Core, SegmentInfo, SnapshotInfo, ids, scalar
+from sparkcache.cpus import widen_affinity
+from sparkcache.errors import CorruptSnapshot, InvalidArgument, SparkCacheError, StoreClosed
+from sparkcache.hashing import prefix_hashes, prefix_seed
+from sparkcache.holders import this_holder
+from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.index import queries as q
+from sparkcache.maintenance import quarantine
+from sparkcache.shared.layout import (
+    Alias,
+    Manifest,
+    SegmentEntry,
+    alias_blocks,
+    alias_bytes,
+    alias_key,
+    manifest_bytes,
+    manifest_key,
+    model_key,
+    segment_key,
+)
+from sparkcache.shared.tier import SharedTier, describe_error
+from sparkcache.verification import verify_file
+
+__all__ = [
+    "DEFAULT_BATCH",
+    "DEFAULT_POLL_SECONDS",
+    "UPLOAD_LEASE",
+    "UploadReport",
+    "UploadResult",
+    "Uploader",
+    "pending_uploads",
+    "upload_pending",
+    "upload_snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+#: The lease an upload holds on its snapshot: eviction and deletion wait for it.
+UPLOAD_LEASE = "upload"
+UPLOAD_LEASE_SECONDS = 3600.0
+#: How often the uploader looks for new ready snapshots when not woken.
+DEFAULT_POLL_SECONDS = 1.0
+#: Snapshots read from the queue at a time.
+DEFAULT_BATCH = 32
+#: Exponential backoff after a failure of the tier: first delay, longest delay.
+BACKOFF_SECONDS = (1.0, 300.0)
+#: How long ``Uploader.close`` waits, past its deadline, for an upload in flight.
+JOIN_GRACE_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    """What :func:`upload_snapshot` did with one snapshot.
+
+    ``outcome``: ``uploaded`` (its manifest was written now), ``present`` (the
+    tier had it already: nothing more was sent), ``waiting`` (its parent is not
+    uploaded yet), ``gone`` (deleted or no longer ready meanwhile) or
+    ``refused`` (it cannot be uploaded: a corrupt file, now quarantined, or a
+    key that its recorded scope does not rebuild; ``reason`` says which).
+    """
+
+    snapshot_id: int
+    outcome: str
+    objects_put: int = 0
+    objects_found: int = 0
+    bytes_put: int = 0
+    reason: str | None = None
+
+
+@dataclass
+class UploadReport:
+    """What :func:`upload_pending` did, and what is left."""
+
+    uploaded: list[int] = field(default_factory=list)
+    present: list[int] = field(default_factory=list)
+    refused: list[UploadResult] = field(default_factory=list)
+    objects_put: int = 0
+    objects_found: int = 0
+    bytes_put: int = 0
+    pending: int = 0  # ready snapshots still not uploaded
+    error: str | None = None  # the failure of the tier that stopped it
+
+    def add(self, result: UploadResult) -> None:
+        if result.outcome == "uploaded":
+            self.uploaded.append(result.snapshot_id)
+        elif result.outcome == "present":
+            self.present.append(result.snapshot_id)
+        elif result.outcome == "refused":
+            self.refused.append(result)
+        self.objects_put += result.objects_put
+        self.objects_found += result.objects_found
+        self.bytes_put += result.bytes_put
+
+
+def pending_uploads(core: Core) -> int:
+    """How many ready snapshots are not uploaded yet."""
+    with core.read() as conn:
+        return scalar(conn, q.UPLOAD_QUEUE_COUNT)
+
+
+# -- one snapshot --------------------------------------------------------------------------
+
+
+def upload_snapshot(core: Core, tier: SharedTier, snapshot_id: int) -> UploadResult:
+    """Copy one ready snapshot (every rank) to ``tier``; see the module doc.
+
+    Raises SparkCacheError when the tier (or the index) fails: nothing is then
+    visible in the tier that was not whole, and a later call sends the rest.
+    """
+    with core.read() as conn:
+        info = core.snapshot(conn, snapshot_id)
+        if info is None or info.state != "ready":
+            return UploadResult(snapshot_id, "gone")
+        if info.uploaded_at is not None:
+            return UploadResult(snapshot_id, "present")
+        parent = None if info.parent_id is None else core.snapshot(conn, info.parent_id)
+        model = core.model(conn, info.model_id)
+        segments = core.segments(conn, snapshot_id)
+        marks = ids(conn, q.BREAKPOINTS_OF, (snapshot_id,))
+    if model is None or (info.parent_id is not None and parent is None):
+        return UploadResult(snapshot_id, "gone")
+    if parent is not None and parent.uploaded_at is None:
+        return UploadResult(snapshot_id, "waiting",
+                            reason=f"its parent {parent.id} is not uploaded yet")
+    identity = model.identity()
+    if tier.exists(manifest_key(identity.digest(), info.snap_key)):
+        _finish(core, info, None)
+        core.count(info.model_id, "uploads.present")
+        return UploadResult(snapshot_id, "present", objects_found=1)
+    lease = _lease(core, snapshot_id)
+    if lease is None:
+        return UploadResult(snapshot_id, "gone")
+    try:
+        result = _send(core, tier, identity, info, parent, segments, marks)
+    except BaseException:
+        _release(core, lease)
+        raise
+    if result.outcome != "uploaded":
+        _release(core, lease)
+        return result
+    _finish(core, info, lease)
+    for name, value in (("uploads", 1), ("upload_objects", result.objects_put),
+                        ("upload_objects_found", result.objects_found),
+                        ("upload_bytes", result.bytes_put)):
+        core.count(info.model_id, name, value)
+    return result
+
+
+def _scope(info: SnapshotInfo) -> RequestScope | None:
+    """The scope a snapshot was published in (the default one when the index did
+    not record it: its key is checked against that); None when unreadable."""
+    if info.scope_json is None:
+        return RequestScope()
+    try:
+        return RequestScope.from_dict(json.loads(info.scope_json))
+    except (ValueError, InvalidArgument):
+        return None
+
+
+def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotInfo,
+          parent: SnapshotInfo | None, segments: list[SegmentInfo],
+          marks: list[int]) -> UploadResult:
+    """Steps 3 to 5 of the module doc, under the caller's lease."""
+    sid, model = info.id, identity.digest()
+    scope = _scope(info)
+    if scope is None:
+        return UploadResult(sid, "refused", reason=f"its recorded scope {info.scope_json} is "
+                                                   "not a request scope")
+    if sorted(g.rank for g in segments) != list(range(identity.world_size)) or any(
+            g.state != "ready" or g.digest is None for g in segments):
+        return UploadResult(sid, "refused", reason="not every rank's segment is ready")
+    put = found = sent = 0
+    if tier.put_once(model_key(model), identity.canonical().encode()):
+        put += 1
+    else:
+        found += 1
+    entries: list[SegmentEntry] = []
+    hashes: list[bytes] = []
+    for g in segments:
+        digest = str(g.digest)
+        key = segment_key(model, info.snap_key, g.rank, digest)
+        try:
+            with seg.open_segment(core.backend, g.object_key) as blob:
+                buf = blob.buffer
+                header = verify_file(buf, digest, identity, g.rank, info.snap_key,
+                                     g.token_start, g.token_end)
+                if g.rank == 0:
+                    hashes = _hashes(identity, info, parent, scope, buf, header)
+                wrote = tier.put_once(key, buf)
+                del buf
+        except CorruptSnapshot as exc:
+            if exc.reason != "scope":
+                quarantine(core, sid, exc.reason)
+            return UploadResult(sid, "refused", put, found, sent, reason=str(exc))
+        put, found, sent = put + wrote, found + (not wrote), sent + (g.nbytes if wrote else 0)
+        entries.append(SegmentEntry(g.rank, key, g.nbytes, digest, g.token_start, g.token_end))
+    bs = identity.block_size
+    start_blocks = info.start_token // bs
+    aliases: list[tuple[int, str]] = []
+    for i in alias_blocks(start_blocks, info.n_tokens // bs, tier.alias_stride // bs,
+                          [b // bs for b in marks]):
+        n, prefix = (i + 1) * bs, hashes[i - start_blocks].hex()
+        aliases.append((n, prefix))
+        if tier.exists(alias_key(model, prefix)):  # the first upload's marker stays
+            found += 1
+            continue
+        tier.put(alias_key(model, prefix), [alias_bytes(Alias(prefix, n, info.snap_key,
+                                                               info.n_tokens))])
+        put += 1
+    manifest = Manifest(model, info.snap_key, info.n_tokens, info.start_token,
+                        None if parent is None else parent.snap_key, scope, tuple(marks),
+                        identity.world_size, tuple(entries), tuple(aliases))
+    if tier.put_once(manifest_key(model, info.snap_key), manifest_bytes(manifest)):
+        put += 1
+    else:  # another host finished it meanwhile
+        found += 1
+    return UploadResult(sid, "uploaded", put, found, sent)
+
+
+def _hashes(identity: ModelIdentity, info: SnapshotInfo, parent: SnapshotInfo | None,
+            scope: RequestScope, buf: memoryview, header: seg.SegmentHeader) -> list[bytes]:
+    """The prefix hashes of the link's own blocks, from its verified token ids;
+    CorruptSnapshot (reason ``scope``) unless the last is the snapshot's key."""
+    seed = prefix_seed(identity, scope) if parent is None else bytes.fromhex(parent.snap_key)
+    view = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1])
+    tokens = np.array(view.view("<u4"))  # a copy: no view of the blob outlives it
+    del view
+    hashes = prefix_hashes(seed, tokens, identity.block_size)
+    if not hashes or hashes[-1].hex() != info.snap_key:
+        raise CorruptSnapshot(
+            "its key is not the hash of its token ids in its recorded request scope (a "
+            "snapshot published with a scope before the index recorded scopes): another "
+            "host could not find it, so it is not uploaded", "scope")
+    return hashes
+
+
+def _lease(core: Core, snapshot_id: int) -> int | None:
+    """Take the upload lease; None when the snapshot is gone."""
+    now = core.clock()
+    with core.write() as conn:
+        if core.snapshot(conn, snapshot_id) is None:
+            return None
+        return scalar(conn, q.INSERT_LEASE, (snapshot_id, this_holder(), UPLOAD_LEASE, now,
+                                             now + UPLOAD_LEASE_SECONDS))
+
+
+def _release(core: Core, lease: int) -> None:
+    with contextlib.suppress(SparkCacheError), core.write() as conn:
+        conn.execute(q.DELETE_LEASE, (lease,))
+
+
+def _finish(core: Core, info: SnapshotInfo, lease: int | None) -> None:
+    """The snapshot is in the tier: ``uploaded_at``, and the lease goes, in one write."""
+    with core.write() as conn:
+        conn.execute(q.MARK_UPLOADED, (core.clock(), info.id))
+        if lease is not None:
+            conn.execute(q.DELETE_LEASE, (lease,))
+
+
+# -- the queue -----------------------------------------------------------------------------
+
+
+def upload_pending(core: Core, tier: SharedTier, *, limit: int | None = None) -> UploadReport:
+    """Upload what the queue holds now, parents first, until it is empty, ``limit``
+    snapshots were looked at, or the tier fails (``error``; the rest stays
+    queued).  Synchronous: the command line's and the tests' way in."""
+    report = UploadReport()
+    skip: set[int] = set()  # refused, or waiting for a parent that was refused
+    seen = 0
+    while limit is None or seen < limit:
+        with core.read() as conn:
+            queue = [s for s in ids(conn, q.UPLOAD_QUEUE, (DEFAULT_BATCH + len(skip),))
+                     if s not in skip]
+        if not queue:
+            break
+        progressed = False
+        for sid in queue[:None if limit is None else limit - seen]:
+            seen += 1
+            try:
+                result = upload_snapshot(core, tier, sid)
+            except SparkCacheError as exc:
+                report.error = describe_error(exc)
+                core.count(0, "upload_failures")
+                core.try_save()
+                report.pending = pending_uploads(core)
+                return report
+            report.add(result)
+            if result.outcome in ("refused", "waiting"):
+                skip.add(sid)
+            progressed = progressed or result.outcome != "waiting"
+        if not progressed:
+            break
+    report.pending = pending_uploads(core)
+    return report
+
+
+class Uploader:
+    """Uploads the queue (see the module doc) on a daemon thread.
+
+    Started in the one process per host that runs it (the connector's
+    scheduler), on its own store's core.  Polls every ``poll_seconds`` and
+    at once after :meth:`wake`; after a failure of the tier it waits
+    ``BACKOFF_SECONDS`` doubling up to their maximum, logs the first failure
+    of a burst and the recovery, and counts every one (``upload_failures``,
+    and :attr:`failures`).  :meth:`close` waits up to ``wait`` seconds for the
+    queue to empty, so that a snapshot published just before a clean exit
+    reaches the tier; what is left goes at the next start.
+    """
+
+    def __init__(self, core: Core, tier: SharedTier, *,
+                 poll_seconds: float = DEFAULT_POLL_SECONDS, batch: int = DEFAULT_BATCH,
+                 backoff: tuple[float, float] = BACKOFF_SECONDS) -> None:
+        if not poll_seconds > 0 or batch < 1 or not 0 < backoff[0] <= backoff[1]:
+            raise InvalidArgument("poll_seconds and the backoff must be positive, batch >= 1")
+        self.core = core
+        self.tier = tier
+        self.poll_seconds = poll_seconds
+        self.batch = batch
+        self.backoff = backoff
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._deadline: float | None = None
+        self._passed = threading.Condition()
+        self._skip: set[int] = set()
+        self._burst = 0  # failures since the tier last worked
+        self._started = 0  # passes begun
+        self._idle_through = 0  # the last pass that found the queue empty
+        self._close_after = 0  # closing: a pass from this one on must find it empty
+        self.passes = 0  # passes finished
+        self.failures = 0
+        self.uploaded = 0
+        self.last_error: BaseException | None = None
+
+    def start(self) -> Uploader:
+        if self._thread is None:
+            self._stop.clear()
+            self._deadline = None
+            self._thread = threading.Thread(target=self._run, name="sparkcache-uploader",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        """Look at the queue now (a snapshot was published)."""
+        self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def idle(self) -> bool:
+        """The last finished pass found nothing to upload."""
+        return self.passes > 0 and self._idle_through == self.passes
+
+    def _finishing(self) -> bool:
+        """Stop now: closed, and a pass begun after the close found the queue
+        empty, or the deadline passed."""
+        if not self._stop.is_set():
+            return False
+        return (self._idle_through >= self._close_after or self._deadline is None
+                or time.monotonic() >= self._deadline)
+
+    def _run(self) -> None:
+        widen_affinity()  # not the one core of the thread that started it
+        while not self._finishing():
+            error: BaseException | None = None
+            with self._passed:
+                self._started += 1
+                number = self._started
+            try:
+                busy, empty = self._pass()
+            except Exception as exc:  # the tier or the index failed: back off
+                busy, empty, error = False, False, exc
+            with self._passed:
+                self.passes = number
+                if empty:
+                    self._idle_through = number
+                self._passed.notify_all()
+            if error is not None:
+                if self._stop.is_set() and (isinstance(error, StoreClosed) or self._finishing()):
+                    break  # closed under an upload that ran past the deadline: quietly
+                self._failed(error)
+                delay = min(self.backoff[1], self.backoff[0] * 2 ** (self._burst - 1))
+            else:
+                delay = 0.0 if busy else self.poll_seconds
+            if self._finishing():
+                break
+            if self._deadline is not None:
+                delay = min(delay, max(0.0, self._deadline - time.monotonic()))
+            if delay > 0:
+                self._wake.wait(delay)
+            self._wake.clear()
+
+    def _pass(self) -> tuple[bool, bool]:
+        """Upload one batch of the queue: (whether to look again at once, whether
+        the queue was empty)."""
+        with self.core.read() as conn:
+            queue = [s for s in ids(conn, q.UPLOAD_QUEUE, (self.batch + len(self._skip),))
+                     if s not in self._skip]
+        progressed = False
+        for sid in queue[:self.batch]:
+            if self._stop.is_set() and self._deadline is not None \
+                    and time.monotonic() >= self._deadline:
+                return False, False
+            result = upload_snapshot(self.core, self.tier, sid)
+            if self._burst:
+                log.info("sparkcache: uploads to the shared tier %s work again after %d "
+                         "failed attempts", self.tier.url, self._burst)
+                self._burst = 0
+            if result.outcome == "refused":
+                self._skip.add(sid)
+                log.warning("sparkcache: snapshot %d is not uploaded to %s: %s", sid,
+                            self.tier.url, result.reason)
+            elif result.outcome == "waiting" and self._parent_skipped(sid):
+                self._skip.add(sid)
+            self.uploaded += result.outcome == "uploaded"
+            progressed = progressed or result.outcome != "waiting"
+        # Only children whose parents are not up yet: poll, do not spin.
+        return progressed, not queue
+
+    def _parent_skipped(self, snapshot_id: int) -> bool:
+        with self.core.read() as conn:
+            info = self.core.snapshot(conn, snapshot_id)
+        return info is not None and info.parent_id in self._skip
+
+    def _failed(self, error: BaseException) -> None:
+        self.failures += 1
+        self.last_error = error
+        self._burst += 1
+        with contextlib.suppress(SparkCacheError):
+            self.core.count(0, "upload_failures")
+            self.core.try_save()
+        if self._burst == 1:
+            log.warning("sparkcache: uploads to the shared tier %s fail: %s; retrying with "
+                        "backoff (failures are counted as upload_failures, not logged again "
+                        "until uploads work)", self.tier.url, describe_error(error))
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wake the thread and wait until a pass begun after this call finds the
+        queue empty (True) or ``timeout`` runs out (False)."""
+        with self._passed:
+            target = self._started + 1
+            self.wake()
+            return self._passed.wait_for(lambda: self._idle_through >= target, timeout)
+
+    def close(self, wait: float = 0.0) -> bool:
+        """Stop, after uploading what is queued for up to ``wait`` seconds; True
+        when the queue was empty at the end.  An upload in flight at the deadline
+        gets ``JOIN_GRACE_SECONDS`` more; what is left goes at the next start."""
+        thread = self._thread
+        if thread is None:
+            return self.idle
+        with self._passed:
+            self._close_after = self._started + 1
+            self._deadline = time.monotonic() + max(0.0, wait)
+            self._stop.set()
+            self._wake.set()
+        thread.join(max(0.0, wait) + JOIN_GRACE_SECONDS)
+        self._thread = None
+        if thread.is_alive():
+            log.warning("sparkcache: an upload to %s was still running at shutdown; it is "
+                        "retried at the next start", self.tier.url)
+            return False
+        if not self.idle:
+            log.warning("sparkcache: snapshots were left to upload to %s at shutdown (after "
+                        "%.0f s); they are uploaded at the next start", self.tier.url, wait)
+        return self.idle
+
+    def __enter__(self) -> Uploader:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
