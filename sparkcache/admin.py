@@ -41,6 +41,7 @@ from sparkcache.maintenance import CheckReport
 from sparkcache.rehearsal import DryRun
 from sparkcache.requestlog import KeySummary, RequestRow
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
+from sparkcache.shared import UploadReport, resolve_shared
 from sparkcache.store import SnapshotStore
 from sparkcache.transfer import ExportReport, ImportReport
 from sparkcache.verification import Problem, Progress, RequeueReport, VerifyReport
@@ -66,6 +67,7 @@ __all__ = [
     "SnapshotStore",
     "Stats",
     "SweepReport",
+    "UploadReport",
     "VerifyReport",
     "check",
     "check_url",
@@ -86,12 +88,14 @@ __all__ = [
     "request_summary",
     "resolve_folder",
     "resolve_model",
+    "resolve_shared",
     "retention_settings",
     "show",
     "stats",
     "sweep",
     "to_dict",
     "unpin",
+    "upload",
     "verify",
 ]
 
@@ -193,7 +197,7 @@ def to_dict(result: Any) -> Any:
 
 def open_store(folder: str | os.PathLike[str], *, storage: str | None = None,
                create: bool = False, upgrade: bool = True,
-               relocate: bool = False) -> SnapshotStore:
+               relocate: bool = False, shared: str | None = None) -> SnapshotStore:
     """Open the store in ``folder``; refuse to create one unless ``create``.
 
     An admin command pointed at a mistyped folder should say so, not leave an
@@ -206,6 +210,9 @@ def open_store(folder: str | os.PathLike[str], *, storage: str | None = None,
     URL with an unknown scheme raises InvalidArgument (:func:`check_url`).  A
     ``storage`` other than the one the store recorded raises StorageMismatch
     unless ``relocate`` records it (after the payloads were moved there).
+    ``shared`` opens the store with that shared tier (docs/shared.md), checked
+    at once and recorded like the storage (its options come from the
+    filesystem's environment: ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...).
     """
     root = Path(folder).expanduser()
     if not create:
@@ -216,9 +223,11 @@ def open_store(folder: str | os.PathLike[str], *, storage: str | None = None,
                 "SPARK_KV_CACHE_FOLDER (or SPARK_STORAGE) to the folder vLLM uses"
             )
         _read_revision(path, behind_ok=upgrade)
-    if storage is not None:
-        check_url(storage)
-    return SnapshotStore(root, storage=storage, upgrade=upgrade, relocate=relocate)
+    for url in (storage, shared):
+        if url is not None:
+            check_url(url)
+    return SnapshotStore(root, storage=storage, upgrade=upgrade, relocate=relocate,
+                         shared=shared)
 
 
 _URL_SCHEME = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)(?P<sep>://|::)")
@@ -455,6 +464,15 @@ def sweep(store: SnapshotStore, retention: Retention | RetentionSettings, *,
     if isinstance(retention, RetentionSettings):
         retention = Retention(retention)
     return rehearsal.run(store, dry_run, retention.sweep)
+
+
+# -- the shared tier (sparkcache.shared) ---------------------------------------------------
+
+
+def upload(store: SnapshotStore, *, limit: int | None = None) -> UploadReport:
+    """Upload the ready snapshots not uploaded yet to the store's shared tier, parents
+    first, now (:meth:`SnapshotStore.upload`); the store must be opened with ``shared``."""
+    return store.upload(limit=limit)
 
 
 # -- export and import (sparkcache.transfer) --------------------------------------------

@@ -19,7 +19,7 @@ from sparkcache.index import queries as q
 
 __all__ = [
     "MB",
-        "LinkRow",
+    "LinkRow",
     "ModelRow",
     "SnapshotDetail",
     "SnapshotRow",
@@ -73,6 +73,7 @@ class SnapshotRow:
     pinned: bool
     state: str
     reason: str | None
+    uploaded_at: float | None  # when it reached the shared tier; None: not uploaded
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ def snapshot_row(info: SnapshotInfo, names: dict[int, str]) -> SnapshotRow:
         info.id, info.model_id, names.get(info.model_id, "?"), info.n_tokens, info.start_token,
         info.nbytes, mb(info.nbytes), info.created_at, info.last_used, info.use_count,
         info.parent_id, info.depth, info.world_size, info.pinned, info.state, info.reason,
+        info.uploaded_at,
     )
 
 

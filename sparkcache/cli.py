@@ -51,6 +51,7 @@ from sparkcache.cli_commands import (
     cmd_show,
     cmd_stats,
     cmd_sweep,
+    cmd_upload,
     cmd_verify,
 )
 from sparkcache.cli_output import (
@@ -115,9 +116,15 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     group.add_argument("--storage", metavar="URL", default=default(None),
                         help="where the payloads live when not in the folder (a path or URL);"
                              " recorded when the store is created, and found again without it")
+    group.add_argument("--shared", metavar="URL", default=default(None),
+                        help="the shared tier (s3://bucket/prefix, file:///path, any fsspec "
+                             "URL; default for upload: $SPARK_KV_CACHE_SHARED); checked at "
+                             "once, recorded by the store; credentials and endpoint from the "
+                             "environment (AWS_*)")
     group.add_argument("--relocate", action="store_true", default=default(False),
-                        help="record --storage as the store's storage (after moving the "
-                             "payloads there)")
+                        help="record --storage (or --shared) as the store's storage (or "
+                             "shared tier): after moving the payloads there, or to upload "
+                             "every snapshot to another tier")
     group.add_argument("--json", action="store_true", default=default(False),
                         help="print the result as JSON (for scripts)")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction,
@@ -142,6 +149,7 @@ COMMANDS: list[tuple[str, Callable[[Context], int], str]] = [
     ("unpin", cmd_pin, "let a pinned snapshot be evicted again"),
     ("sweep", cmd_sweep, "run one retention pass (SPARK_KV_CACHE_* limits)"),
     ("export", cmd_export, "copy a model's snapshots, verified, to a folder or URL"),
+    ("upload", cmd_upload, "copy the snapshots not uploaded yet to the shared tier, now"),
     ("import", cmd_import, "verify and publish the snapshots of an export"),
     ("shell", cmd_shell, "interactive SQLite shell on the index (read-only by default)"),
     ("db", cmd_db_current, "the index's schema: db current, db upgrade, db downgrade"),
@@ -222,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub["export"].add_argument("dest", help="an empty folder, or any fsspec URL "
                                             "(memory://x, s3://bucket/path)")
     sub["import"].add_argument("src", help="a folder or URL written by `sparkcache export`")
+    sub["upload"].add_argument("--limit", type=_limit, metavar="N",
+                               help="look at N snapshots at most (default: all)")
     sub["shell"].add_argument("sql", nargs="*", help="SQL or dot-commands to run instead of "
                                                      "the interactive shell")
     sub["shell"].add_argument("--write", action="store_true",

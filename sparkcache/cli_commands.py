@@ -21,6 +21,7 @@ from sparkcache import admin
 from sparkcache.cli_output import (
     EXIT_OK,
     EXIT_PROBLEMS,
+    EXIT_STORE,
     Context,
     Declined,
     fields,
@@ -34,7 +35,8 @@ from sparkcache.serve import launch
 __all__ = [
     "cmd_check", "cmd_clear", "cmd_db_current", "cmd_db_downgrade", "cmd_db_upgrade",
     "cmd_export", "cmd_import", "cmd_log", "cmd_ls", "cmd_models", "cmd_pin", "cmd_rm",
-    "cmd_serve", "cmd_shell", "cmd_show", "cmd_stats", "cmd_sweep", "cmd_verify",
+    "cmd_serve", "cmd_shell", "cmd_show", "cmd_stats", "cmd_sweep", "cmd_upload",
+    "cmd_verify",
 ]
 
 #: How often ``log --follow`` looks for new requests, in seconds.
@@ -72,9 +74,10 @@ def cmd_models(ctx: Context) -> int:
 def _snapshot_table(rows: Sequence[admin.SnapshotRow]) -> str:
     return table(
         ["ID", "MODEL", "TOKENS", "MB", "CREATED", "LAST USED", "HITS", "PARENT", "PINNED",
-         "STATE", "REASON"],
+         "STATE", "UPLOADED", "REASON"],
         [[r.id, r.model, r.tokens, r.mb, when(r.created_at), when(r.last_used), r.hits,
-          r.parent, "yes" if r.pinned else "", r.state, r.reason] for r in rows],
+          r.parent, "yes" if r.pinned else "", r.state, when(r.uploaded_at), r.reason]
+         for r in rows],
     )
 
 
@@ -98,6 +101,7 @@ def cmd_show(ctx: Context) -> int:
             ("size", f"{s.mb} MB ({s.nbytes} bytes)"), ("ranks", s.world_size),
             ("parent", s.parent), ("depth", s.depth), ("pinned", "yes" if s.pinned else "no"),
             ("hits", s.hits), ("created", when(s.created_at)), ("last used", when(s.last_used)),
+            ("uploaded", when(s.uploaded_at) if s.uploaded_at else "no"),
             ("chain", " -> ".join(f"{c.id}[{c.start_token}:{c.n_tokens}]" for c in d.chain)),
             ("children", ", ".join(map(str, d.children)) or None),
         ])
@@ -373,6 +377,31 @@ def cmd_sweep(ctx: Context) -> int:
 
     ctx.emit(result, text)
     return EXIT_OK
+
+
+def cmd_upload(ctx: Context) -> int:
+    """``sparkcache upload``: one synchronous pass of the uploader (exit 1 when some
+    were refused, 3 when the tier failed: what is left goes on the next pass)."""
+    if ctx.shared is None:
+        raise InvalidArgument("no shared tier: pass --shared URL or set SPARK_KV_CACHE_SHARED")
+    with ctx.store(tier=True) as store, ctx.bar("upload").spin():
+        r = admin.upload(store, limit=ctx.args.limit)
+
+    def text() -> str:
+        lines = [f"uploaded {plural(len(r.uploaded), 'snapshot')} "
+                 f"({plural(r.objects_put, 'object')}, {admin.mb(r.bytes_put)} MB), "
+                 f"{len(r.present)} already in the tier, {r.pending} left"]
+        if r.refused:
+            lines.append(table(["SNAPSHOT", "REASON"],
+                               [[x.snapshot_id, x.reason] for x in r.refused]))
+        if r.error:
+            lines.append(f"stopped: {r.error}")
+        return "\n".join(lines)
+
+    ctx.emit(r, text)
+    if r.error:
+        return EXIT_STORE
+    return EXIT_PROBLEMS if r.refused else EXIT_OK
 
 
 def _problems(items: Sequence[admin.Problem]) -> str:

@@ -39,15 +39,17 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_PROBLEMS: "problems found: check found issues (also when --fix repaired them), verify "
-                   "found corrupt snapshots, export left some out, import refused some, the "
-                   "index schema is behind (db current), or clear was not confirmed",
+                   "found corrupt snapshots, export left some out, import or upload refused "
+                   "some, the index schema is behind (db current), or clear was not confirmed",
     EXIT_USAGE: "usage error: bad arguments (an unknown URL scheme included), the store, "
-                "model or snapshot named does not exist, a quarantined snapshot to pin, or "
-                "clear without a terminal to confirm on and without --yes",
+                "model, snapshot, shared tier bucket or folder named does not exist, a "
+                "quarantined snapshot to pin, upload without a shared tier, or clear "
+                "without a terminal to confirm on and without --yes",
     EXIT_STORE: "store error: schema mismatch (an index written by a newer sparkcache, a file "
                 "that is not a sparkcache index, or an index behind that a read-only command "
-                "will not upgrade), a storage other than the one the store recorded, index "
-                "locked too long (StoreTimeout), storage or I/O failure, lease conflict",
+                "will not upgrade), a storage or shared tier other than the one the store "
+                "recorded, index locked too long (StoreTimeout), storage or I/O failure (a "
+                "shared tier unreachable or refusing the credentials included), lease conflict",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
@@ -185,12 +187,24 @@ class Context:
     def folder(self) -> Path:
         return admin.resolve_folder(self.args.folder)
 
+    @property
+    def shared(self) -> str | None:
+        """The shared tier given (``--shared``, else ``SPARK_KV_CACHE_SHARED``)."""
+        return admin.resolve_shared(self.args.shared)
+
     @contextlib.contextmanager
-    def store(self, *, create: bool = False,
-              upgrade: bool = True) -> Iterator[admin.SnapshotStore]:
-        """The store; ``upgrade=False`` for commands that must not change it."""
+    def store(self, *, create: bool = False, upgrade: bool = True,
+              tier: bool = False) -> Iterator[admin.SnapshotStore]:
+        """The store; ``upgrade=False`` for commands that must not change it.
+
+        ``tier``: the command uses the shared tier (``--shared``, else
+        ``SPARK_KV_CACHE_SHARED``).  Other commands open it only when ``--shared``
+        is given on their command line (checked, and recorded with
+        ``--relocate``): a tier set in the environment is never contacted by a
+        command that does not need it."""
+        shared = self.shared if tier else self.args.shared
         store = admin.open_store(self.folder, storage=self.args.storage, create=create,
-                                 upgrade=upgrade, relocate=self.args.relocate)
+                                 upgrade=upgrade, relocate=self.args.relocate, shared=shared)
         try:
             yield store
         finally:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -674,3 +675,52 @@ def test_unknown_url_schemes_are_usage_errors(run: Run, tmp_path: Path) -> None:
     assert "'nosuch'" in run.err
     run("import", "nosuch://x/y", code=2)
     assert "'nosuch'" in run.err
+
+
+# -- the shared tier: --shared, upload, the UPLOADED column ---------------------------------
+
+
+@pytest.fixture
+def tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A file:// shared tier (tests/shared runs the S3 ones); no tier in the environment."""
+    monkeypatch.delenv("SPARK_KV_CACHE_SHARED", raising=False)
+    (tmp_path / "tier").mkdir()
+    return f"file://{tmp_path / 'tier'}"
+
+
+def test_upload_and_the_uploaded_column(run: Run, tier: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run("ls").splitlines()[0].split()[-2:] == ["UPLOADED", "REASON"]
+    assert {s["uploaded_at"] for s in run.json("ls")} == {None}
+    assert re.search(r"uploaded:\s+no", run("show", "2"))
+    run("upload", code=2)
+    assert "SPARK_KV_CACHE_SHARED" in run.err
+    report = run.json("--shared", tier, "upload", "--limit", "2")
+    # parents first: the two roots, then the child
+    assert (report["uploaded"], report["pending"], report["error"]) == ([1, 3], 1, None)
+    monkeypatch.setenv("SPARK_KV_CACHE_SHARED", tier)
+    assert run("upload").startswith("uploaded 1 snapshot (")
+    assert "uploaded 0 snapshots" in run("upload")
+    assert all(s["uploaded_at"] for s in run.json("ls"))
+    assert re.search(r"uploaded:\s+20", run("show", "3"))
+
+
+def test_a_tier_in_the_environment_is_not_contacted_by_other_commands(
+        run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARK_KV_CACHE_SHARED", f"file://{tmp_path / 'not-mounted'}")
+    assert len(run.json("ls")) == 3 and run.json("stats")["hits"] == 1
+    run("upload", code=2)  # but upload checks it: the folder is missing
+    assert "create it first" in run.err
+    assert not (tmp_path / "not-mounted").exists()
+
+
+def test_another_tier_is_refused_unless_relocated(run: Run, tier: str,
+                                                  tmp_path: Path) -> None:
+    run("--shared", tier, "upload")
+    (tmp_path / "tier2").mkdir()
+    other = f"file://{tmp_path / 'tier2'}"
+    run("--shared", other, "upload", code=3)
+    assert "--relocate" in run.err and tier in run.err
+    run("--shared", other, "ls", code=3)  # an explicit --shared is checked by any command
+    assert run.json("--shared", other, "--relocate", "upload")["uploaded"] == [1, 3, 2]
+    run("--shared", "nosuch://x", "upload", code=2)
