@@ -13,7 +13,8 @@ offers the restorable tokens as an asynchronous load, or (``load_async``
 false, or auto while the request is alone) as one within the prefill step,
 read layer by layer under its forward; it coalesces concurrent requests for
 one base, plans saves when requests finish and holds their blocks until every
-worker copied them out.  It also runs the retention sweeper.
+worker copied them out.  It also runs the retention sweeper and, with a shared
+tier, the uploader (docs/shared.md).
 
 Worker side (one per rank): loads and saves on background threads with
 bounded queues; finished loads and saves reported through ``get_finished``,
@@ -197,6 +198,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _init_scheduler(self) -> None:
         self.sweeper: Sweeper | None = None
+        self.upload_store: SnapshotStore | None = None
         self.log_writer: LogWriter | None = None
         self.sched: SchedulerSide | None = None
         config = self._kv_transfer_config
@@ -228,6 +230,14 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # lock that the scheduler's lookups take.
             sweep_store = SnapshotStore(self.settings.folder, retention=self.retention)
             self.sweeper = Sweeper(sweep_store.core, self.retention).start()
+        if self.settings.shared is not None:
+            # Its own store too; opening it checks the tier (endpoint, credentials,
+            # bucket): a mistake is an error now, not failed uploads later.
+            self.upload_store = SnapshotStore(self.settings.folder, shared=self.settings.shared,
+                                              shared_options=self.settings.shared_options)
+            self.upload_store.start_uploader(wait_seconds=self.settings.upload_wait_seconds)
+            logger.info("sparkcache uploads this host's snapshots to the shared tier %s",
+                        self.settings.shared)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -548,14 +558,18 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return True if self.io is None else self.io.flush(timeout)
 
     def shutdown(self) -> None:
-        """Scheduler: stop the sweeper.  Worker: finish queued loads and saves (up
-        to 60 s), stop the threads.  Both close the store."""
+        """Scheduler: stop the sweeper, then the uploader after up to
+        ``upload_wait_seconds`` for its queue (a snapshot published just before
+        a clean exit reaches the shared tier).  Worker: finish queued loads and
+        saves (up to 60 s), stop the threads.  Both close the store."""
         if self.is_scheduler:
             if self.sweeper is not None:
                 self.sweeper.stop()
                 self.sweeper.core.close()
             if self.log_writer is not None:
                 self.log_writer.close()
+            if self.upload_store is not None:
+                self.upload_store.close()
         elif self.io is not None:
             self.io.close()
         if self.store is not None:

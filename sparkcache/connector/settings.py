@@ -15,15 +15,17 @@ typo must not silently turn a feature off).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sparkcache.errors import InvalidArgument
 from sparkcache.folder import resolve_folder
+from sparkcache.shared import check_options, resolve_shared
 
 __all__ = [
     "DEFAULT_MAX_PENDING_MB",
     "DEFAULT_MAX_QUEUED",
+    "DEFAULT_UPLOAD_WAIT_SECONDS",
     "MODES",
     "ConnectorSettings",
 ]
@@ -36,6 +38,8 @@ DEFAULT_MAX_PENDING_MB = 1024
 DEFAULT_MAX_QUEUED = 64
 #: Threads that verify and copy one restore (each takes the next layer not yet taken).
 DEFAULT_LOAD_THREADS = 2
+#: How long the scheduler's shutdown waits for queued uploads to the shared tier.
+DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
 #: mode -> (restore, publish).
 MODES: dict[str, tuple[bool, bool]] = {
     "read-write": (True, True),
@@ -80,6 +84,21 @@ def _as_int(key: str, value: Any, minimum: int) -> int:
     return number
 
 
+def _as_seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be seconds >= 0, "
+                              f"got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be seconds >= 0, "
+                              f"got {value!r}") from None
+    if not number >= 0:
+        raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be seconds >= 0, "
+                              f"got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     """What the connector does; every field is a ``kv_connector_extra_config`` key.
@@ -110,6 +129,12 @@ class ConnectorSettings:
     block, as vLLM's own prefix cache does (up to a block is recomputed).
     ``log_rows``: the request log keeps this many newest rows in the index
     (default SPARK_KV_CACHE_LOG_ROWS, else 10000); 0 writes no log.
+    ``shared``: the shared tier's URL (default SPARK_KV_CACHE_SHARED; none when
+    unset), checked when the scheduler starts; the scheduler process uploads
+    every ready snapshot there (docs/shared.md).  ``shared_options``: its
+    filesystem's options (endpoint_url, profile, client_kwargs; never
+    credentials).  ``upload_wait_seconds``: how long the scheduler's shutdown
+    waits for queued uploads (default 30).
     """
 
     folder: str
@@ -124,6 +149,9 @@ class ConnectorSettings:
     sweep: bool = True
     tail_block: bool = True
     log_rows: int | None = None  # None: SPARK_KV_CACHE_LOG_ROWS, else the default
+    shared: str | None = None
+    shared_options: dict[str, Any] = field(default_factory=dict)
+    upload_wait_seconds: float = DEFAULT_UPLOAD_WAIT_SECONDS
 
     @property
     def restore(self) -> bool:
@@ -158,6 +186,14 @@ class ConnectorSettings:
             raise InvalidArgument("kv_connector_extra_config['revision'] must be a string")
         min_tokens = extra.get("min_tokens")
         log_rows = extra.get("log_rows")
+        shared = extra.get("shared")
+        if shared is not None and not isinstance(shared, str):
+            raise InvalidArgument("kv_connector_extra_config['shared'] must be a URL string "
+                                  f"(s3://bucket/prefix, file:///path), got {shared!r}")
+        try:
+            shared_options = check_options(extra.get("shared_options"))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"kv_connector_extra_config['shared_options']: {exc}") from None
         return cls(
             folder=str(resolve_folder(folder)),
             mode=mode,
@@ -179,4 +215,9 @@ class ConnectorSettings:
             sweep=_as_bool("sweep", extra.get("sweep", True)),
             tail_block=_as_bool("tail_block", extra.get("tail_block", True)),
             log_rows=None if log_rows is None else _as_int("log_rows", log_rows, 0),
+            shared=resolve_shared(shared),
+            shared_options=shared_options,
+            upload_wait_seconds=_as_seconds(
+                "upload_wait_seconds",
+                extra.get("upload_wait_seconds", DEFAULT_UPLOAD_WAIT_SECONDS)),
         )

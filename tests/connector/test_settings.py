@@ -53,3 +53,26 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_folder(env={}) == Path.home() / ".local" / "share" / "spark" / "kvcache"
     with pytest.raises(InvalidArgument, match="folder"):
         ConnectorSettings.from_extra_config({"folder": 7})
+
+
+def test_shared_tier_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPARK_KV_CACHE_SHARED", raising=False)
+    default = ConnectorSettings.from_extra_config({"folder": "/x"})
+    assert (default.shared, default.shared_options, default.upload_wait_seconds) == (
+        None, {}, 30.0)
+    s = ConnectorSettings.from_extra_config({
+        "folder": "/x", "shared": "s3://kv/llama", "upload_wait_seconds": "5",
+        "shared_options": {"endpoint_url": "http://minio:9000"}})
+    assert (s.shared, s.shared_options, s.upload_wait_seconds) == (
+        "s3://kv/llama", {"endpoint_url": "http://minio:9000"}, 5.0)
+    monkeypatch.setenv("SPARK_KV_CACHE_SHARED", "file:///mnt/kv")
+    assert ConnectorSettings.from_extra_config({"folder": "/x"}).shared == "file:///mnt/kv"
+    assert ConnectorSettings.from_extra_config({"folder": "/x", "shared": "s3://b/p"}
+                                               ).shared == "s3://b/p"
+    with pytest.raises(InvalidArgument, match="AWS_ACCESS_KEY_ID"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "shared_options": {"secret": "s"}})
+    with pytest.raises(InvalidArgument, match="shared"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "shared": 3})
+    for bad in (-1, "soon", True):
+        with pytest.raises(InvalidArgument, match="upload_wait_seconds"):
+            ConnectorSettings.from_extra_config({"folder": "/x", "upload_wait_seconds": bad})
