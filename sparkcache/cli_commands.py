@@ -133,6 +133,12 @@ def cmd_stats(ctx: Context) -> int:
             ("quarantines", ", ".join(f"{k} {v}" for k, v in st.quarantined_counts.items())
              or 0),
         ]
+        c = st.counters
+        if any(name.startswith("upload") for name in c):
+            pairs.append(("uploaded", f"{c.get('uploads', 0)} snapshots, "
+                                      f"{admin.mb(c.get('upload_bytes', 0))} MB; "
+                                      f"{c.get('uploads.present', 0)} found in the tier; "
+                                      f"{c.get('upload_failures', 0)} failures"))
         body = fields(pairs)
         if st.quarantined:
             body += "\n\nquarantined now:\n" + _snapshot_table(st.quarantined)

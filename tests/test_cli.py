@@ -703,6 +703,9 @@ def test_upload_and_the_uploaded_column(run: Run, tier: str,
     assert "uploaded 0 snapshots" in run("upload")
     assert all(s["uploaded_at"] for s in run.json("ls"))
     assert re.search(r"uploaded:\s+20", run("show", "3"))
+    assert re.search(r"uploaded:\s+3 snapshots, 0.0 MB; 0 found in the tier; 0 failures",
+                     run("stats"))
+    assert run.json("stats")["counters"]["uploads"] == 3
 
 
 def test_a_tier_in_the_environment_is_not_contacted_by_other_commands(
