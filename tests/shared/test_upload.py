@@ -3,7 +3,10 @@ every rank, idempotent, the manifest last, two hosts at once, corrupt files kept
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -272,3 +275,41 @@ def test_a_large_segment_goes_in_parts(s3_tier: Tier, host: HostFactory) -> None
     with store.backend.open(g.object_key) as local, store.shared.backend.open(key) as remote:
         assert np.array_equal(np.frombuffer(local.buffer, np.uint8),
                               np.frombuffer(remote.buffer, np.uint8))
+
+
+CRASH = """
+import json, os, sys
+from sparkcache import SnapshotStore
+from sparkcache.shared import tier as tier_module
+args = json.loads(sys.argv[1])
+real_put = tier_module.SharedTier.put
+def put(self, key, chunks):
+    if "/snap/" in key:
+        os._exit(9)  # killed between the segments and the manifest
+    return real_put(self, key, chunks)
+tier_module.SharedTier.put = put
+store = SnapshotStore(args["folder"], shared=args["url"], shared_options=args["options"])
+store.upload()
+"""
+
+
+def test_a_process_killed_before_the_manifest_leaves_nothing_visible(
+        tier: Tier, host: HostFactory, tmp_path: Path) -> None:
+    """A real process dies between the segments and the manifest: the snapshot is
+    not in the tier, nothing local says it is, and the next upload completes it."""
+    store = host("a", tier)
+    root, child = publish_chain(store)
+    store.close()
+    args = {"folder": str(tmp_path / "a"), "url": tier.url, "options": tier.options}
+    done = subprocess.run([sys.executable, "-c", CRASH, json.dumps(args)], timeout=120,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 9, done.stderr
+    again = host("a2", tier)  # a look at the tier from elsewhere
+    assert again.shared is not None
+    found = objects(again.shared)
+    assert [k for k in found if "/seg/" in k] and not [k for k in found if "/snap/" in k]
+    with SnapshotStore(tmp_path / "a", shared=tier.url, shared_options=tier.options) as store:
+        assert store.snapshot(root).uploaded_at is None
+        report = store.upload()  # the dead process's upload lease blocks nothing
+        assert report.uploaded == [root, child] and report.error is None
+        assert store.snapshot(child).uploaded_at is not None
