@@ -63,6 +63,7 @@ class SseRewriter:
         self._known: Facts | None = None
         self._asked = False
         self._pending = b""
+        self.output_tokens: int | None = None  # from the last message_delta seen
 
     async def feed(self, chunk: bytes) -> bytes:
         """The whole events in ``chunk`` (plus what was pending), rewritten."""
@@ -95,6 +96,9 @@ class SseRewriter:
                 holder: dict[str, Any] = payload["message"]
             elif kind == "message_delta":
                 holder = payload
+                usage = holder.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+                    self.output_tokens = usage["output_tokens"]
             else:
                 return event
             facts = await self._get()
