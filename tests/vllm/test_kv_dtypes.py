@@ -65,32 +65,19 @@ ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend"
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 SCRIPT = """
-import gc, os, time, traceback
-from contextlib import contextmanager
+import os, time, traceback
 import numpy as np
 from vllm import SamplingParams
-from vllm.distributed import cleanup_dist_env_and_memory
-from tiny_model import connector_config, metrics_of
+from tiny_model import connector_config, counter_delta as delta, in_process_engine, metrics_of
 from sparkcache import SnapshotStore
 from sparkcache.catalog import model_identity
 
 folder = args["folder"]
 store = SnapshotStore(folder)
 
-@contextmanager
 def engine(**kwargs):
-    llm = make_llm(args["model"], kv_transfer_config=connector_config(folder),
-                   **args["engine"], **kwargs)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
-
-def delta(after, before):
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    return in_process_engine(args["model"], kv_transfer_config=connector_config(folder),
+                             **args["engine"], **kwargs)
 
 def gen(llm, prompt):
     sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True,

@@ -80,37 +80,19 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend": "uni"}
 
 SCRIPT = """
-import gc, json, os, time, traceback
-from contextlib import contextmanager
+import json, time, traceback
 from pathlib import Path
 from vllm import SamplingParams
-from vllm.distributed import cleanup_dist_env_and_memory
-from tiny_model import connector_config, metrics_of
+from tiny_model import connector_config, counter_delta as delta, in_process_engine, metrics_of
 from sparkcache import SnapshotStore
 from sparkcache.catalog import model_identity
 from sparkcache.connector.worker import FAULT_ENV
 
-@contextmanager
 def engine(model, folder, extra, fault=""):
-    # A new engine core, worker, KV cache (zeroed) and connector, torn down at
-    # exit.  The worker reads FAULT_ENV when it registers its KV cache.
-    if fault:
-        os.environ[FAULT_ENV] = fault
-    try:
-        llm = make_llm(model, kv_transfer_config=connector_config(folder, **extra),
-                       **args["engine"])
-    finally:
-        os.environ.pop(FAULT_ENV, None)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
-
-def delta(after, before):
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    # The worker reads FAULT_ENV when it registers its KV cache.
+    return in_process_engine(model, start_env={FAULT_ENV: fault} if fault else None,
+                             kv_transfer_config=connector_config(folder, **extra),
+                             **args["engine"])
 
 def gen(llm, store, prompt):
     sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True,

@@ -10,6 +10,8 @@ engines run in a child Python process whose script has an ``if __name__ ==
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -17,6 +19,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +151,39 @@ def make_llm(model_dir: str | Path, **kwargs: Any) -> Any:
 
     args = {**ENGINE_DEFAULTS, "model": str(model_dir), "tokenizer": str(model_dir), **kwargs}
     return LLM(**args)
+
+
+@contextlib.contextmanager
+def in_process_engine(model_dir: str | Path, *, start_env: dict[str, str] | None = None,
+                      **kwargs: Any) -> Iterator[Any]:
+    """:func:`make_llm`, torn down at exit (engine core shut down, memory freed),
+    so that a script can run engine after engine, each with a new engine core,
+    worker, zeroed KV cache and connector.  ``start_env`` is set only while the
+    engine starts (what a worker reads when it registers its KV cache)."""
+    saved = {k: os.environ.get(k) for k in start_env or {}}
+    os.environ.update(start_env or {})
+    try:
+        llm = make_llm(model_dir, **kwargs)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        yield llm
+    finally:
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def counter_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """The counters that changed from ``before`` to ``after``, by how much."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
 def metrics_of(llm: Any) -> dict[str, float]:
