@@ -12,7 +12,8 @@ that keeps the tier consistent at every instant (docs/shared.md):
 
 1. its parent must be uploaded already (a chain reaches the tier root first);
 2. a manifest already in the tier means the snapshot is there (uploaded by
-   this host before a crash, or by another host): nothing is sent;
+   this host before a crash, or by another host): only its use marker is
+   rewritten (:func:`~sparkcache.shared.sweep.mark_used`: its age restarts);
 3. under an ``upload`` lease (eviction waits), each rank's segment file is
    verified whole (header, every chunk, and the snapshot key against its
    token ids: a corrupt file is quarantined, never spread) and sent unless an
@@ -59,6 +60,7 @@ from sparkcache.shared.layout import (
     model_key,
     segment_key,
 )
+from sparkcache.shared.sweep import mark_used
 from sparkcache.shared.tier import SharedTier, describe_error
 from sparkcache.verification import verify_file
 
@@ -165,6 +167,9 @@ def upload_snapshot(core: Core, tier: SharedTier, snapshot_id: int) -> UploadRes
                             reason=f"its parent {parent.id} is not uploaded yet")
     identity = model.identity()
     if tier.exists(manifest_key(identity.digest(), info.snap_key)):
+        # Another host's copy (or this host's before a crash): this host computed
+        # the prefix again, so it is in use: its age in the tier restarts.
+        mark_used(tier, identity.digest(), info.snap_key)
         _finish(core, info, None)
         core.count(info.model_id, "uploads.present")
         return UploadResult(snapshot_id, "present", objects_found=1)
