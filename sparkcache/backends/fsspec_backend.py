@@ -452,12 +452,35 @@ class FsspecBackend:
             return
         paths = [self._path(k) for k in keys]
         for i in range(0, len(paths), DELETE_BATCH):
+            batch = paths[i:i + DELETE_BATCH]
             try:
-                self.fs.rm(paths[i:i + DELETE_BATCH])
+                if hasattr(self.fs, "call_s3"):  # s3fs: one DeleteObjects, errors checked
+                    self._delete_objects(batch)
+                else:
+                    self.fs.rm(batch)
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 raise self._os_error(exc, "deleting", keys[i], self.url) from exc
+
+    def _delete_objects(self, paths: builtins.list[str]) -> None:
+        """One S3 DeleteObjects of ``paths`` (one bucket); an object it could not
+        delete is an error (s3fs's ``rm`` would pass over it, and a sweep must not
+        go on to a manifest's segments while the manifest stays)."""
+        bucket = self.fs.split_path(paths[0])[0]
+        names = [self.fs.split_path(p)[1] for p in paths]
+        out = self.fs.call_s3("delete_objects", Bucket=bucket,
+                              Delete={"Objects": [{"Key": n} for n in names], "Quiet": True})
+        for path in paths:
+            with suppress(Exception):
+                self.fs.invalidate_cache(path)
+        errors = out.get("Errors") or []
+        if errors:
+            first = errors[0]
+            raise BackendError(
+                f"deleting {len(errors)} of {len(paths)} objects in {self.url} failed, "
+                f"{first.get('Key')!r} first: {first.get('Code')}: {first.get('Message')}; "
+                "check that the credentials may delete objects (s3:DeleteObject)")
 
     def local_path(self, key: str) -> str | None:
         """The path of ``key`` on this host's own filesystem (``file://``: a local

@@ -408,3 +408,27 @@ def test_limits_from_the_environment() -> None:
 
 def test_a_use_marker_names_its_snapshot() -> None:
     assert used_key(MODEL, "ab" * 16) == f"m-{MODEL}/used/ab/{'ab' * 16}.json"
+
+
+def test_a_new_child_of_a_swept_parent_sends_the_parent_again(
+        tier: Tier, host: HostFactory) -> None:
+    """The sweep deleted a chain; a new turn of that conversation (a new child of
+    the root, still held locally) is uploaded with its root, so it is whole in the
+    tier, not an orphan; the old child stays deleted."""
+    store = host("a", tier)
+    (root_key, child_key), = publish_chains(store, [1]).values()
+    store.upload()
+    assert store.shared is not None
+    assert sweep_tier(store.shared, TierLimits(max_age_hours=1), clock=later(DAY)).count == 2
+    ident = identity()
+    toks = tokens(64, seed=1)
+    toks[40:] = tokens(24, seed=9)  # another continuation of the same root
+    root_id = next(s.id for s in store.snapshots() if s.snap_key == root_key)
+    turn = store.publish(ident, 0, toks, pages_for(ident, toks, 0, start=32), parent=root_id)
+    report = store.upload()
+    assert report.uploaded == [root_id, turn.snapshot_id] and report.pending == 0
+    new_key = store.snapshot(turn.snapshot_id).snap_key
+    assert manifests(store.shared) == sorted([root_key, new_key])
+    assert state_of(store.shared, new_key) == "whole"
+    assert state_of(store.shared, child_key) == "absent"
+    assert store.upload().uploaded == []  # settled
