@@ -16,11 +16,12 @@ import pytest
 
 from sparkcache import SnapshotStore
 from sparkcache import segment as seg
-from sparkcache.errors import InvalidArgument, LeaseError
+from sparkcache.errors import InvalidArgument, LeaseError, SparkCacheError
 from sparkcache.shared import SharedTier, TierLimits, mark_used, sweep_tier
 from sparkcache.shared.layout import manifest_key, parse_manifest, used_key
 from sparkcache.shared.sweep import SharedSweeper, SweepLease, read_catalogue
 
+from ..s3server import S3Server
 from ..store.helpers import identity, pages_for, tokens
 from .conftest import Tier
 
@@ -432,3 +433,24 @@ def test_a_new_child_of_a_swept_parent_sends_the_parent_again(
     assert state_of(store.shared, new_key) == "whole"
     assert state_of(store.shared, child_key) == "absent"
     assert store.upload().uploaded == []  # settled
+
+
+def test_a_tier_that_fails_is_a_clear_error_and_the_sweeper_goes_on(s3: S3Server) -> None:
+    """The tier stops answering: one sweep raises a SparkCacheError saying what to
+    check; the periodic sweeper counts the failure and keeps running.  (``s3``, the
+    session's server, put the credentials in the environment.)"""
+    server = S3Server(set_env=False)
+    try:
+        tier = SharedTier(f"s3://{server.bucket()}/kv", {"endpoint_url": server.endpoint},
+                          alias_stride=16)
+    finally:
+        server.stop()
+    with pytest.raises(SparkCacheError, match="check the endpoint"):
+        sweep_tier(tier, TierLimits())
+    sweeper = SharedSweeper(tier, TierLimits(sweep_seconds=0.05)).start()
+    try:
+        assert sweeper.wait(2, timeout=60)
+        assert sweeper.failures >= 2 and sweeper.running
+        assert isinstance(sweeper.last_error, SparkCacheError)
+    finally:
+        sweeper.stop()
