@@ -309,16 +309,9 @@ class FsspecBackend:
         """The object's size, or None when there is none, in one request where
         the filesystem allows: on S3 a HEAD (``size`` and ``exists`` go through
         ``fs.info``, which lists the prefix after a miss to tell a folder)."""
-        path = self._path(key)
         if self.object_store and hasattr(self.fs, "call_s3"):  # s3fs
-            bucket, name, _version = self.fs.split_path(path)
-            try:
-                out = self.fs.call_s3("head_object", Bucket=bucket, Key=name)
-            except FileNotFoundError:
-                return None
-            except OSError as exc:
-                raise self._os_error(exc, "inspecting", key, self.url) from exc
-            return int(out["ContentLength"])
+            out = self._head_object(key)
+            return None if out is None else int(out["ContentLength"])
         try:
             return self.size(key)
         except NotFound:
@@ -505,14 +498,18 @@ class FsspecBackend:
         """The object's ETag (one HEAD), or None when there is none."""
         if not self.conditional_writes:
             raise InvalidArgument(f"{self.url} has no ETags: conditional writes need S3")
+        out = self._head_object(key)
+        return None if out is None else str(out["ETag"])
+
+    def _head_object(self, key: str) -> dict[str, Any] | None:
+        """s3fs: one HeadObject of ``key`` (its response), or None when there is none."""
         bucket, name, _version = self.fs.split_path(self._path(key))
         try:
-            out = self.fs.call_s3("head_object", Bucket=bucket, Key=name)
+            return dict(self.fs.call_s3("head_object", Bucket=bucket, Key=name))
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise self._os_error(exc, "inspecting", key, self.url) from exc
-        return str(out["ETag"])
 
     @_guarded("writing")
     def put_conditional(self, key: str, data: bytes, match: str | None) -> str | None:

@@ -5,15 +5,16 @@ shared tier (``s3://bucket/prefix``, ``gs://...``, ``file:///mnt/nfs/...``) is
 a second level behind it.  :mod:`~sparkcache.shared.layout` names every object
 (docs/shared.md), :mod:`~sparkcache.shared.tier` opens and checks a tier, and
 :mod:`~sparkcache.shared.uploader` copies each locally ready snapshot there, and
-:mod:`~sparkcache.shared.sweep` applies the tier's own limits (budget, age).
+:mod:`~sparkcache.shared.sweep` applies the tier's own limits (budget, age),
+one host at a time (:mod:`~sparkcache.shared.lease`).
 """
 
 from __future__ import annotations
 
 from sparkcache.shared.layout import Manifest, parse_manifest
+from sparkcache.shared.lease import SweepLease
 from sparkcache.shared.sweep import (
     SharedSweeper,
-    SweepLease,
     TierLimits,
     TierSweepReport,
     mark_used,

@@ -19,7 +19,8 @@ from sparkcache import segment as seg
 from sparkcache.errors import InvalidArgument, LeaseError, SparkCacheError
 from sparkcache.shared import SharedTier, TierLimits, mark_used, sweep_tier
 from sparkcache.shared.layout import manifest_key, parse_manifest, used_key
-from sparkcache.shared.sweep import SharedSweeper, SweepLease, read_catalogue
+from sparkcache.shared.lease import SweepLease
+from sparkcache.shared.sweep import SharedSweeper, read_catalogue
 
 from ..s3server import S3Server
 from ..store.helpers import identity, pages_for, tokens

@@ -22,7 +22,7 @@ from tiny_model import LONG_PROMPT, NEEDS_VLLM, run_scenario, same_answer
 from sparkcache import SnapshotStore
 from sparkcache.shared import SharedTier, parse_manifest
 from sparkcache.shared.layout import manifest_key, model_key
-from sparkcache.shared.sweep import LEASE_KEY
+from sparkcache.shared.lease import LEASE_KEY
 
 pytestmark = NEEDS_VLLM
 
