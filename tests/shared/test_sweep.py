@@ -455,3 +455,37 @@ def test_a_tier_that_fails_is_a_clear_error_and_the_sweeper_goes_on(s3: S3Server
         assert isinstance(sweeper.last_error, SparkCacheError)
     finally:
         sweeper.stop()
+
+
+TWO = """
+import json, sys, time
+from sparkcache.shared import SharedTier, TierLimits, sweep_tier
+args = json.loads(sys.argv[1])
+tier = SharedTier(args["url"], args["options"], alias_stride=16)
+while time.time() < args["start"]:
+    time.sleep(0.001)
+report = sweep_tier(tier, TierLimits(mb=args["mb"], max_age_hours=0))
+print(json.dumps({"swept": report.swept, "count": report.count}))
+"""
+
+
+def test_two_processes_sweeping_at_once(tier: Tier, host: HostFactory) -> None:
+    """Two real processes start a sweep at the same instant: together they delete
+    what one would, and the tier ends in one consistent state."""
+    store = host("a", tier)
+    chains = publish_chains(store, [1, 2, 3, 4])
+    store.upload()
+    assert store.shared is not None
+    cat = read_catalogue(store.shared)[MODEL]
+    mb = sum(cat.manifests[k].nbytes for k in chains[4]) / 1e6
+    args = json.dumps({"url": tier.url, "options": tier.options, "mb": mb,
+                       "start": time.time() + 3})
+    procs = [subprocess.Popen([sys.executable, "-c", TWO, args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    results = [json.loads(out) for out, _err in outs]
+    assert sum(r["count"] for r in results) == 6 and any(r["swept"] for r in results)
+    assert len(manifests(store.shared)) == 2
+    assert_consistent(store.shared)
+    assert sweep_tier(store.shared, TierLimits(mb=mb, max_age_hours=0)).count == 0
