@@ -57,7 +57,6 @@ def _lock(fd: int) -> None:
     fcntl.fcntl(fd, ofd, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
 
 
-
 def _lease_bytes(holder: str, expires_at: float, finished_at: float | None) -> bytes:
     return canonical_json({"format": LEASE_FORMAT, "holder": holder,
                            "expires_at": round(expires_at, 3),

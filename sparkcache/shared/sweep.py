@@ -39,7 +39,9 @@ per period.
 
 A host never uploads a snapshot again once it reached the tier
 (``uploaded_at``), so what the sweep deletes stays deleted: sweeping and
-uploading cannot chase each other in a loop.
+uploading cannot chase each other in a loop.  Only a new publish brings a
+deleted snapshot back: computed anew, or the parent of a new child (the
+uploader sends a swept parent again before its child).
 """
 
 from __future__ import annotations
