@@ -41,8 +41,15 @@ from sparkcache.maintenance import CheckReport
 from sparkcache.rehearsal import DryRun
 from sparkcache.requestlog import KeySummary, RequestRow
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
-from sparkcache.shared import UploadReport, resolve_shared
-from sparkcache.store import SnapshotStore
+from sparkcache.shared import (
+    SharedTier,
+    TierLimits,
+    TierSweepReport,
+    UploadReport,
+    resolve_shared,
+    sweep_tier,
+)
+from sparkcache.store import DEFAULT_ALIAS_STRIDE, SnapshotStore
 from sparkcache.transfer import ExportReport, ImportReport
 from sparkcache.verification import Problem, Progress, RequeueReport, VerifyReport
 from sparkcache.version import VERSION
@@ -67,6 +74,8 @@ __all__ = [
     "SnapshotStore",
     "Stats",
     "SweepReport",
+    "TierLimits",
+    "TierSweepReport",
     "UploadReport",
     "VerifyReport",
     "check",
@@ -90,6 +99,7 @@ __all__ = [
     "resolve_model",
     "resolve_shared",
     "retention_settings",
+    "shared_sweep",
     "show",
     "stats",
     "sweep",
@@ -473,6 +483,19 @@ def upload(store: SnapshotStore, *, limit: int | None = None) -> UploadReport:
     """Upload the ready snapshots not uploaded yet to the store's shared tier, parents
     first, now (:meth:`SnapshotStore.upload`); the store must be opened with ``shared``."""
     return store.upload(limit=limit)
+
+
+def shared_sweep(url: str, limits: TierLimits, *, dry_run: bool = False,
+                 options: dict[str, Any] | None = None) -> TierSweepReport:
+    """One sweep of the shared tier at ``url`` (its per-model budget and age: see
+    :func:`sparkcache.shared.sweep_tier`); needs no local store.  ``dry_run``
+    lists what would go and changes nothing.  Skipped (``swept`` False) while
+    another host sweeps it."""
+    tier = SharedTier(url, options, alias_stride=DEFAULT_ALIAS_STRIDE)
+    try:
+        return sweep_tier(tier, limits, dry_run=dry_run)
+    finally:
+        tier.close()
 
 
 # -- export and import (sparkcache.transfer) --------------------------------------------

@@ -47,6 +47,7 @@ from sparkcache.cli_commands import (
     cmd_pin,
     cmd_rm,
     cmd_serve,
+    cmd_shared_sweep,
     cmd_shell,
     cmd_show,
     cmd_stats,
@@ -150,6 +151,8 @@ COMMANDS: list[tuple[str, Callable[[Context], int], str]] = [
     ("sweep", cmd_sweep, "run one retention pass (SPARK_KV_CACHE_* limits)"),
     ("export", cmd_export, "copy a model's snapshots, verified, to a folder or URL"),
     ("upload", cmd_upload, "copy the snapshots not uploaded yet to the shared tier, now"),
+    ("shared-sweep", cmd_shared_sweep, "apply the shared tier's per-model budget and age "
+                                       "(SPARK_KV_CACHE_SHARED_* limits), one host at a time"),
     ("import", cmd_import, "verify and publish the snapshots of an export"),
     ("shell", cmd_shell, "interactive SQLite shell on the index (read-only by default)"),
     ("db", cmd_db_current, "the index's schema: db current, db upgrade, db downgrade"),
@@ -213,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub["clear"].add_argument("--yes", action="store_true",
                               help="do not ask for confirmation (needed without a terminal)")
     sub["rm"].add_argument("model", help=MODEL_HELP)
-    for name in ("check", "clear", "rm", "sweep"):
+    for name in ("check", "clear", "rm", "sweep", "shared-sweep"):
         sub[name].add_argument(
             "--dry-run", action="store_true",
             help=("with --fix: " if name == "check" else "")
@@ -226,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override SPARK_KV_CACHE_TOTAL_MB (0 = no total limit)")
     sweep.add_argument("--min-free-mb", type=int, metavar="MB",
                        help="override SPARK_KV_CACHE_MIN_FREE_MB")
+    shared_sweep = sub["shared-sweep"]
+    shared_sweep.add_argument("--mb", type=float, metavar="MB",
+                              help="override SPARK_KV_CACHE_SHARED_MB, the most each model "
+                                   "may take in the tier (0 = no budget)")
+    shared_sweep.add_argument("--max-age-hours", type=float, metavar="H",
+                              help="override SPARK_KV_CACHE_SHARED_MAX_AGE_HOURS (else "
+                                   "SPARK_KV_CACHE_MAX_AGE_HOURS, 168; 0 keeps)")
     sub["export"].add_argument("model", help=MODEL_HELP)
     sub["export"].add_argument("dest", help="an empty folder, or any fsspec URL "
                                             "(memory://x, s3://bucket/path)")

@@ -35,8 +35,8 @@ from sparkcache.serve import launch
 __all__ = [
     "cmd_check", "cmd_clear", "cmd_db_current", "cmd_db_downgrade", "cmd_db_upgrade",
     "cmd_export", "cmd_import", "cmd_log", "cmd_ls", "cmd_models", "cmd_pin", "cmd_rm",
-    "cmd_serve", "cmd_shell", "cmd_show", "cmd_stats", "cmd_sweep", "cmd_upload",
-    "cmd_verify",
+    "cmd_serve", "cmd_shared_sweep", "cmd_shell", "cmd_show", "cmd_stats", "cmd_sweep",
+    "cmd_upload", "cmd_verify",
 ]
 
 #: How often ``log --follow`` looks for new requests, in seconds.
@@ -408,6 +408,34 @@ def cmd_upload(ctx: Context) -> int:
     if r.error:
         return EXIT_STORE
     return EXIT_PROBLEMS if r.refused else EXIT_OK
+
+
+def cmd_shared_sweep(ctx: Context) -> int:
+    """``sparkcache shared-sweep``: one sweep of the shared tier (``--shared``, else
+    SPARK_KV_CACHE_SHARED); exit 1 when another host holds the sweep."""
+    if ctx.shared is None:
+        raise InvalidArgument("no shared tier: pass --shared URL or set SPARK_KV_CACHE_SHARED")
+    limits = admin.TierLimits.from_env(mb=ctx.args.mb, max_age_hours=ctx.args.max_age_hours)
+    dry = ctx.args.dry_run
+    with ctx.bar("shared-sweep").spin():
+        r = admin.shared_sweep(ctx.shared, limits, dry_run=dry)
+
+    def text() -> str:
+        if not r.swept:
+            return f"skipped: {r.skipped}"
+        note = " (dry run: nothing was changed)" if dry else ""
+        kept = f"{plural(r.kept, 'snapshot')} kept ({admin.mb(r.kept_bytes)} MB)"
+        if not r.count and not r.objects_deleted:
+            return f"nothing to sweep in {r.url}: {kept}{note}"
+        lines = [f"{_would(dry, 'deleted', 'would delete')} {n} ({reason})"
+                 for reason, n in r.counts().items()]
+        lines.append(f"{_would(dry, 'objects deleted: ', 'objects that would be deleted: ')}"
+                     f"{r.objects_deleted} ({admin.mb(r.bytes_freed)} MB), markers "
+                     f"{_would(dry, 'renamed', 'to rename')}: {r.markers_rewritten}; {kept}")
+        return "\n".join(lines) + note
+
+    ctx.emit(r, text)
+    return EXIT_OK if r.swept else EXIT_PROBLEMS
 
 
 def _problems(items: Sequence[admin.Problem]) -> str:

@@ -40,10 +40,12 @@ EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_PROBLEMS: "problems found: check found issues (also when --fix repaired them), verify "
                    "found corrupt snapshots, export left some out, import or upload refused "
-                   "some, the index schema is behind (db current), or clear was not confirmed",
+                   "some, shared-sweep skipped (another host sweeps), the index schema is "
+                   "behind (db current), or clear was not confirmed",
     EXIT_USAGE: "usage error: bad arguments (an unknown URL scheme included), the store, "
                 "model, snapshot, shared tier bucket or folder named does not exist, a "
-                "quarantined snapshot to pin, upload without a shared tier, or clear "
+                "quarantined snapshot to pin, upload or shared-sweep without a shared tier, "
+                "a tier shared-sweep cannot hold alone, or clear "
                 "without a terminal to confirm on and without --yes",
     EXIT_STORE: "store error: schema mismatch (an index written by a newer sparkcache, a file "
                 "that is not a sparkcache index, or an index behind that a read-only command "

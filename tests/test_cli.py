@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import pytest
 from sparkcache import SnapshotStore, admin, cli_commands
 from sparkcache.cli import EXIT_CODES, build_parser, main
 from sparkcache.index import migrate
+from sparkcache.shared import SharedTier, SweepLease
 
 from .index.helpers import DATA
 from .store.helpers import identity, pages_for, tokens
@@ -727,3 +729,30 @@ def test_another_tier_is_refused_unless_relocated(run: Run, tier: str,
     run("--shared", other, "ls", code=3)  # an explicit --shared is checked by any command
     assert run.json("--shared", other, "--relocate", "upload")["uploaded"] == [1, 3, 2]
     run("--shared", "nosuch://x", "upload", code=2)
+
+
+def test_shared_sweep(run: Run, tier: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sparkcache shared-sweep``: a dry run lists what would go and changes nothing;
+    the real run deletes it; a host holding the sweep makes it a skip (exit 1)."""
+    run("shared-sweep", code=2)
+    assert "SPARK_KV_CACHE_SHARED" in run.err
+    run("--shared", tier, "upload")
+    folder = Path(tier.removeprefix("file://"))
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    assert run("--shared", tier, "shared-sweep").startswith("nothing to sweep in ")
+    dry = run.json("--shared", tier, "shared-sweep", "--dry-run", "--mb", "0.000001",
+                   "--max-age-hours", "0")
+    assert dry["dry_run"] and dry["swept"] and len(dry["deleted"]["budget"]) == 3
+    text = run("--shared", tier, "shared-sweep", "--dry-run", "--mb", "0.000001")
+    assert "would delete 3 (budget)" in text and "nothing was changed" in text
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*") if "sweep." not in p.name) \
+        == [p for p in before if "sweep." not in p.name]
+    monkeypatch.setenv("SPARK_KV_CACHE_SHARED", tier)
+    monkeypatch.setenv("SPARK_KV_CACHE_SHARED_MB", "0.000001")
+    assert "deleted 3 (budget)" in run("shared-sweep")
+    assert not list(folder.rglob("*/snap/*/*.json"))
+    held, _ = SweepLease.take(SharedTier(tier, alias_stride=16), seconds=60, clock=time.time)
+    assert held is not None
+    text = run("shared-sweep", code=1)
+    assert text.startswith("skipped: ") and "sweeping" in text
+    held.release(finished=False)

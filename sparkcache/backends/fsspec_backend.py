@@ -29,21 +29,23 @@ when the first backend is created, so ``import sparkcache`` stays cheap.
 
 from __future__ import annotations
 
+import builtins
+import datetime
 import functools
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, ParamSpec, TypeVar
 
 from sparkcache.backends.base import BufferBlob, translate_os_error
 from sparkcache.backends.keys import temp_key, validate_key
 from sparkcache.buffers import as_byte_view
-from sparkcache.errors import BackendError, NotFound, SparkCacheError, UnsafeName
+from sparkcache.errors import BackendError, InvalidArgument, NotFound, SparkCacheError, UnsafeName
 
 if TYPE_CHECKING:
     from sparkcache.backends.base import Blob, BufferLike
 
-__all__ = ["FSSPEC_PREFIX", "OBJECT_STORES", "FsspecBackend", "is_object_store"]
+__all__ = ["FSSPEC_PREFIX", "OBJECT_STORES", "FsspecBackend", "ObjectStat", "is_object_store"]
 
 FSSPEC_PREFIX = "fsspec::"
 """Prefix that forces :func:`~sparkcache.backends.open_backend` to use this backend."""
@@ -60,6 +62,20 @@ S3_CLIENT_DEFAULTS: dict[str, Any] = {
 #: fsspec protocols of object stores: the first part of a path is a bucket (or
 #: container), there are no folders, and an upload is visible only once complete.
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
+
+class ObjectStat(NamedTuple):
+    """One object as a listing shows it: its key, size and last-modified time
+    (seconds since the epoch, the storage's own clock)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+#: Keys deleted per request by :meth:`FsspecBackend.delete_many` (S3's DeleteObjects
+#: takes at most 1000).
+DELETE_BATCH = 1000
+
 
 class _CallersError(Exception):
     """Carries an exception the caller's chunk iterator raised through ``put``."""
@@ -293,16 +309,9 @@ class FsspecBackend:
         """The object's size, or None when there is none, in one request where
         the filesystem allows: on S3 a HEAD (``size`` and ``exists`` go through
         ``fs.info``, which lists the prefix after a miss to tell a folder)."""
-        path = self._path(key)
         if self.object_store and hasattr(self.fs, "call_s3"):  # s3fs
-            bucket, name, _version = self.fs.split_path(path)
-            try:
-                out = self.fs.call_s3("head_object", Bucket=bucket, Key=name)
-            except FileNotFoundError:
-                return None
-            except OSError as exc:
-                raise self._os_error(exc, "inspecting", key, self.url) from exc
-            return int(out["ContentLength"])
+            out = self._head_object(key)
+            return None if out is None else int(out["ContentLength"])
         try:
             return self.size(key)
         except NotFound:
@@ -366,12 +375,201 @@ class FsspecBackend:
             self.fs.rm(f"{self._root}/{base}", recursive=True)
         return removed
 
+    # -- many objects at once (the shared tier's sweep) ---------------------------
+
+    @_guarded("listing")
+    def stat_list(self, prefix: str = "") -> builtins.list[ObjectStat]:
+        """Every object under folder ``prefix`` with its size and last-modified
+        time, from one listing (on S3: one LIST per 1000 keys), never cached."""
+        base = validate_key(prefix.removesuffix("/")) if prefix else ""
+        folder = f"{self._root}/{base}" if base else (self._root or "/")
+        with suppress(Exception):
+            self.fs.invalidate_cache(folder)
+        try:
+            found = self.fs.find(folder, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            found = {}
+        except OSError as exc:
+            raise self._os_error(exc, "listing", base, self.url) from exc
+        inside = self.fs._strip_protocol(folder).rstrip("/") + "/"
+        return self._stats({str(path): info for path, info in found.items()}, inside, base)
+
+    def _stats(self, infos: dict[str, Any], inside: str, base: str) -> builtins.list[ObjectStat]:
+        out = []
+        for path, info in infos.items():
+            if info.get("type", "file") != "file" or not path.startswith(inside):
+                continue
+            key = path[len(inside):]
+            if base:
+                key = f"{base}/{key}"
+            with suppress(UnsafeName):
+                out.append(ObjectStat(validate_key(key), int(info.get("size") or 0),
+                                      _mtime(info)))
+        return out
+
+    @_guarded("reading")
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The bytes of each of ``keys`` that exists (fetched concurrently where
+        the filesystem can: s3fs's ``cat``); missing ones are left out."""
+        if not keys:
+            return {}
+        paths = {self._path(k): k for k in keys}
+        try:
+            got = self.fs.cat(list(paths), on_error="return")
+        except OSError as exc:
+            raise self._os_error(exc, "reading", keys[0], self.url) from exc
+        if not isinstance(got, dict):  # one path: fsspec returns its bytes
+            got = {next(iter(paths)): got}
+        out: dict[str, bytes] = {}
+        for path, value in got.items():
+            key = paths.get(path) or paths.get(self.fs._strip_protocol(path))
+            if key is None or isinstance(value, (FileNotFoundError, NotADirectoryError)):
+                continue
+            if isinstance(value, OSError):
+                raise self._os_error(value, "reading", key, self.url)
+            if isinstance(value, BaseException):
+                raise BackendError(f"reading {key!r} in {self.url} failed: "
+                                   f"{type(value).__name__}: {value}; check the endpoint, "
+                                   "the credentials and the network")
+            out[key] = bytes(value)
+        return out
+
+    @_guarded("deleting")
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete every one of ``keys`` (missing ones are no error): on an object
+        store in batches of :data:`DELETE_BATCH` per request, each object deleted
+        whole and at once, in no order within a batch."""
+        if not self.object_store:
+            for key in keys:
+                self.delete(key)
+            return
+        paths = [self._path(k) for k in keys]
+        for i in range(0, len(paths), DELETE_BATCH):
+            batch = paths[i:i + DELETE_BATCH]
+            try:
+                if hasattr(self.fs, "call_s3"):  # s3fs: one DeleteObjects, errors checked
+                    self._delete_objects(batch)
+                else:
+                    self.fs.rm(batch)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise self._os_error(exc, "deleting", keys[i], self.url) from exc
+
+    def _delete_objects(self, paths: builtins.list[str]) -> None:
+        """One S3 DeleteObjects of ``paths`` (one bucket); an object it could not
+        delete is an error (s3fs's ``rm`` would pass over it, and a sweep must not
+        go on to a manifest's segments while the manifest stays)."""
+        bucket = self.fs.split_path(paths[0])[0]
+        names = [self.fs.split_path(p)[1] for p in paths]
+        out = self.fs.call_s3("delete_objects", Bucket=bucket,
+                              Delete={"Objects": [{"Key": n} for n in names], "Quiet": True})
+        for path in paths:
+            with suppress(Exception):
+                self.fs.invalidate_cache(path)
+        errors = out.get("Errors") or []
+        if errors:
+            first = errors[0]
+            raise BackendError(
+                f"deleting {len(errors)} of {len(paths)} objects in {self.url} failed, "
+                f"{first.get('Key')!r} first: {first.get('Code')}: {first.get('Message')}; "
+                "check that the credentials may delete objects (s3:DeleteObject)")
+
+    def local_path(self, key: str) -> str | None:
+        """The path of ``key`` on this host's own filesystem (``file://``: a local
+        folder or a mount), or None for any other filesystem."""
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) \
+            else tuple(self.fs.protocol)
+        if not any(p in ("file", "local") for p in protocols):
+            return None
+        return self._path(key)
+
+    # -- conditional writes (S3's If-None-Match / If-Match) ---------------------------
+
+    @property
+    def conditional_writes(self) -> bool:
+        """Whether :meth:`put_conditional` works: an S3 (or S3-protocol) store
+        through s3fs.  A server that ignores the conditions (an old MinIO or
+        Ceph) is not detected here; docs/shared.md says what that costs."""
+        return self.object_store and hasattr(self.fs, "call_s3")
+
+    @_guarded("inspecting")
+    def etag(self, key: str) -> str | None:
+        """The object's ETag (one HEAD), or None when there is none."""
+        if not self.conditional_writes:
+            raise InvalidArgument(f"{self.url} has no ETags: conditional writes need S3")
+        out = self._head_object(key)
+        return None if out is None else str(out["ETag"])
+
+    def _head_object(self, key: str) -> dict[str, Any] | None:
+        """s3fs: one HeadObject of ``key`` (its response), or None when there is none."""
+        bucket, name, _version = self.fs.split_path(self._path(key))
+        try:
+            return dict(self.fs.call_s3("head_object", Bucket=bucket, Key=name))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._os_error(exc, "inspecting", key, self.url) from exc
+
+    @_guarded("writing")
+    def put_conditional(self, key: str, data: bytes, match: str | None) -> str | None:
+        """Write a small object only if there is none (``match`` None: If-None-Match
+        ``*``) or only if its ETag is still ``match`` (If-Match); the new ETag, or
+        None when the condition failed (another writer came first)."""
+        if not self.conditional_writes:
+            raise InvalidArgument(f"{self.url} has no conditional writes: they need S3")
+        bucket, name, _version = self.fs.split_path(self._path(key))
+        condition = {"IfNoneMatch": "*"} if match is None else {"IfMatch": match}
+        try:
+            out = self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data,
+                                  **condition)
+        except OSError as exc:
+            if _condition_failed(exc):
+                return None
+            raise self._os_error(exc, "writing", key, self.url,
+                                 missing_is_not_found=False) from exc
+        finally:
+            with suppress(Exception):
+                self.fs.invalidate_cache(self._path(key))
+        return str(out["ETag"])
+
     def disk_usage(self) -> None:
         """Unknown: fsspec has no portable free-space query."""
         return None
 
     def close(self) -> None:
         """Nothing to release: the filesystem instance is fsspec's shared, cached one."""
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    """An fsspec listing entry's last-modified time in epoch seconds (0 if none):
+    ``LastModified`` (s3fs), ``mtime`` (local), ``updated`` (gcsfs)."""
+    for name in ("LastModified", "mtime", "updated", "last_modified", "created"):
+        value = info.get(name)
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.UTC)
+            return value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            with suppress(ValueError):
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return 0.0
+
+
+def _condition_failed(exc: BaseException) -> bool:
+    """Whether a conditional write failed on its condition (HTTP 412, or 409 when
+    a concurrent conditional write to the key is in flight), not for another reason."""
+    if isinstance(exc, FileExistsError):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    response = getattr(cause, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
 
 
 def is_object_store(fs: Any) -> bool:

@@ -14,7 +14,7 @@ false, or auto while the request is alone) as one within the prefill step,
 read layer by layer under its forward; it coalesces concurrent requests for
 one base, plans saves when requests finish and holds their blocks until every
 worker copied them out.  It also runs the retention sweeper and, with a shared
-tier, the uploader (docs/shared.md).
+tier, the uploader and (``shared_sweep``) the tier's sweeper (docs/shared.md).
 
 Worker side (one per rank): loads and saves on background threads with
 bounded queues; finished loads and saves reported through ``get_finished``,
@@ -48,6 +48,7 @@ from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.requestlog import log_rows_setting
 from sparkcache.retention import Retention, RetentionSettings, Sweeper
+from sparkcache.shared import SharedSweeper, TierLimits
 from sparkcache.store import SnapshotStore
 
 __all__ = ["SparkCacheConnector", "SparkCacheMetadata", "SparkCachePromMetrics", "SparkCacheStats"]
@@ -199,6 +200,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _init_scheduler(self) -> None:
         self.sweeper: Sweeper | None = None
         self.upload_store: SnapshotStore | None = None
+        self.shared_sweeper: SharedSweeper | None = None
         self.log_writer: LogWriter | None = None
         self.sched: SchedulerSide | None = None
         config = self._kv_transfer_config
@@ -238,6 +240,10 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.upload_store.start_uploader(wait_seconds=self.settings.upload_wait_seconds)
             logger.info("sparkcache uploads this host's snapshots to the shared tier %s",
                         self.settings.shared)
+            if self.settings.shared_sweep and self.upload_store.shared is not None:
+                # The limits are read now: a bad value stops the engine at start.
+                self.shared_sweeper = SharedSweeper(self.upload_store.shared,
+                                                    TierLimits.from_env()).start()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -558,7 +564,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return True if self.io is None else self.io.flush(timeout)
 
     def shutdown(self) -> None:
-        """Scheduler: stop the sweeper, then the uploader after up to
+        """Scheduler: stop the sweepers, then the uploader after up to
         ``upload_wait_seconds`` for its queue (a snapshot published just before
         a clean exit reaches the shared tier).  Worker: finish queued loads and
         saves (up to 60 s), stop the threads.  Both close the store."""
@@ -568,6 +574,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.sweeper.core.close()
             if self.log_writer is not None:
                 self.log_writer.close()
+            if self.shared_sweeper is not None:
+                self.shared_sweeper.stop()
             if self.upload_store is not None:
                 self.upload_store.close()
         elif self.io is not None:

@@ -134,7 +134,10 @@ class ConnectorSettings:
     every ready snapshot there (docs/shared.md).  ``shared_options``: its
     filesystem's options (endpoint_url, profile, client_kwargs; never
     credentials).  ``upload_wait_seconds``: how long the scheduler's shutdown
-    waits for queued uploads (default 30).
+    waits for queued uploads (default 30).  ``shared_sweep``: the scheduler
+    process also sweeps the tier (its per-model budget and age,
+    ``SPARK_KV_CACHE_SHARED_*``) every ``SPARK_KV_CACHE_SHARED_SWEEP_SECONDS``,
+    one host of the fleet at a time (default false; needs ``shared``).
     """
 
     folder: str
@@ -152,6 +155,7 @@ class ConnectorSettings:
     shared: str | None = None
     shared_options: dict[str, Any] = field(default_factory=dict)
     upload_wait_seconds: float = DEFAULT_UPLOAD_WAIT_SECONDS
+    shared_sweep: bool = False
 
     @property
     def restore(self) -> bool:
@@ -194,6 +198,11 @@ class ConnectorSettings:
             shared_options = check_options(extra.get("shared_options"))
         except InvalidArgument as exc:
             raise InvalidArgument(f"kv_connector_extra_config['shared_options']: {exc}") from None
+        shared = resolve_shared(shared)
+        shared_sweep = _as_bool("shared_sweep", extra.get("shared_sweep", False))
+        if shared_sweep and shared is None:
+            raise InvalidArgument("kv_connector_extra_config['shared_sweep'] sweeps the shared "
+                                  "tier: give 'shared' (or SPARK_KV_CACHE_SHARED) too")
         return cls(
             folder=str(resolve_folder(folder)),
             mode=mode,
@@ -215,7 +224,8 @@ class ConnectorSettings:
             sweep=_as_bool("sweep", extra.get("sweep", True)),
             tail_block=_as_bool("tail_block", extra.get("tail_block", True)),
             log_rows=None if log_rows is None else _as_int("log_rows", log_rows, 0),
-            shared=resolve_shared(shared),
+            shared=shared,
+            shared_sweep=shared_sweep,
             shared_options=shared_options,
             upload_wait_seconds=_as_seconds(
                 "upload_wait_seconds",

@@ -102,6 +102,8 @@ UPLOAD_QUEUE_COUNT = (
 MARK_UPLOADED = "UPDATE snapshots SET uploaded_at = ? WHERE id = ? AND uploaded_at IS NULL"
 # A store that records another shared tier uploads everything again.
 FORGET_UPLOADS = "UPDATE snapshots SET uploaded_at = NULL WHERE uploaded_at IS NOT NULL"
+# A parent the tier's sweep deleted goes again before a new child of it.
+FORGET_UPLOAD = "UPDATE snapshots SET uploaded_at = NULL WHERE id = ?"
 DELETE_SNAPSHOT = "DELETE FROM snapshots WHERE id = ?"
 LIST_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots"
 # Snapshots whose parent row is gone (only a tampered index or one written with

@@ -7,6 +7,7 @@ Under the tier's URL (docs/shared.md)::
     m-<model>/seg/<k[:2]>/<k>.r<rank>.<d>.safetensors  one rank's segment of snapshot k
     m-<model>/at/<h[:2]>/<h>.json                      an alias marker: prefix hash h
     m-<model>/snap/<k[:2]>/<k>.json                    snapshot k's manifest, written last
+    m-<model>/used/<k[:2]>/<k>.json                    snapshot k's use marker (its time)
 
 ``<model>`` is the model identity's digest, ``k`` a snapshot key (the prefix
 hash at its end, which names the whole prefix: identity, request scope and
@@ -42,6 +43,7 @@ __all__ = [
     "TIER_FILE",
     "TIER_FORMAT",
     "TIER_VERSION",
+    "USED_FORMAT",
     "Alias",
     "Manifest",
     "SegmentEntry",
@@ -58,6 +60,8 @@ __all__ = [
     "parse_tier",
     "segment_key",
     "tier_bytes",
+    "used_bytes",
+    "used_key",
 ]
 
 TIER_FILE = "tier.json"
@@ -66,6 +70,7 @@ TIER_FORMAT = "sparkcache-shared"
 TIER_VERSION = 1
 MANIFEST_FORMAT = "sparkcache-shared-snapshot"
 ALIAS_FORMAT = "sparkcache-shared-alias"
+USED_FORMAT = "sparkcache-shared-used"
 #: A tier.json, manifest or marker larger than this is refused before it is read.
 MAX_JSON_BYTES = 4 << 20
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -108,6 +113,20 @@ def alias_key(model: str, prefix_hash: str) -> str:
     """The marker of prefix hash ``prefix_hash`` (hex)."""
     _hex("prefix hash", prefix_hash)
     return f"{model_prefix(model)}/at/{prefix_hash[:2]}/{prefix_hash}.json"
+
+
+def used_key(model: str, snap_key: str) -> str:
+    """Snapshot ``snap_key``'s use marker: rewritten by whoever uses the snapshot
+    in the tier, its last-modified time is the snapshot's last use there (the
+    manifest holds no time, so that every host writes the same bytes)."""
+    _hex("snapshot key", snap_key)
+    return f"{model_prefix(model)}/used/{snap_key[:2]}/{snap_key}.json"
+
+
+def used_bytes(snap_key: str) -> bytes:
+    """A use marker's bytes: the same every time (its time is the object's own)."""
+    return canonical_json({"format": USED_FORMAT, "snapshot": _hex("snapshot key",
+                                                                   snap_key)}).encode()
 
 
 def alias_blocks(start_blocks: int, n_blocks: int, stride_blocks: int,

@@ -12,7 +12,10 @@ that keeps the tier consistent at every instant (docs/shared.md):
 
 1. its parent must be uploaded already (a chain reaches the tier root first);
 2. a manifest already in the tier means the snapshot is there (uploaded by
-   this host before a crash, or by another host): nothing is sent;
+   this host before a crash, or by another host): only its use marker is
+   rewritten (:func:`~sparkcache.shared.sweep.mark_used`: its age restarts);
+   otherwise a child's parent must still be in the tier: a parent the tier's
+   sweep deleted is queued again (its ``uploaded_at`` cleared) and goes first;
 3. under an ``upload`` lease (eviction waits), each rank's segment file is
    verified whole (header, every chunk, and the snapshot key against its
    token ids: a corrupt file is quarantined, never spread) and sent unless an
@@ -59,6 +62,7 @@ from sparkcache.shared.layout import (
     model_key,
     segment_key,
 )
+from sparkcache.shared.sweep import mark_used
 from sparkcache.shared.tier import SharedTier, describe_error
 from sparkcache.verification import verify_file
 
@@ -95,7 +99,9 @@ class UploadResult:
 
     ``outcome``: ``uploaded`` (its manifest was written now), ``present`` (the
     tier had it already: nothing more was sent), ``waiting`` (its parent is not
-    uploaded yet), ``gone`` (deleted or no longer ready meanwhile) or
+    uploaded yet), ``requeued`` (its parent was swept from the tier: the
+    parent is queued again, and this one follows it), ``gone`` (deleted or no
+    longer ready meanwhile) or
     ``refused`` (it cannot be uploaded: a corrupt file, now quarantined, or a
     key that its recorded scope does not rebuild; ``reason`` says which).
     """
@@ -165,9 +171,21 @@ def upload_snapshot(core: Core, tier: SharedTier, snapshot_id: int) -> UploadRes
                             reason=f"its parent {parent.id} is not uploaded yet")
     identity = model.identity()
     if tier.exists(manifest_key(identity.digest(), info.snap_key)):
+        # Another host's copy (or this host's before a crash): this host computed
+        # the prefix again, so it is in use: its age in the tier restarts.
+        mark_used(tier, identity.digest(), info.snap_key)
         _finish(core, info, None)
         core.count(info.model_id, "uploads.present")
         return UploadResult(snapshot_id, "present", objects_found=1)
+    if parent is not None and not tier.exists(manifest_key(identity.digest(), parent.snap_key)):
+        # The tier's sweep deleted the parent after it was uploaded; this new child
+        # shows the chain is in use again, so the parent goes first (not a loop:
+        # only a new local child sends a swept parent again).
+        with core.write() as conn:
+            conn.execute(q.FORGET_UPLOAD, (parent.id,))
+        return UploadResult(snapshot_id, "requeued",
+                            reason=f"its parent {parent.id} was swept from the tier: it is "
+                                   "uploaded again first")
     lease = _lease(core, snapshot_id)
     if lease is None:
         return UploadResult(snapshot_id, "gone")

@@ -7,6 +7,7 @@ only once committed, and a missing bucket is an error that says what to check.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -97,3 +98,29 @@ def test_head_is_one_request() -> None:
     memory = FsspecBackend(f"memory://sparkcache-test-{uuid.uuid4().hex}")
     memory.put("x", [b"abc"])
     assert (memory.head("x"), memory.head("y")) == (3, None)
+
+
+def test_many_objects_at_once_and_conditional_writes() -> None:
+    """What the shared tier's sweep uses: one listing with sizes and times, many
+    GETs, batched deletes, and S3's If-None-Match / If-Match writes."""
+    server = s3_server()
+    backend = FsspecBackend(f"s3://{server.bucket()}/store", **server.options)
+    for i in range(5):
+        backend.put(f"d/{i}.bin", [bytes([i]) * (i + 1)])
+    stats = sorted(backend.stat_list("d"))
+    assert [(s.key, s.size) for s in stats] == [(f"d/{i}.bin", i + 1) for i in range(5)]
+    assert all(abs(s.mtime - time.time()) < 120 for s in stats)
+    got = backend.get_many(["d/1.bin", "d/3.bin", "d/missing.bin"])
+    assert got == {"d/1.bin": b"\x01" * 2, "d/3.bin": b"\x03" * 4}
+    with s3_calls(backend.fs) as sent:
+        backend.delete_many([f"d/{i}.bin" for i in range(4)] + ["d/missing.bin"])
+    assert sent == {"DeleteObjects": 1}
+    assert [s.key for s in backend.stat_list()] == ["d/4.bin"]
+    assert backend.conditional_writes and backend.etag("lease") is None
+    first = backend.put_conditional("lease", b"a", None)
+    assert first is not None and backend.etag("lease") == first
+    assert backend.put_conditional("lease", b"b", None) is None  # there already
+    second = backend.put_conditional("lease", b"c", first)
+    assert second is not None and bytes(backend.open("lease").buffer) == b"c"
+    assert backend.put_conditional("lease", b"d", first) is None  # changed meanwhile
+    assert bytes(backend.open("lease").buffer) == b"c"

@@ -73,6 +73,12 @@ def test_shared_tier_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         ConnectorSettings.from_extra_config({"folder": "/x", "shared_options": {"secret": "s"}})
     with pytest.raises(InvalidArgument, match="shared"):
         ConnectorSettings.from_extra_config({"folder": "/x", "shared": 3})
+    assert not s.shared_sweep
+    assert ConnectorSettings.from_extra_config({"folder": "/x", "shared_sweep": "true"}
+                                               ).shared_sweep
+    monkeypatch.delenv("SPARK_KV_CACHE_SHARED")
+    with pytest.raises(InvalidArgument, match="give 'shared'"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "shared_sweep": True})
     for bad in (-1, "soon", True):
         with pytest.raises(InvalidArgument, match="upload_wait_seconds"):
             ConnectorSettings.from_extra_config({"folder": "/x", "upload_wait_seconds": bad})

@@ -1,7 +1,8 @@
 """The connector uploads to a shared tier (issue 15, first half): the scheduler
 process runs the uploader, and its shutdown waits for the queue, so the
-snapshot of an answer given just before a clean exit is in the tier; a tier
-that cannot be used stops the engine at start with a clear error.
+snapshot of an answer given just before a clean exit is in the tier; with
+``shared_sweep`` it also runs the tier's sweeper; a tier that cannot be used
+stops the engine at start with a clear error.
 
 The tier is a ``file://`` folder here (tests/shared runs the S3 ones against
 moto's server).
@@ -9,6 +10,8 @@ moto's server).
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from tiny_model import LONG_PROMPT, NEEDS_VLLM, run_scenario, same_answer
 from sparkcache import SnapshotStore
 from sparkcache.shared import SharedTier, parse_manifest
 from sparkcache.shared.layout import manifest_key, model_key
+from sparkcache.shared.lease import LEASE_KEY
 
 pytestmark = NEEDS_VLLM
 
@@ -32,7 +36,7 @@ def test_an_answer_reaches_the_tier_by_a_clean_exit(
     result = run_scenario(tiny_model_dir, tmp_path, [
         {"op": "gen", "name": "long", "prompts": [LONG_PROMPT], "ready": 1},
     ], folder=folder, engine=CHUNK,
-        extra={"shared": f"file://{tier}", "upload_wait_seconds": 60})
+        extra={"shared": f"file://{tier}", "upload_wait_seconds": 60, "shared_sweep": True})
     (out,) = result["long"]["outs"]
     assert same_answer(out, baseline["long"][0]) == ""
     with SnapshotStore(folder) as store:
@@ -50,6 +54,11 @@ def test_an_answer_reaches_the_tier_by_a_clean_exit(
             manifest = parse_manifest(raw, model.digest, snap.snap_key)
             assert manifest.n_tokens == snap.n_tokens
             assert all(shared.size(g.key) == g.nbytes for g in manifest.segments)
+        # The scheduler process ran the tier's sweeper (shared_sweep): its first
+        # pass, at start, finished and recorded so; the default age kept everything.
+        lease = json.loads(shared.get(LEASE_KEY) or b"{}")
+        assert lease["finished_at"] is not None and lease["expires_at"] == 0, lease
+        assert f"/{os.getpid()}/" not in lease["holder"]
     finally:
         shared.close()
 
