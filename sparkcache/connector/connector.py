@@ -393,7 +393,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pages: KVPages | None = None
         rank = 0
         try:
-            pages = KVPages(kv_caches)
+            pages = KVPages(kv_caches, staging_bytes=self.settings.staging_mb << 20)
             check_tensors(self.identity, pages.tensors)
             rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
                            parallel.get_pipeline_model_parallel_rank())
@@ -422,11 +422,12 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         step has an in-step (synchronous) load, else after vLLM launched it.
 
         Queues the asynchronous loads on the loader thread (reported later in
-        :meth:`get_finished`) and starts the in-step ones: on a CPU cache the
-        in-step thread reads them layer by layer while the forward runs
-        (:meth:`wait_for_layer_load`); on a GPU they are done before this
-        returns.  A failed or dropped load is never raised: its blocks are
-        reported by :meth:`get_block_ids_with_load_errors`.
+        :meth:`get_finished`) and starts the in-step ones: the in-step thread
+        reads them layer by layer while the forward runs
+        (:meth:`wait_for_layer_load`; on a GPU a layer's uploads are complete
+        before the forward's kernels for that layer are queued).  A failed or
+        dropped load is never raised: its blocks are reported by
+        :meth:`get_block_ids_with_load_errors`.
         """
         meta = self._get_connector_metadata()
         if self.io is None:
