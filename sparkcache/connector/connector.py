@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,12 @@ CacheHitSource: Any = _hit_source.CacheHitSource
 
 # A child of vLLM's logger: our lines get vLLM's handler and format.
 logger = logging.getLogger("vllm.sparkcache")
+
+#: Test hook: ``torch`` makes a worker whose KV cache is in host memory move pages
+#: as a GPU worker does (torch copies; restores staged through the pinned-slot
+#: pipeline, layer by layer) instead of numpy views straight into the cache, so
+#: the GPU path runs in a real vLLM engine on CPU.  Never set it in production.
+PAGES_ENV = "SPARKCACHE_TEST_PAGES"
 
 #: On a step that computes nothing while a restore is in flight, the worker
 #: waits this long for it to land instead of letting the engine spin.
@@ -393,7 +400,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pages: KVPages | None = None
         rank = 0
         try:
-            pages = KVPages(kv_caches, staging_bytes=self.settings.staging_mb << 20)
+            pages = KVPages(kv_caches, use_numpy=os.environ.get(PAGES_ENV) != "torch",
+                            staging_bytes=self.settings.staging_mb << 20)
             check_tensors(self.identity, pages.tensors)
             rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
                            parallel.get_pipeline_model_parallel_rank())

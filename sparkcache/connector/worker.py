@@ -18,10 +18,10 @@ workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
   the blocks out into host memory, reports the id in ``finished_sending`` (vLLM
   frees the blocks on the next step) and publishes from host memory.
 
-No disk I/O runs on the forward thread.  Both queues are bounded, and so are the host
-bytes held by saves: when a bound is hit the work is dropped and counted - a
-dropped load is reported failed (vLLM recomputes its blocks), a dropped save
-is reported sent at once (a future miss).  Serving never waits for the disk.
+No disk I/O runs on the forward thread.  Both queues are bounded, and so are
+the host bytes held by saves: when a bound is hit the work is dropped and
+counted - a dropped load is reported failed (vLLM recomputes its blocks), a
+dropped save is reported sent at once (a future miss).  Serving never waits for the disk.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ class Pages(Protocol):
 
     num_blocks: int
     page_nbytes: int
-    on_cpu: bool
 
     def __len__(self) -> int: ...
     def block_views(self, block_ids: Sequence[int]) -> list[list[np.ndarray]] | None: ...

@@ -170,8 +170,10 @@ class KVPages:
             arrays = [byte_pages(t) for t in self.tensors]
             dense = [a for a in arrays if a is not None]
             self._np = dense if len(dense) == len(arrays) else None
+        # Saves (gather) and scatters on one stream, staged restores on their own:
+        # a save's wait for the forward's fence never holds a restore's uploads.
         self.copies = CopyStream(torch, self.device)
-        self.staging = StagingPool(torch, self.copies, self.page_nbytes,
+        self.staging = StagingPool(torch, CopyStream(torch, self.device), self.page_nbytes,
                                    total_bytes=staging_bytes, chunk_bytes=chunk_bytes)
 
     def __len__(self) -> int:
