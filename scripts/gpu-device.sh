@@ -43,16 +43,24 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site
 fi
-# sparkcache itself, editable (its alembic revisions are mapped from migrations/).
+# sparkcache itself, editable (its alembic revisions are mapped from migrations/
+# to sparkcache._migrations); if the machine's setuptools cannot, a link in this
+# throwaway copy of the tree does the same.
+check='import sparkcache, apsw, sqlalchemy, alembic
+from sparkcache.index.migrate import known_revisions
+print("sparkcache", sparkcache.__file__, "schema", known_revisions()[-1])'
 $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -3
-$PY -c "import sparkcache, apsw, sqlalchemy, alembic; from sparkcache.index.migrate import known_revisions; print('sparkcache', sparkcache.__file__, known_revisions()[-1])" \
-    || { echo "missing dependencies: prepare .whl/ (see this script's header)"; exit 1; }
+if ! $PY -c "$check" 2>/dev/null; then
+    ln -sfn ../migrations sparkcache/_migrations
+fi
+$PY -c "$check" || { echo "missing dependencies: prepare .whl/ (see this script's header)"; exit 1; }
 
 status=0
 echo "== pytest -m gpu tests/cuda"
 $PY -m pytest -q -p no:cacheprovider tests/cuda tests/vllm/test_connector_gpu.py -rs 2>&1 \
     | tee "$OUT/pytest.txt" || status=1
 echo "== bench/gpu_check.py"
-timeout 300 $PY bench/gpu_check.py --out "$OUT/gpu_check.md" --json 2>&1 \
+# Scratch on the machine's disk (not /tmp, which may be memory: no cold reads there).
+timeout 300 $PY bench/gpu_check.py --dir "$PWD" --out "$OUT/gpu_check.md" --json 2>&1 \
     | tee "$OUT/gpu_check.log" || status=1
 exit $status

@@ -43,7 +43,7 @@ from sparkcache.connector.layout import check_tensors, model_identity, rank_of
 from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
-from sparkcache.connector.worker import WorkerIO
+from sparkcache.connector.worker import PAGES_ENV, WorkerIO
 from sparkcache.cuda import KVPages
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
@@ -65,12 +65,6 @@ CacheHitSource: Any = _hit_source.CacheHitSource
 
 # A child of vLLM's logger: our lines get vLLM's handler and format.
 logger = logging.getLogger("vllm.sparkcache")
-
-#: Test hook: ``torch`` makes a worker whose KV cache is in host memory move pages
-#: as a GPU worker does (torch copies; restores staged through the pinned-slot
-#: pipeline, layer by layer) instead of numpy views straight into the cache, so
-#: the GPU path runs in a real vLLM engine on CPU.  Never set it in production.
-PAGES_ENV = "SPARKCACHE_TEST_PAGES"
 
 #: On a step that computes nothing while a restore is in flight, the worker
 #: waits this long for it to land instead of letting the engine spin.

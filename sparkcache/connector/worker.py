@@ -46,7 +46,7 @@ from sparkcache.identity import ModelIdentity
 from sparkcache.segment import Pieces
 from sparkcache.store import Match, SnapshotStore
 
-__all__ = ["FAULT_ENV", "Pages", "WorkerIO"]
+__all__ = ["FAULT_ENV", "PAGES_ENV", "Pages", "WorkerIO"]
 
 logger = logging.getLogger("vllm.sparkcache")
 
@@ -55,6 +55,12 @@ logger = logging.getLogger("vllm.sparkcache")
 #: negative control: a wrong restore must change the tokens or logprobs they
 #: compare.  Never set it in production.
 FAULT_ENV = "SPARKCACHE_TEST_FAULT"
+
+#: Test hook: ``torch`` makes a worker whose KV cache is in host memory move pages
+#: as a GPU worker does (torch copies; restores staged through the pinned-slot
+#: pipeline, layer by layer) instead of numpy views straight into the cache, so
+#: the GPU path runs in a real vLLM engine on CPU.  Never set it in production.
+PAGES_ENV = "SPARKCACHE_TEST_PAGES"
 
 #: An in-step load's progress once it ended (landed or failed).
 LOADED = sys.maxsize

@@ -32,7 +32,7 @@ import pytest
 from conftest import CHUNK
 from tiny_model import LONG_PROMPT, NEEDS_VLLM, run_scenario, same_answer
 
-from sparkcache.connector.connector import PAGES_ENV
+from sparkcache.connector.worker import PAGES_ENV
 
 HAS_CUDA = (importlib.util.find_spec("torch") is not None
             and __import__("torch").cuda.is_available())
