@@ -156,7 +156,9 @@ def test_in_step_staged_restore_lands_layer_by_layer(stored: Any) -> None:
         io.close()
 
 
-def test_a_corrupt_chunk_mid_pipeline_is_a_miss(stored: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_step", [False, True], ids=["async", "in-step"])
+def test_a_corrupt_chunk_mid_pipeline_is_a_miss(stored: Any, tmp_path: Path,
+                                                in_step: bool) -> None:
     """Layer 0 uploaded, layer 1's second reader chunk corrupt: the load fails, every
     block is reported failed, every slot is back in the pool."""
     from sparkcache.cuda import KVPages
@@ -177,7 +179,13 @@ def test_a_corrupt_chunk_mid_pipeline_is_a_miss(stored: Any, tmp_path: Path) -> 
         io = WorkerIO(store, ident(), 0, kvp, counters, load_threads=1)
         ids = IDS["contiguous"]
         try:
-            assert not io.load_now(job(snap, tokens, ids))
+            if in_step:
+                io.start_step_loads([job(snap, tokens, ids)])
+                io.wait_layer(0)  # landed before the failure
+                io.wait_layer(None)
+                io.finish_step_loads(all_layers_waited=True)
+            else:
+                assert not io.load_now(job(snap, tokens, ids))
             assert io.take_failed_blocks() == set(ids)
         finally:
             io.close()
