@@ -16,14 +16,16 @@ the same code, no speed targets):
    pipeline, fed in odd-sized pieces) leave the device cache byte-equal to a
    CPU twin given the same writes, so every target block was written and no
    other byte touched.
-2. **Speed** (LBNHC, the default GPU layout; ``--mib`` of pages):
-   gather (device to pinned host) and scatter (pinned host to device) against
-   a plain pinned copy of the same bytes; the end-to-end restore of a stored
-   snapshot from disk into device blocks (verified, through the staging
-   slots) against ``read the file + one pinned H2D copy``, with the page
-   cache warm and cold (``posix_fadvise(DONTNEED)`` on the segment files
-   before every repetition; a kernel may ignore it: the note says what the
-   cold read measured).
+2. **Speed** (LBNHC, the default GPU layout; ``--mib`` of pages): gather
+   (device to pinned host) and scatter (pinned host to device) against a
+   plain pinned copy of the same bytes, and scatter into LBHNC, whose pages
+   need no transposing copy on the device; the end-to-end restore of a
+   stored snapshot from disk into device blocks (verified, through the
+   staging slots) against ``read the file + one pinned H2D copy``, with the
+   page cache warm and cold (``posix_fadvise(DONTNEED)`` on the segment
+   files before every repetition; a kernel may ignore it: the note says what
+   the cold read measured), beside the verified read alone into host memory
+   (the rows that say where the time goes).
 
 Prints one table (and writes it to ``--out``).  Exit status 1 on a wrong byte,
 and on CUDA on a missed target: scatter >= 0.8x the plain pinned H2D copy,
@@ -208,6 +210,14 @@ def speed(torch: Any, device: str, mib: int, reps: int, threads: int, folder: Pa
     rows.append(Row("scatter, random ids", gbs(nbytes, t_rand), gbs(nbytes, t_h2d),
                     f"{t_h2d / t_rand:.2f}x", note="one index_copy_ per layer"))
 
+    # Where a scatter's time goes: LBHNC pages are dense on the device, LBNHC
+    # pages need a transposing copy after the DMA.
+    dense = KVPages(kv_caches(torch, "LBHNC", SHAPES["gqa"], layers, blocks + 8, device, 4),
+                    use_numpy=False)
+    t_dense = timed(torch, lambda: dense.scatter(ids, list(host)), reps)
+    rows.append(Row("scatter, LBHNC (dense pages)", gbs(nbytes, t_dense), gbs(nbytes, t_h2d),
+                    f"{t_h2d / t_dense:.2f}x", note="contiguous ids; no transposing copy"))
+
     # End to end: a stored snapshot restored from disk into device blocks.
     ident = ModelIdentity(model="gpu-check", revision="r", num_layers=layers, num_kv_heads=heads,
                           head_size=content // 2, dtype="bfloat16", kv_cache_dtype="bfloat16",
@@ -243,6 +253,11 @@ def speed(torch: Any, device: str, mib: int, reps: int, threads: int, folder: Pa
                     os.close(fd)
             dev_file.copy_(read_buf, non_blocking=True)
 
+        # Where a restore's time goes: the verified read alone, into host memory.
+        plain = [np.empty(blocks * page, np.uint8) for _ in range(layers)]
+        t_read = timed(torch, lambda: store.read_into(match, 0, plain, threads=threads), reps)
+        rows.append(Row("verified read into host memory", gbs(nbytes, t_read), note=(
+            f"page cache warm, {threads} read threads; the restore's disk and hash share")))
         no_cold = can_drop_cache(files)
         states: list[tuple[str, Callable[[], Any] | None]] = [("warm", None)]
         if not no_cold:
