@@ -69,22 +69,25 @@ def read_into(
 ) -> int:
     """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
-    ``out`` holds one writable destination per layer: a buffer, or a list of
+    ``out`` holds one writable destination per layer: a buffer, a list of
     buffers written as one (:class:`~sparkcache.segment.Pieces`: runs of KV
-    blocks), at least ``(n_tokens - start_tokens) // block_size * page_nbytes``
-    bytes; its page 0 receives block ``start_tokens // block_size``.  Layers
-    are copied in order, each from every link of the chain; ``on_layer(i)``
-    runs once layer ``i`` is complete (a consumer may use it while later
-    layers are read).  Returns the number of blocks copied.  A failure may
+    blocks), or a :class:`~sparkcache.segment.Sink` (written in order), at
+    least ``(n_tokens - start_tokens) // block_size * page_nbytes`` bytes;
+    its page 0 receives block ``start_tokens // block_size``.  Layers are
+    copied in order, each from every link of the chain; ``on_layer(i)`` runs
+    once layer ``i`` is complete (a consumer may use it while later layers
+    are read).  Returns the number of blocks copied.  A failure may
     leave ``out`` partly written with *verified* bytes only; treat it as a
     miss."""
-    dests: list[np.ndarray | seg.Pieces] = [
-        seg.Pieces(o) if isinstance(o, (list, tuple)) else as_byte_view(o, writable=True)
+    dests: list[np.ndarray | seg.Sink] = [
+        seg.Pieces(o) if isinstance(o, (list, tuple))
+        else o if not isinstance(o, np.ndarray) and isinstance(o, seg.Sink)
+        else as_byte_view(o, writable=True)
         for o in out
     ]
     page = match.identity.page_nbytes
 
-    def check(n_layers: int, n_blocks: int) -> list[np.ndarray | seg.Pieces]:
+    def check(n_layers: int, n_blocks: int) -> list[np.ndarray | seg.Sink]:
         if n_layers != len(dests):
             raise InvalidArgument(f"the snapshot has {n_layers} layers, out has {len(dests)}")
         need = n_blocks * page
@@ -195,7 +198,7 @@ class _Copy:
 
 def _read_chain(
     core: Core, match: Match, rank: int, n_tokens: int | None,
-    dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Pieces]], *, touch: bool = True,
+    dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Sink]], *, touch: bool = True,
     skip_tokens: int = 0, on_layer: Callable[[int], None] | None = None, threads: int = 1,
     cpus: Sequence[int] = (),
 ) -> int:
@@ -224,7 +227,7 @@ def _read_chain(
     model_id, links = _chain_links(core, match, rank, n)
     page = identity.page_nbytes
     skip_blocks = skip_tokens // bs
-    dests: Sequence[np.ndarray | seg.Pieces] | None = None
+    dests: Sequence[np.ndarray | seg.Sink] | None = None
     copies: list[_Copy] = []
     with ExitStack() as stack:
         try:
@@ -264,7 +267,7 @@ def _read_chain(
 
 
 def _copy_layers(core: Core, copies: list[_Copy],
-                 dests: Sequence[np.ndarray | seg.Pieces],
+                 dests: Sequence[np.ndarray | seg.Sink],
                  on_layer: Callable[[int], None] | None, threads: int,
                  cpus: Sequence[int] = ()) -> None:
     """Verify and copy every layer from every link; ``on_layer`` in layer order.

@@ -28,7 +28,7 @@ import struct
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import xxhash
@@ -47,6 +47,7 @@ __all__ = [
     "Pieces",
     "ReadAt",
     "SegmentHeader",
+    "Sink",
     "build_header",
     "check_header",
     "copy_verified",
@@ -257,6 +258,20 @@ def _check_chunks(view: np.ndarray, header: SegmentHeader, name: str, nbytes: in
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
 
 
+@runtime_checkable
+class Sink(Protocol):
+    """A destination that is not one buffer: ``size`` bytes written by ``put``.
+
+    :class:`Pieces` is one; a staged restore's layers
+    (:class:`sparkcache.cuda.staging.LayerSink`) are another, and take their
+    writes in order from byte 0, as :func:`copy_verified` makes them.
+    """
+
+    size: int
+
+    def put(self, at: int, data: np.ndarray) -> None: ...
+
+
 class Pieces:
     """A destination made of several buffers written as if they were one.
 
@@ -297,7 +312,7 @@ ReadAt = Callable[[int, np.ndarray], int]
 
 
 def copy_verified(
-    buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray | Pieces,
+    buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray | Sink,
     *, skip: int = 0, at: int = 0, read_at: ReadAt | None = None,
     bounce: np.ndarray | None = None,
 ) -> None:
@@ -350,7 +365,7 @@ def copy_verified(
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
         lo, stop = max(start, skip), min(start + CHUNK_BYTES, nbytes)
         part = chunk[lo - start : stop - start]
-        if isinstance(dest, Pieces):
-            dest.put(at + lo - skip, part)
-        else:
+        if isinstance(dest, np.ndarray):
             dest[at + lo - skip : at + stop - skip] = part
+        else:
+            dest.put(at + lo - skip, part)

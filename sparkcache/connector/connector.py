@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,7 @@ from sparkcache.connector.layout import check_tensors, model_identity, rank_of
 from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
-from sparkcache.connector.worker import WorkerIO
+from sparkcache.connector.worker import PAGES_ENV, WorkerIO
 from sparkcache.cuda import KVPages
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
@@ -399,7 +400,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pages: KVPages | None = None
         rank = 0
         try:
-            pages = KVPages(kv_caches)
+            pages = KVPages(kv_caches, use_numpy=os.environ.get(PAGES_ENV) != "torch",
+                            staging_bytes=self.settings.staging_mb << 20)
             check_tensors(self.identity, pages.tensors)
             rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
                            parallel.get_pipeline_model_parallel_rank())
@@ -428,11 +430,12 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         step has an in-step (synchronous) load, else after vLLM launched it.
 
         Queues the asynchronous loads on the loader thread (reported later in
-        :meth:`get_finished`) and starts the in-step ones: on a CPU cache the
-        in-step thread reads them layer by layer while the forward runs
-        (:meth:`wait_for_layer_load`); on a GPU they are done before this
-        returns.  A failed or dropped load is never raised: its blocks are
-        reported by :meth:`get_block_ids_with_load_errors`.
+        :meth:`get_finished`) and starts the in-step ones: the in-step thread
+        reads them layer by layer while the forward runs
+        (:meth:`wait_for_layer_load`; on a GPU a layer's uploads are complete
+        before the forward's kernels for that layer are queued).  A failed or
+        dropped load is never raised: its blocks are reported by
+        :meth:`get_block_ids_with_load_errors`.
         """
         meta = self._get_connector_metadata()
         if self.io is None:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sparkcache.cuda.staging import DEFAULT_STAGING_BYTES
 from sparkcache.errors import InvalidArgument
 from sparkcache.folder import resolve_folder
 from sparkcache.shared import check_options, resolve_shared
@@ -25,6 +26,7 @@ from sparkcache.shared import check_options, resolve_shared
 __all__ = [
     "DEFAULT_MAX_PENDING_MB",
     "DEFAULT_MAX_QUEUED",
+    "DEFAULT_STAGING_MB",
     "DEFAULT_UPLOAD_WAIT_SECONDS",
     "MODES",
     "ConnectorSettings",
@@ -38,6 +40,8 @@ DEFAULT_MAX_PENDING_MB = 1024
 DEFAULT_MAX_QUEUED = 64
 #: Threads that verify and copy one restore (each takes the next layer not yet taken).
 DEFAULT_LOAD_THREADS = 2
+#: Host memory of a worker's restore staging slots (reused; pinned on a GPU).
+DEFAULT_STAGING_MB = DEFAULT_STAGING_BYTES >> 20
 #: How long the scheduler's shutdown waits for queued uploads to the shared tier.
 DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
 #: mode -> (restore, publish).
@@ -122,6 +126,8 @@ class ConnectorSettings:
     ``max_pending_mb``: host memory a worker may hold for saves not yet on disk.
     ``max_queued_loads`` / ``max_queued_saves``: bounds of the worker queues.
     ``load_threads``: threads that verify and copy one restore (default 2).
+    ``staging_mb``: host memory of the staging slots that restores into a GPU
+    cache go through (allocated once, pinned, reused; default 64).
     ``sweep``: run the retention sweeper thread in the scheduler process.
     ``tail_block``: ``true`` (default) also restores the block holding the
     prompt's last tokens when the snapshot holds it too, so vLLM
@@ -148,6 +154,7 @@ class ConnectorSettings:
     max_pending_mb: int = DEFAULT_MAX_PENDING_MB
     max_queued_loads: int = DEFAULT_MAX_QUEUED
     load_threads: int = DEFAULT_LOAD_THREADS
+    staging_mb: int = DEFAULT_STAGING_MB
     max_queued_saves: int = DEFAULT_MAX_QUEUED
     sweep: bool = True
     tail_block: bool = True
@@ -218,6 +225,7 @@ class ConnectorSettings:
             load_threads=_as_int(
                 "load_threads", extra.get("load_threads", DEFAULT_LOAD_THREADS), 1
             ),
+            staging_mb=_as_int("staging_mb", extra.get("staging_mb", DEFAULT_STAGING_MB), 1),
             max_queued_saves=_as_int(
                 "max_queued_saves", extra.get("max_queued_saves", DEFAULT_MAX_QUEUED), 1
             ),

@@ -4,22 +4,24 @@ Pure Python over numpy (no vLLM import), so it is tested with simulated
 workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
 
 * **loads** (scheduler planned a restore): a verified ``read_into`` straight
-  into the request's blocks (CPU), or a staging buffer and a scatter (GPU).
-  An asynchronous load runs on the loader thread while the request waits in
-  WAITING_FOR_REMOTE_KVS; its id is reported in ``finished_recving`` once
-  done, failed or not.  An in-step load feeds the forward of the step that
-  prefills the request: on CPU the in-step thread reads it layer by layer
-  while that forward runs, and each attention layer waits only for its own
-  layer (``wait_layer``), so the read overlaps the compute.
+  into the request's blocks (CPU), or through the worker's reused staging
+  slots, each chunk uploaded while the next is read (GPU:
+  :mod:`sparkcache.cuda.staging`).  An asynchronous load runs on the loader
+  thread while the request waits in WAITING_FOR_REMOTE_KVS; its id is
+  reported in ``finished_recving`` once done, failed or not.  An in-step
+  load feeds the forward of the step that prefills the request: the in-step
+  thread reads it layer by layer while that forward runs, and each attention
+  layer waits only for its own layer (``wait_layer``; on a GPU a layer
+  counts as landed once its uploads are complete), so the read overlaps the
+  compute.
 * **saves** (a request finished; vLLM holds its blocks): a saver thread copies
   the blocks out into host memory, reports the id in ``finished_sending`` (vLLM
   frees the blocks on the next step) and publishes from host memory.
 
-No disk I/O runs on the forward thread (a GPU's in-step loads excepted: they
-finish in ``start_load_kv``).  Both queues are bounded, and so are the host
-bytes held by saves: when a bound is hit the work is dropped and counted - a
-dropped load is reported failed (vLLM recomputes its blocks), a dropped save
-is reported sent at once (a future miss).  Serving never waits for the disk.
+No disk I/O runs on the forward thread.  Both queues are bounded, and so are
+the host bytes held by saves: when a bound is hit the work is dropped and
+counted - a dropped load is reported failed (vLLM recomputes its blocks), a
+dropped save is reported sent at once (a future miss).  Serving never waits for the disk.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ import numpy as np
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.cpus import read_cpus, widen_affinity
+from sparkcache.cuda import StagedRestore
 from sparkcache.errors import NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.segment import Pieces
 from sparkcache.store import Match, SnapshotStore
 
-__all__ = ["FAULT_ENV", "Pages", "WorkerIO"]
+__all__ = ["FAULT_ENV", "PAGES_ENV", "Pages", "WorkerIO"]
 
 logger = logging.getLogger("vllm.sparkcache")
 
@@ -52,6 +55,12 @@ logger = logging.getLogger("vllm.sparkcache")
 #: negative control: a wrong restore must change the tokens or logprobs they
 #: compare.  Never set it in production.
 FAULT_ENV = "SPARKCACHE_TEST_FAULT"
+
+#: Test hook: ``torch`` makes a worker whose KV cache is in host memory move pages
+#: as a GPU worker does (torch copies; restores staged through the pinned-slot
+#: pipeline, layer by layer) instead of numpy views straight into the cache, so
+#: the GPU path runs in a real vLLM engine on CPU.  Never set it in production.
+PAGES_ENV = "SPARKCACHE_TEST_PAGES"
 
 #: An in-step load's progress once it ended (landed or failed).
 LOADED = sys.maxsize
@@ -62,15 +71,13 @@ class Pages(Protocol):
 
     num_blocks: int
     page_nbytes: int
-    on_cpu: bool
 
     def __len__(self) -> int: ...
-    def host_buffer(self, nbytes: int) -> np.ndarray: ...
     def block_views(self, block_ids: Sequence[int]) -> list[list[np.ndarray]] | None: ...
     def fence(self) -> object: ...
     def gather(self, block_ids: Sequence[int], after: object = None) -> list[np.ndarray]: ...
     def scatter(self, block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> None: ...
-    def scatter_layer(self, layer: int, block_ids: Sequence[int], src: np.ndarray) -> None: ...
+    def staged(self, block_ids: Sequence[int]) -> StagedRestore: ...
 
 
 class WorkerIO:
@@ -111,9 +118,6 @@ class WorkerIO:
         self._cancelled: set[int] = set()  # queued jobs to skip
         self._seq = 0  # save jobs submitted
         self._active: tuple[str, int] | None = None  # the job being copied out
-        # Per loading thread (loader, in-step, a GPU's forward thread), reused:
-        # fresh memory costs page faults, pinned memory costs more.
-        self._staging: dict[int, np.ndarray] = {}
         self._loads: queue.Queue[LoadJob | None] = queue.Queue(max_queued_loads)
         self._saves: queue.Queue[tuple[SaveJob, int, int, object] | None] = queue.Queue(
             max_queued_saves)
@@ -165,12 +169,8 @@ class WorkerIO:
 
         The in-step thread reads them layer by layer; the forward calls
         :meth:`wait_layer` before each attention layer and :meth:`finish_step_loads`
-        once it is done.  On a GPU, where the forward is queued on a stream
-        ahead of the host, the loads finish here instead."""
-        if self.pages is not None and not self.pages.on_cpu:
-            for job in jobs:
-                self.load_now(job)
-            return
+        once it is done (on a GPU a layer has landed once its uploads are
+        complete, so the kernels queued after ``wait_layer`` read its pages)."""
         with self._lock:
             for job in jobs:
                 self._step_layers[job.req_id] = 0
@@ -259,8 +259,9 @@ class WorkerIO:
         consecutive blocks), each read thread pinned to its own core of the
         rank's set for the read (:func:`sparkcache.cpus.pinned_to`: vLLM's engine
         core spins on a core during every step and gives way only on that core);
-        otherwise through a staging buffer (pinned for a GPU cache), scattered
-        layer by layer.  ``on_layer(i)`` runs once layer ``i`` is in place.
+        otherwise through the reused staging slots of ``pages.staged`` (pinned
+        for a GPU cache), each chunk uploaded while the next is read and
+        verified.  ``on_layer(i)`` runs once layer ``i`` is in place.
         """
         if self.pages is None:
             raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
@@ -283,31 +284,19 @@ class WorkerIO:
                 for pieces, layer in zip(views, self._scramble(layers), strict=True):
                     Pieces(pieces).put(0, layer)
             return
-        staging = self._staging_for(len(self.pages), len(ids), self.pages.page_nbytes)
+        # Leaving the block waits for every queued upload, failed or not.
+        with self.pages.staged(ids) as staged:
 
-        def scatter(layer: int) -> None:
-            assert self.pages is not None
-            self.pages.scatter_layer(layer, ids, staging[layer])
-            if notify is not None:
-                notify(layer)
+            def landed(layer: int) -> None:
+                staged.landed(layer)
+                if notify is not None:
+                    notify(layer)
 
-        self.store.read_into(match, self.rank, list(staging), n_tokens=job.n_tokens,
-                             start_tokens=start_tokens, threads=self.load_threads,
-                             on_layer=None if self.fault else scatter)
+            self.store.read_into(match, self.rank, staged.layers, n_tokens=job.n_tokens,
+                                 start_tokens=start_tokens, threads=self.load_threads,
+                                 on_layer=landed)
         if self.fault == "flip-restored":
-            self.pages.scatter(ids, self._scramble(list(staging)))
-
-    def _staging_for(self, layers: int, blocks: int, page: int) -> np.ndarray:
-        need = layers * blocks * page
-        me = threading.get_ident()
-        with self._lock:
-            buf = self._staging.get(me)
-        if buf is None or buf.size < need:
-            assert self.pages is not None
-            buf = self.pages.host_buffer(need)  # pinned for a GPU cache
-            with self._lock:
-                self._staging[me] = buf
-        return buf[:need].reshape(layers, blocks, page)
+            self.pages.scatter(ids, self._scramble(self.pages.gather(ids)))
 
     @staticmethod
     def _scramble(layers: list[np.ndarray]) -> list[np.ndarray]:

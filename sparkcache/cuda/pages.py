@@ -11,14 +11,18 @@ tensors:
 
 * ``gather(block_ids)`` copies blocks out into fresh host memory (pinned when
   the cache is on a GPU), one ``[n, page_nbytes]`` numpy array per layer;
-* ``scatter(block_ids, pages)`` writes host pages into the blocks.
+* ``scatter(block_ids, pages)`` writes host pages into the blocks;
+* ``staged(block_ids)`` is a restore through the worker's reused staging
+  slots (:mod:`sparkcache.cuda.staging`): the verified read fills them chunk
+  by chunk while earlier chunks are uploaded, so disk and bus overlap.
 
 Runs of consecutive block ids (the usual case: vLLM hands out free blocks in
 order) move as one slice copy each - a memcpy on CPU, one DMA transfer on a
 GPU; ids scattered over many runs use one ``index_select`` / ``index_copy_``
-per layer.  On a GPU the copies run on a private CUDA stream that is
-synchronized before a call returns, so a caller reports a block copied (or
-restored) only once it is.  Nothing here runs on vLLM's forward stream.
+per layer.  On a GPU the copies run on a private CUDA stream
+(:class:`~sparkcache.cuda.staging.CopyStream`, nothing at all on CPU) that
+is synchronized before a call returns, so a caller reports a block copied
+(or restored) only once it is.  Nothing here runs on vLLM's forward stream.
 
 On CPU, layers whose pages are dense also expose numpy views over the cache's
 own memory: :meth:`KVPages.block_views` lets a verified read land straight in
@@ -40,6 +44,13 @@ from typing import Any
 
 import numpy as np
 
+from sparkcache.cuda.staging import (
+    DEFAULT_STAGING_BYTES,
+    STAGING_CHUNK_BYTES,
+    CopyStream,
+    StagedRestore,
+    StagingPool,
+)
 from sparkcache.errors import InvalidArgument
 
 __all__ = ["MAX_RUNS", "KVPages", "block_runs", "byte_pages", "ordered_layers"]
@@ -122,10 +133,14 @@ class KVPages:
     """Every KV layer of one worker, with block copies in and out (module docstring).
 
     ``use_numpy=False`` forces the torch path on CPU tensors (what a GPU runs),
-    for tests and measurements.
+    for tests and measurements.  ``staging_bytes`` sizes the staging pool of
+    :meth:`staged` (allocated at the first staged restore, then reused) and
+    ``chunk_bytes`` its slots (whole pages, at least one).
     """
 
-    def __init__(self, kv_caches: Mapping[str, Any], *, use_numpy: bool = True) -> None:
+    def __init__(self, kv_caches: Mapping[str, Any], *, use_numpy: bool = True,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 chunk_bytes: int = STAGING_CHUNK_BYTES) -> None:
         self._torch = torch = importlib.import_module("torch")
         layers = ordered_layers(kv_caches)
         if not layers:
@@ -155,7 +170,11 @@ class KVPages:
             arrays = [byte_pages(t) for t in self.tensors]
             dense = [a for a in arrays if a is not None]
             self._np = dense if len(dense) == len(arrays) else None
-        self._stream = None if self.on_cpu else torch.cuda.Stream(device=self.device)
+        # Saves (gather) and scatters on one stream, staged restores on their own:
+        # a save's wait for the forward's fence never holds a restore's uploads.
+        self.copies = CopyStream(torch, self.device)
+        self.staging = StagingPool(torch, CopyStream(torch, self.device), self.page_nbytes,
+                                   total_bytes=staging_bytes, chunk_bytes=chunk_bytes)
 
     def __len__(self) -> int:
         return len(self.views)
@@ -178,36 +197,37 @@ class KVPages:
     def _copies(self, after: Any = None) -> Iterator[None]:
         """Run the body's copies on the private stream (after the ``after`` fence);
         wait for them on exit."""
-        if self._stream is None:
+        self.copies.wait(after)
+        with self.copies.active():
             yield
-            return
-        if after is not None:
-            self._stream.wait_event(after)
-        with self._torch.cuda.stream(self._stream):
-            yield
-        self._stream.synchronize()
+        self.copies.synchronize()
 
     def fence(self) -> Any:
         """A marker of the work queued so far on the caller's CUDA stream (None on
         CPU, where the forward is done when it returns).  ``gather(after=fence)``
         from another thread then copies what that work wrote, not older bytes."""
-        if self._stream is None:
-            return None
-        event = self._torch.cuda.Event()
-        event.record(self._torch.cuda.current_stream(self.device))
-        return event
+        return self.copies.fence()
 
     def _device_index(self, idx: np.ndarray) -> Any:
-        return self._torch.from_numpy(idx).to(self.device, non_blocking=False)
-
-    def host_buffer(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of host memory to read pages into before a scatter:
-        pinned when the cache is on a GPU (so the upload is one DMA transfer)."""
+        index = self._torch.from_numpy(idx)
         if self.on_cpu:
-            return np.empty(nbytes, np.uint8)
-        buf = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
-        out: np.ndarray = buf.numpy()
-        return out
+            return index
+        # Pinned, so the copy queues on the stream instead of waiting for it.
+        return index.pin_memory().to(self.device, non_blocking=True)
+
+    def _upload(self, layer: int, idx: np.ndarray, host: Any) -> None:
+        """Queue the copy of ``host`` (``[n, *page_dims]`` or its flat bytes) into
+        blocks ``idx`` of ``layer`` on the current stream."""
+        n = int(idx.size)
+        host = host.view(n, *self.page_dims)
+        view = self.views[layer]
+        runs = block_runs(idx)
+        if len(runs) <= MAX_RUNS:
+            for at, first, count in runs:
+                view[first:first + count].copy_(host[at:at + count], non_blocking=True)
+        else:
+            view.index_copy_(0, self._device_index(idx),
+                             host.to(self.device, non_blocking=True))
 
     # -- the two verbs --------------------------------------------------------------
 
@@ -283,14 +303,18 @@ class KVPages:
             for layer, src in zip(layers, pages, strict=True):
                 self._np[layer][idx] = src.reshape(n, self.page_nbytes)
             return
-        torch = self._torch
         with self._copies():
-            dev_idx = None if len(runs) <= MAX_RUNS else self._device_index(idx)
             for layer, src in zip(layers, pages, strict=True):
-                view = self.views[layer]
-                host = torch.from_numpy(np.ascontiguousarray(src).reshape(n, *self.page_dims))
-                if dev_idx is None:
-                    for at, first, count in runs:
-                        view[first:first + count].copy_(host[at:at + count], non_blocking=True)
-                else:
-                    view.index_copy_(0, dev_idx, host.to(self.device, non_blocking=True))
+                host = self._torch.from_numpy(np.ascontiguousarray(src).reshape(-1))
+                self._upload(layer, idx, host)
+
+    def staged(self, block_ids: Sequence[int]) -> StagedRestore:
+        """A restore into ``block_ids`` through the staging pool: pass its
+        ``layers`` as the destinations of a verified read, call
+        ``landed(layer)`` before using a layer, and leave the ``with`` block
+        (which waits for every queued upload) before reporting the restore.
+        Verified bytes reach the cache chunk by chunk, each chunk's upload
+        overlapping the read of the next; a failed read leaves some of the
+        blocks written with verified bytes: report them failed."""
+        return StagedRestore(self.staging, self._index(block_ids), len(self.views),
+                             self._upload)

@@ -29,6 +29,10 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
                                                ).load_threads == 4
     with pytest.raises(InvalidArgument, match="load_threads"):
         ConnectorSettings.from_extra_config({"folder": "/x", "load_threads": 0})
+    assert default.staging_mb == 64
+    assert ConnectorSettings.from_extra_config({"folder": "/x", "staging_mb": 8}).staging_mb == 8
+    with pytest.raises(InvalidArgument, match="staging_mb"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "staging_mb": 0})
     with pytest.raises(InvalidArgument, match="true, false or 'auto'"):
         ConnectorSettings.from_extra_config({"folder": "/x", "load_async": "sometimes"})
     assert default.min_tokens is None  # SPARK_KV_CACHE_MIN_TOKENS decides

@@ -168,7 +168,8 @@ def test_cuda_pages_equal_cpu_pages(layout: str) -> None:
         for a, b in zip(cpu.gather(ids), gpu.gather(ids), strict=True):
             np.testing.assert_array_equal(a, b)
     rng = np.random.default_rng(2)
-    staging = gpu.host_buffer(LAYERS * len(IDS[2]) * gpu.page_nbytes)
+    staging = torch.empty(LAYERS * len(IDS[2]) * gpu.page_nbytes, dtype=torch.uint8,
+                          pin_memory=True).numpy()
     staging[:] = rng.integers(0, 256, staging.size, np.uint8)
     layers = list(staging.reshape(LAYERS, len(IDS[2]), gpu.page_nbytes))
     gpu.scatter(IDS[2], layers)
