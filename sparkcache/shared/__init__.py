@@ -4,11 +4,14 @@ Each host keeps its own store (its SQLite index is the fast local path); a
 shared tier (``s3://bucket/prefix``, ``gs://...``, ``file:///mnt/nfs/...``) is
 a second level behind it.  :mod:`~sparkcache.shared.layout` names every object
 (docs/shared.md), :mod:`~sparkcache.shared.tier` opens and checks a tier, and
-:mod:`~sparkcache.shared.uploader` copies each locally ready snapshot there.
+:mod:`~sparkcache.shared.uploader` copies each locally ready snapshot there,
+and :mod:`~sparkcache.shared.fetch` finds a prompt's prefix there and makes it
+local.
 """
 
 from __future__ import annotations
 
+from sparkcache.shared.fetch import FetchResult, fetch_prefix
 from sparkcache.shared.layout import Manifest, parse_manifest
 from sparkcache.shared.tier import SHARED_ENV, SharedTier, check_options, resolve_shared, shared_url
 from sparkcache.shared.uploader import (
@@ -24,12 +27,14 @@ from sparkcache.shared.uploader import (
 __all__ = [
     "DEFAULT_POLL_SECONDS",
     "SHARED_ENV",
+    "FetchResult",
     "Manifest",
     "SharedTier",
     "UploadReport",
     "UploadResult",
     "Uploader",
     "check_options",
+    "fetch_prefix",
     "parse_manifest",
     "pending_uploads",
     "resolve_shared",
