@@ -25,6 +25,7 @@ from sparkcache.shared import check_options, resolve_shared
 __all__ = [
     "DEFAULT_MAX_PENDING_MB",
     "DEFAULT_MAX_QUEUED",
+    "DEFAULT_SHARED_DEADLINE_SECONDS",
     "DEFAULT_UPLOAD_WAIT_SECONDS",
     "MODES",
     "ConnectorSettings",
@@ -40,6 +41,8 @@ DEFAULT_MAX_QUEUED = 64
 DEFAULT_LOAD_THREADS = 2
 #: How long the scheduler's shutdown waits for queued uploads to the shared tier.
 DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
+#: How long a request waits for the shared tier before it is recomputed instead.
+DEFAULT_SHARED_DEADLINE_SECONDS = 2.0
 #: mode -> (restore, publish).
 MODES: dict[str, tuple[bool, bool]] = {
     "read-write": (True, True),
@@ -134,7 +137,12 @@ class ConnectorSettings:
     every ready snapshot there (docs/shared.md).  ``shared_options``: its
     filesystem's options (endpoint_url, profile, client_kwargs; never
     credentials).  ``upload_wait_seconds``: how long the scheduler's shutdown
-    waits for queued uploads (default 30).
+    waits for queued uploads (default 30).  ``shared_fetch``: ``true`` (default)
+    asks the tier for a prompt's prefix when the local index holds less of it
+    than the tier may, and restores what it fetched (modes that restore);
+    ``shared_deadline_seconds``: how long such a request waits for the tier
+    before it goes on with what is local (default 2; a slow or unreachable
+    tier is then a miss, recomputed).
     """
 
     folder: str
@@ -152,6 +160,8 @@ class ConnectorSettings:
     shared: str | None = None
     shared_options: dict[str, Any] = field(default_factory=dict)
     upload_wait_seconds: float = DEFAULT_UPLOAD_WAIT_SECONDS
+    shared_fetch: bool = True
+    shared_deadline_seconds: float = DEFAULT_SHARED_DEADLINE_SECONDS
 
     @property
     def restore(self) -> bool:
@@ -220,4 +230,8 @@ class ConnectorSettings:
             upload_wait_seconds=_as_seconds(
                 "upload_wait_seconds",
                 extra.get("upload_wait_seconds", DEFAULT_UPLOAD_WAIT_SECONDS)),
+            shared_fetch=_as_bool("shared_fetch", extra.get("shared_fetch", True)),
+            shared_deadline_seconds=_as_seconds(
+                "shared_deadline_seconds",
+                extra.get("shared_deadline_seconds", DEFAULT_SHARED_DEADLINE_SECONDS)),
         )

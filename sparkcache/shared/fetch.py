@@ -406,3 +406,4 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     finally:
         result.requests += counted.requests
         result.seconds = time.perf_counter() - started
+        core.try_save()  # the counters, now if the index is free

@@ -14,7 +14,7 @@ from sparkcache.errors import SparkCacheError
 from sparkcache.shared import SharedTier, parse_manifest, pending_uploads
 from sparkcache.shared.layout import alias_key, manifest_key
 
-from ..s3server import S3Server, s3_calls
+from ..s3server import S3Server, s3_calls, s3_server
 from ..store.helpers import identity, pages_for, tokens
 from .conftest import Tier
 from .test_upload import publish_chain
@@ -221,7 +221,8 @@ def test_an_upload_racing_a_fetch_is_whole_or_absent(tier: Tier, host: HostFacto
 
 
 def test_a_tier_that_is_down_is_a_clear_error(host: HostFactory, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    server = S3Server()
+    s3_server()  # the session's: its environment (credentials, endpoint) stays
+    server = S3Server(set_env=False)
     tier = Tier(f"s3://{server.bucket()}/kv", {"endpoint_url": server.endpoint}, server)
     try:
         uploaded(host, tier)
