@@ -101,7 +101,10 @@ class FetchResult:
     the prompt, or only ones no longer whole), ``refused`` (what the tier held
     failed verification, or the store's retention refused it: ``reason``).
     ``n_tokens`` is the prefix of the prompt the tier's snapshot holds by its
-    marker (0 on a miss); ``snapshot_id`` its local id.  ``requests`` counts
+    marker (0 on a miss): the local lookup then finds at least that much, and
+    :meth:`~sparkcache.store.SnapshotStore.grow` up to the last whole block
+    the prompt shares with the snapshot; ``snapshot_id`` is the snapshot's
+    local id.  ``requests`` counts
     the tier requests (HEAD and GET) made.
     """
 
@@ -267,14 +270,14 @@ def _download(tier: SharedTier, identity: ModelIdentity, m: Manifest,
             raise CorruptSnapshot(f"{g.key} is {size} bytes, its manifest says {g.nbytes}",
                                   "truncated")
         try:
-            with tier.backend.open(g.key) as blob:
-                data = bytes(blob.buffer)
+            blob = tier.backend.open(g.key)  # in memory: the views below keep it alive
         except NotFound:
             raise CorruptSnapshot(f"{g.key} vanished from the tier", "missing") from None
-        if len(data) != g.nbytes:
-            raise CorruptSnapshot(f"{g.key} read {len(data)} bytes, not {g.nbytes}", "truncated")
-        nbytes += len(data)
-        buf = memoryview(data)
+        buf = blob.buffer
+        if buf.nbytes != g.nbytes:
+            raise CorruptSnapshot(f"{g.key} read {buf.nbytes} bytes, not {g.nbytes}",
+                                  "truncated")
+        nbytes += buf.nbytes
         header = verify_file(buf, g.digest, identity, g.rank, m.snap_key, g.token_start,
                              g.token_end)
         these = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1]).view("<u4")

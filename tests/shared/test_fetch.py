@@ -3,6 +3,7 @@ host restores the first one's prefixes, verified; every fault is a clean miss.""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 
@@ -232,3 +233,17 @@ def test_a_tier_that_is_down_is_a_clear_error(host: HostFactory, tmp_path) -> No
     with pytest.raises(SparkCacheError, match="check the endpoint"):
         b.fetch(IDENT, prompt(64))
     assert b.lookup(IDENT, prompt(64)) is None
+
+
+def test_stats_sum_the_fetches(file_tier: Tier, host: HostFactory,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    from sparkcache.cli import main
+
+    uploaded(host, file_tier)
+    b = host("b", file_tier)
+    b.fetch(IDENT, prompt(64))
+    b.fetch(IDENT, tokens(80, seed=5))  # nothing of it in the tier
+    b.close()
+    assert main(["--folder", str(b.root), "stats"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"fetched:\s+2 snapshots, 0.0 MB from the tier; 1 misses; 0 refused", out)
