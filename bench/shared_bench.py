@@ -74,7 +74,7 @@ def throughput(work: Path, server: S3Server, n_tokens: int, reps: int) -> dict[s
     toks = toks[:n_tokens // BS * BS]
     opts = {"endpoint_url": server.endpoint}
     fs = s3fs.S3FileSystem(**server.options)
-    up, down, plain_up, plain_down = [], [], [], []
+    up, down, plain_up, plain_down, downloads = [], [], [], [], []
     nbytes = 0
     hosts: list[Path] = []
     for rep in range(reps):
@@ -110,6 +110,7 @@ def throughput(work: Path, server: S3Server, n_tokens: int, reps: int) -> dict[s
             started = time.perf_counter()
             result = b.fetch(ident, toks)
             down.append(time.perf_counter() - started)
+            downloads.append(result.download_seconds)
             assert result.outcome == "fetched", result
             match = b.lookup(ident, toks)
             assert match is not None and b.grow(match, toks).n_tokens == toks.size
@@ -124,8 +125,13 @@ def throughput(work: Path, server: S3Server, n_tokens: int, reps: int) -> dict[s
         "fetch_gbs": round(nbytes / med(down) / 1e9, 3),
         "plain_get_gbs": round(nbytes / med(plain_down) / 1e9, 3),
         "fetch_ratio": round(med(plain_down) / med(down), 3),
-        "upload_s": [round(t, 3) for t in up], "plain_put_s": [round(t, 3) for t in plain_up],
-        "fetch_s": [round(t, 3) for t in down], "plain_get_s": [round(t, 3) for t in plain_down],
+        "download_gbs": round(nbytes / med(downloads) / 1e9, 3),
+        "download_ratio": round(med(plain_down) / med(downloads), 3),
+        "upload_s": [round(t, 3) for t in up],
+        "plain_put_s": [round(t, 3) for t in plain_up],
+        "fetch_s": [round(t, 3) for t in down],
+        "download_s": [round(t, 3) for t in downloads],
+        "plain_get_s": [round(t, 3) for t in plain_down],
     }
 
 
@@ -133,8 +139,14 @@ def miss_cost(work: Path, server: S3Server, n_tokens: int, reps: int = 50) -> di
     ident = identity()
     url = f"s3://{server.bucket()}/kv"
     opts = {"endpoint_url": server.endpoint}
-    fetches, lookups, requests = [], [], []
+    fetches, lookups, requests, heads = [], [], [], []
     with SnapshotStore(work / "miss", shared=url, shared_options=opts) as store:
+        assert store.shared is not None
+        backend = store.shared.backend
+        for i in range(reps):  # the floor: one plain HEAD of a missing object
+            started = time.perf_counter()
+            assert backend.head(f"missing/{i}.json") is None
+            heads.append(time.perf_counter() - started)
         for i in range(reps):
             toks = np.random.default_rng(100 + i).integers(0, 30000, n_tokens).astype(np.uint32)
             hashes = prefix_hashes(prefix_seed(ident, None), toks[:n_tokens // BS * BS], BS)
@@ -150,6 +162,7 @@ def miss_cost(work: Path, server: S3Server, n_tokens: int, reps: int = 50) -> di
     return {"n": reps, "fetch_miss_ms": round(med(fetches) * 1e3, 2),
             "fetch_miss_p90_ms": round(sorted(fetches)[int(0.9 * reps)] * 1e3, 2),
             "local_lookup_ms": round(med(lookups) * 1e3, 3),
+            "head_ms": round(med(heads) * 1e3, 2),
             "requests": int(med(requests))}
 
 
@@ -270,11 +283,13 @@ def main() -> int:
     print(f"{'':<26}{'sparkcache GB/s':>16}{'plain s3fs GB/s':>16}{'ratio':>8}")
     print(f"{'upload (put)':<26}{t['upload_gbs']:>16.3f}{t['plain_put_gbs']:>16.3f}"
           f"{t['upload_ratio']:>8.2f}")
-    print(f"{'fetch (get + verify)':<26}{t['fetch_gbs']:>16.3f}{t['plain_get_gbs']:>16.3f}"
+    print(f"{'fetch (whole, durable)':<26}{t['fetch_gbs']:>16.3f}{t['plain_get_gbs']:>16.3f}"
           f"{t['fetch_ratio']:>8.2f}")
+    print(f"{'  of it: get + verify':<26}{t['download_gbs']:>16.3f}{t['plain_get_gbs']:>16.3f}"
+          f"{t['download_ratio']:>8.2f}")
     print(f"shared-tier miss on a {opts.tokens}-token prompt: median {m['fetch_miss_ms']} ms "
-          f"(p90 {m['fetch_miss_p90_ms']} ms, {m['requests']} requests); the local lookup "
-          f"{m['local_lookup_ms']} ms")
+          f"(p90 {m['fetch_miss_p90_ms']} ms, {m['requests']} HEADs; one plain HEAD on this "
+          f"server {m['head_ms']} ms); the local lookup {m['local_lookup_ms']} ms")
     if "ttft" in out:
         r = out["ttft"]
         if "skipped" in r:

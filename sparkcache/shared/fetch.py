@@ -115,6 +115,9 @@ class FetchResult:
     nbytes: int = 0
     requests: int = 0
     seconds: float = 0.0
+    #: Of ``seconds``, the downloads and their verification (the rest is the
+    #: probe, the manifests and the durable publish into the local store).
+    download_seconds: float = 0.0
     reason: str | None = None
 
     @property
@@ -320,12 +323,15 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
             seed = (prefix_seed(identity, m.scope) if parent is None
                     else bytes.fromhex(parent.snap_key))
             result.requests += 2 * len(m.segments)
+            started = time.perf_counter()
             try:
                 tokens, pages, nbytes = _download(tier, identity, m, seed)
             except CorruptSnapshot as exc:
                 core.count(0, "fetch_refused")
                 result.outcome, result.reason = "refused", str(exc)
                 return
+            finally:
+                result.download_seconds += time.perf_counter() - started
             if parent is not None and full.size < parent.n_tokens:
                 full = _tokens_of(core, identity, parent, full)
             full = np.concatenate([full, tokens])
