@@ -160,6 +160,7 @@ class _ReqState:
     fetch_done: bool = False  # asked the tier already (or gave up waiting)
     before_fetch: int = 0  # tokens local (vLLM's or ours) before the fetch
     remote: int = 0  # tokens of the pending offer the tier supplied
+    remote_restored: int = 0  # of ``restored``, those the tier supplied
 
     def facts(self, *, final: bool) -> dict[str, Any]:
         """The request's row of the request log (``requestlog.LOG_FIELDS``).
@@ -182,6 +183,7 @@ class _ReqState:
             "prompt_tokens": int(request.num_prompt_tokens),
             "live_tokens": self.local,
             "restored_tokens": self.restored,
+            "remote_tokens": self.remote_restored,
             "written_tokens": written,
             "breakpoints": list(self.params.breakpoints),
             "queue_s": _since(arrival, self.admitted_at),
@@ -442,7 +444,7 @@ class SchedulerSide:
             if state.admitted_at is None:
                 state.admitted_at = time.time()
             if offer is not None:  # (not the call after an asynchronous load landed)
-                state.restored = 0
+                state.restored = state.remote_restored = 0
         if num_external == 0 or offer is None:
             return
         match, local, load_async, claim = offer
@@ -471,8 +473,9 @@ class SchedulerSide:
         if state is not None:
             state.restored = num_external
             if state.remote:  # the shared tier supplied the tokens past before_fetch
+                state.remote_restored = min(state.remote, num_external)
                 self.counters.add("remote_hits")
-                self.counters.add("remote_hit_tokens", min(state.remote, num_external))
+                self.counters.add("remote_hit_tokens", state.remote_restored)
 
     def plan_breakpoints(
         self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], list[int]]

@@ -19,7 +19,7 @@ from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
 
 from ..s3server import DelayProxy, S3Server, s3_server, stop_s3_servers
-from .helpers import BS, FakePages, Req, identity, prompt, save
+from .helpers import BS, FakePages, Req, blocks_of, finished, identity, prompt, save
 
 P = prompt(100, 31)
 
@@ -96,6 +96,10 @@ def test_a_second_host_restores_through_the_tier(hosts: Callable[..., Any]) -> N
             data["hits"]) == (1, 1, 99, 1)
     assert b_store.stats()["fetches"] == 1
     b_sched.on_output({"b"}, ())
+    facts: list[dict[str, Any]] = []
+    b_sched.on_facts = facts.append
+    b_sched.finished(finished(req), blocks_of(req))
+    assert (facts[-1]["restored_tokens"], facts[-1]["remote_tokens"]) == (99, 99)  # the log
     # local now: the next request is answered at once, without the tier
     assert b_sched.matched_tokens(Req("c", P), 0) == (99, True)
     assert "remote_lookups" not in counters.take()

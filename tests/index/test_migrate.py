@@ -35,7 +35,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert upgrade(conn, "0001") == ["0001"]
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
-    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006"]
+    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006", "0007"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -48,7 +48,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
-        assert db.migrated == ["0002", "0003", "0004", "0005", "0006"]
+        assert db.migrated == ["0002", "0003", "0004", "0005", "0006", "0007"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -90,7 +90,7 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0003.sqlite", path)
     assert current_revision(raw(path)) == "0003"
     with Database(path) as db:
-        assert db.migrated == ["0004", "0005", "0006"]
+        assert db.migrated == ["0004", "0005", "0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -118,7 +118,7 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0004.sqlite", path)
     assert current_revision(raw(path)) == "0004"
     with Database(path) as db:
-        assert db.migrated == ["0005", "0006"]
+        assert db.migrated == ["0005", "0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -146,7 +146,7 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0005.sqlite", path)
     assert current_revision(raw(path)) == "0005"
     with Database(path) as db:
-        assert db.migrated == ["0006"]
+        assert db.migrated == ["0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -191,6 +191,26 @@ def test_0006_downgrades_to_the_schema_of_0005(tmp_path: Path) -> None:
     assert current_revision(at_0006) == "0005"
     assert at_0006.execute("SELECT id, state FROM v_snapshots ORDER BY id").fetchall() == [
         (1, "ready"), (2, "quarantined")]
+
+
+def test_0007_downgrades_to_the_schema_of_0006(tmp_path: Path) -> None:
+    """0007's downgrade (the column) leaves exactly 0006's schema and the log's rows."""
+    at_0006 = raw(tmp_path / "0006.sqlite")
+    upgrade(at_0006, "0006")
+    path = tmp_path / "0007.sqlite"
+    shutil.copyfile(DATA / "golden_0005.sqlite", path)
+    at_0007 = raw(path)
+    upgrade(at_0007, "0007")
+    assert at_0007.execute("SELECT remote_tokens FROM request_log").fetchall() == [(None,)]
+    at_0007.execute("UPDATE request_log SET remote_tokens = 500")
+    buffer = io.StringIO()
+    command.downgrade(alembic_config(buffer), "0007:0006", sql=True)
+    with at_0007:
+        at_0007.execute(buffer.getvalue())
+    assert schema_objects(at_0007) == schema_objects(at_0006)
+    assert current_revision(at_0007) == "0006"
+    assert at_0007.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
+        ("r1", 600)]
 
 
 def test_0005_downgrades_to_the_schema_of_0004(tmp_path: Path) -> None:
