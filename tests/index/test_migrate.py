@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import apsw
 import pytest
 from alembic import command
 
@@ -173,43 +174,38 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
             assert list(conn.execute(queries.UPLOAD_QUEUE, (10,))) == []
 
 
+def _golden_downgraded(tmp_path: Path, rev: str, back: str, fill: str) -> apsw.Connection:
+    """golden_0005 upgraded to ``rev``, ``fill`` (SQL) run, then downgraded to
+    ``back``; checked to hold exactly the schema of a new index at ``back``."""
+    fresh = raw(tmp_path / f"{back}.sqlite")
+    upgrade(fresh, back)
+    path = tmp_path / f"{rev}.sqlite"
+    shutil.copyfile(DATA / "golden_0005.sqlite", path)
+    conn = raw(path)
+    upgrade(conn, rev)
+    conn.execute(fill)
+    buffer = io.StringIO()
+    command.downgrade(alembic_config(buffer), f"{rev}:{back}", sql=True)
+    with conn:
+        conn.execute(buffer.getvalue())
+    assert schema_objects(conn) == schema_objects(fresh)
+    assert current_revision(conn) == back
+    return conn
+
+
 def test_0006_downgrades_to_the_schema_of_0005(tmp_path: Path) -> None:
     """0006's downgrade (the view, the index, then the column) leaves exactly 0005's
     schema, and the snapshots' other columns."""
-    at_0005 = raw(tmp_path / "0005.sqlite")
-    upgrade(at_0005, "0005")
-    path = tmp_path / "0006.sqlite"
-    shutil.copyfile(DATA / "golden_0005.sqlite", path)
-    at_0006 = raw(path)
-    upgrade(at_0006, "0006")
-    at_0006.execute("UPDATE snapshots SET uploaded_at = 1.0")
-    buffer = io.StringIO()
-    command.downgrade(alembic_config(buffer), "0006:0005", sql=True)
-    with at_0006:
-        at_0006.execute(buffer.getvalue())
-    assert schema_objects(at_0006) == schema_objects(at_0005)
-    assert current_revision(at_0006) == "0005"
-    assert at_0006.execute("SELECT id, state FROM v_snapshots ORDER BY id").fetchall() == [
+    conn = _golden_downgraded(tmp_path, "0006", "0005", "UPDATE snapshots SET uploaded_at = 1.0")
+    assert conn.execute("SELECT id, state FROM v_snapshots ORDER BY id").fetchall() == [
         (1, "ready"), (2, "quarantined")]
 
 
 def test_0007_downgrades_to_the_schema_of_0006(tmp_path: Path) -> None:
     """0007's downgrade (the column) leaves exactly 0006's schema and the log's rows."""
-    at_0006 = raw(tmp_path / "0006.sqlite")
-    upgrade(at_0006, "0006")
-    path = tmp_path / "0007.sqlite"
-    shutil.copyfile(DATA / "golden_0005.sqlite", path)
-    at_0007 = raw(path)
-    upgrade(at_0007, "0007")
-    assert at_0007.execute("SELECT remote_tokens FROM request_log").fetchall() == [(None,)]
-    at_0007.execute("UPDATE request_log SET remote_tokens = 500")
-    buffer = io.StringIO()
-    command.downgrade(alembic_config(buffer), "0007:0006", sql=True)
-    with at_0007:
-        at_0007.execute(buffer.getvalue())
-    assert schema_objects(at_0007) == schema_objects(at_0006)
-    assert current_revision(at_0007) == "0006"
-    assert at_0007.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
+    conn = _golden_downgraded(tmp_path, "0007", "0006",
+                              "UPDATE request_log SET remote_tokens = 500")
+    assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
         ("r1", 600)]
 
 
