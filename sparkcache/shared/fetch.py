@@ -9,7 +9,8 @@ a prompt it holds, in a bounded number of small requests and never a listing:
 2. otherwise a binary search over the tier's stride boundaries, one HEAD of a
    marker each (a snapshot holding the prompt's first ``p`` tokens marked
    every stride boundary up to ``p``, so the matched probes are a prefix of
-   them), then a HEAD of the markers at the request's own breakpoints above
+   them: the first stride is probed first, and when it is not marked nothing
+   is), then a HEAD of the markers at the request's own breakpoints above
    the best stride (at most :data:`MAX_BREAKPOINT_PROBES`).
 
 :func:`resolve` then GETs the best marker, the manifest it names and its
@@ -149,9 +150,9 @@ def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], bloc
     """The markers the tier has for the prompt whose block hashes are ``hashes``,
     best (longest) first, then up to :data:`MAX_FALLBACKS` shorter strides to
     try when the best does not resolve; empty when it holds no prefix.
-    ``breakpoints`` are the request's (token counts).  See the module doc for
-    the requests made: ``1 + log2(len(hashes) * block_size / stride)`` HEADs
-    and at most :data:`MAX_BREAKPOINT_PROBES` more."""
+    ``breakpoints`` are the request's (token counts).  Requests: 2 HEADs when
+    the tier holds nothing of the prompt, at most ``2 + log2(len(hashes) *
+    block_size / stride)``, and at most :data:`MAX_BREAKPOINT_PROBES` more."""
     heads = tier if isinstance(tier, _Counted) else _Counted(tier)
     n_blocks = len(hashes)
     if n_blocks == 0:
@@ -170,8 +171,10 @@ def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], bloc
     if (last + 1) % stride and marked(last):  # the whole prompt: strides are fallbacks
         best, matched = at(last), len(strides)
     else:
-        lo, hi = 0, len(strides)
-        while lo < hi:  # matched strides are a prefix of them
+        # Matched strides are a prefix of them: the first one unmarked means none
+        # is (a prompt the tier has nothing of costs two HEADs), else bisect.
+        lo, hi = (1, len(strides)) if strides and marked(strides[0]) else (0, 0)
+        while lo < hi:
             mid = (lo + hi) // 2
             if marked(strides[mid]):
                 lo = mid + 1
@@ -415,4 +418,5 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     finally:
         result.requests += counted.requests
         result.seconds = time.perf_counter() - started
-        core.try_save()  # the counters, now if the index is free
+        if result.fetched:  # the counters now, if the index is free; a miss writes
+            core.try_save()  # nothing: its counts go with the next write

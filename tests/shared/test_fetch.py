@@ -84,12 +84,18 @@ def test_probes_are_bounded_and_never_list(s3_tier: Tier, host: HostFactory) -> 
     with s3_calls(b.shared.backend.fs) as calls:
         result = b.fetch(IDENT, long)
     assert result.outcome == "miss"
-    # one HEAD at the prompt's end, then a binary search over 250 strides
-    assert set(calls) == {"HeadObject"} and calls["HeadObject"] <= 1 + 9
-    assert result.requests == calls["HeadObject"]
+    # the first stride is not marked: nothing is (the end is on a stride here)
+    assert calls == {"HeadObject": 1} and result.requests == 1
+    assert b.fetch(IDENT, long[:3998]).requests == 2  # its end, then the first stride
+    partial = prompt(64, total=4000)  # the chain's 64 tokens, then 3936 others
     with s3_calls(b.shared.backend.fs) as calls:
-        hit = b.fetch(IDENT, prompt(64))
-    assert hit.outcome == "fetched" and "ListObjectsV2" not in calls and "ListObjects" not in calls
+        hit = b.fetch(IDENT, partial)
+    assert (hit.outcome, hit.n_tokens) == ("fetched", 64)
+    assert set(calls) == {"HeadObject", "GetObject"}  # never a listing
+    # GETs: the marker, two manifests, two segments, each after our HEAD (its
+    # size) and s3fs's own; the probe: the first stride, a binary search over
+    # the other 249 (the end is on a stride)
+    assert calls["GetObject"] == 5 and calls["HeadObject"] - 2 * 5 <= 1 + 8
 
 
 def test_another_scope_is_a_miss(tier: Tier, host: HostFactory) -> None:
