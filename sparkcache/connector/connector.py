@@ -14,7 +14,8 @@ false, or auto while the request is alone) as one within the prefill step,
 read layer by layer under its forward; it coalesces concurrent requests for
 one base, plans saves when requests finish and holds their blocks until every
 worker copied them out.  It also runs the retention sweeper and, with a shared
-tier, the uploader (docs/shared.md).
+tier, the uploader and the fetches of prompts' prefixes from the tier
+(:mod:`sparkcache.connector.fetcher`, docs/shared.md).
 
 Worker side (one per rank): loads and saves on background threads with
 bounded queues; finished loads and saves reported through ``get_finished``,

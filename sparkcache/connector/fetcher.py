@@ -102,10 +102,12 @@ class Fetcher:
             result = self.store.fetch(self.identity, tokens, scope=scope,
                                       breakpoints=breakpoints, hashes=hashes,
                                       min_tokens=self.min_tokens)
-        except SparkCacheError as exc:
+        except Exception as exc:  # a miss, whatever failed: never the request's error
             self.counters.add("remote_errors")
             self._burst += 1
-            if self._burst == 1:
+            if not isinstance(exc, SparkCacheError):
+                logger.exception("sparkcache: a fetch from the shared tier failed (a miss)")
+            elif self._burst == 1:
                 logger.warning("sparkcache: the shared tier failed (a miss, recomputed; not "
                                "logged again until it answers): %s", exc)
             return FetchResult("error", reason=str(exc),
