@@ -10,11 +10,18 @@ the deadline the request goes on with what is local (a miss for the tier,
 counted) and the fetch, if it ever finishes, still leaves its snapshot for the
 next request.
 
+A tier that fails or misses the deadline is not asked again for a while
+(:data:`BACKOFF_SECONDS`, doubling while it keeps failing): requests are then
+answered from the local store at once instead of each waiting out the
+deadline (counted ``remote_skipped``).  The first fetch after the pause
+probes it again; one that works ends the pause.
+
 Counters (through the connector's :class:`~sparkcache.connector.jobs.Counters`):
 ``remote_lookups`` (fetches started), ``remote_misses`` (the tier held nothing
 more), ``remote_refused`` (what it held failed verification), ``remote_errors``
 (the tier failed: unreachable, refused), ``remote_timeouts`` (past the
-deadline), ``remote_dropped`` (too many fetches in flight: not asked),
+deadline), ``remote_dropped`` (too many fetches in flight: not asked), ``remote_skipped``
+(not asked while the tier is paused after a failure),
 ``remote_fetched_bytes`` and ``remote_seconds``.
 """
 
@@ -43,6 +50,9 @@ logger = logging.getLogger("vllm.sparkcache")
 DEFAULT_DEADLINE_SECONDS = 2.0
 #: Fetches in flight at most; past it a request is not looked up in the tier.
 MAX_IN_FLIGHT = 64
+#: After a failure or a missed deadline the tier is not asked for this long,
+#: doubling with each further one up to the maximum.
+BACKOFF_SECONDS = (1.0, 60.0)
 
 
 @dataclass
@@ -75,12 +85,16 @@ class Fetcher:
         self._running: set[Future[FetchResult]] = set()
         self._lock = threading.Lock()
         self._burst = 0  # failures of the tier since it last answered
+        self._paused_until = 0.0  # monotonic: not asked before (after failures)
 
     def start(self, tokens: np.ndarray, scope: RequestScope | None,
               breakpoints: Sequence[int], hashes: Sequence[bytes]) -> Fetch | None:
         """Start a fetch of the longest prefix of ``tokens`` (whole blocks, with
         their ``hashes``); None when too many are in flight (counted)."""
         with self._lock:
+            if time.monotonic() < self._paused_until:
+                self.counters.add("remote_skipped")
+                return None
             if len(self._running) >= MAX_IN_FLIGHT:
                 self.counters.add("remote_dropped")
                 return None
@@ -104,7 +118,7 @@ class Fetcher:
                                       min_tokens=self.min_tokens)
         except Exception as exc:  # a miss, whatever failed: never the request's error
             self.counters.add("remote_errors")
-            self._burst += 1
+            self.failed()
             if not isinstance(exc, SparkCacheError):
                 logger.exception("sparkcache: a fetch from the shared tier failed (a miss)")
             elif self._burst == 1:
@@ -117,7 +131,8 @@ class Fetcher:
         if self._burst:
             logger.info("sparkcache: the shared tier answers again after %d failures",
                         self._burst)
-            self._burst = 0
+            with self._lock:
+                self._burst, self._paused_until = 0, 0.0
         if result.outcome == "miss":
             self.counters.add("remote_misses")
         elif result.outcome == "refused":
@@ -126,6 +141,13 @@ class Fetcher:
                            "%s", result.reason)
         self.counters.add("remote_fetched_bytes", result.nbytes)
         return result
+
+    def failed(self) -> None:
+        """The tier failed or missed a request's deadline: pause asking it."""
+        with self._lock:
+            self._burst += 1
+            pause = min(BACKOFF_SECONDS[1], BACKOFF_SECONDS[0] * 2 ** (self._burst - 1))
+            self._paused_until = time.monotonic() + pause
 
     @property
     def busy(self) -> bool:

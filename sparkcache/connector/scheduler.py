@@ -336,6 +336,8 @@ class SchedulerSide:
                 if not state.fetch.expired():
                     return None, False  # ask again once the tier answered
                 self.counters.add("remote_timeouts")  # go on with what is local
+                if self.fetcher is not None:
+                    self.fetcher.failed()  # and do not make the next ones wait
             state.fetch_done = True
         started = time.perf_counter()
         try:

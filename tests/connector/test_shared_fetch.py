@@ -121,8 +121,17 @@ def test_a_slow_tier_is_a_miss_at_the_deadline(hosts: Callable[..., Any]) -> Non
         answer = _ask(sched, req)
         waited = time.monotonic() - started
         assert answer == (0, False) and 0.5 <= waited < 3.0, (answer, waited)
+        # the tier is paused now: the next request does not wait out the deadline
+        assert sched.matched_tokens(Req("next", P), 0) == (0, False)
         data = counters.take()
-        assert data["remote_timeouts"] == 1 and "remote_hits" not in data
+        assert (data["remote_timeouts"], data["remote_skipped"]) == (1, 1)
+        assert "remote_hits" not in data
+        # fast again: after the pause (1 s) the tier is asked, and restores
+        proxy.delay = 0.0
+        time.sleep(1.1)
+        again = Req("again", P)
+        assert sched.matched_tokens(again, 0) == (None, False)
+        assert _ask(sched, again) == (99, True)
     finally:
         proxy.stop()
 
@@ -138,5 +147,7 @@ def test_a_tier_that_is_down_is_a_counted_miss(hosts: Callable[..., Any]) -> Non
     req = Req("b", P)
     assert sched.matched_tokens(req, 0) == (None, False)
     assert _ask(sched, req) == (0, False)
+    assert sched.matched_tokens(Req("next", P), 0) == (0, False)  # paused: not asked
     data = counters.take()
-    assert data["remote_errors"] == 1 and "remote_hits" not in data
+    assert (data["remote_errors"], data["remote_skipped"]) == (1, 1)
+    assert "remote_hits" not in data
