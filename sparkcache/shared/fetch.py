@@ -5,13 +5,15 @@ a prompt it holds, in a bounded number of small requests and never a listing:
 
 1. a HEAD of the marker at the prompt's last whole block (a snapshot of this
    very prompt, answered before on another host, marked it: its save's
-   breakpoint at the prompt's end);
-2. otherwise a binary search over the tier's stride boundaries, one HEAD of a
-   marker each (a snapshot holding the prompt's first ``p`` tokens marked
-   every stride boundary up to ``p``, so the matched probes are a prefix of
-   them: the first stride is probed first, and when it is not marked nothing
-   is), then a HEAD of the markers at the request's own breakpoints above
-   the best stride (at most :data:`MAX_BREAKPOINT_PROBES`).
+   breakpoint at the prompt's end), and at the same time one of the first
+   stride boundary's marker;
+2. unless the first found one, a binary search over the other stride
+   boundaries, one HEAD of a marker each (a snapshot holding the prompt's
+   first ``p`` tokens marked every stride boundary up to ``p``, so the
+   matched probes are a prefix of them: when the first is not marked nothing
+   is, and a prompt the tier holds nothing of costs one round trip), then a
+   HEAD of the markers at the request's own breakpoints above the best stride
+   (at most :data:`MAX_BREAKPOINT_PROBES`).
 
 :func:`resolve` then GETs the best marker, the manifest it names and its
 parents' manifests (root first), parsing each strictly; a marker whose
@@ -39,6 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,15 +132,30 @@ class FetchResult:
 # -- probe ---------------------------------------------------------------------------------
 
 
+def _pool() -> ThreadPoolExecutor:
+    """The threads that send a probe's first two HEADs at once (made on first use)."""
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(max_workers=4,
+                                            thread_name_prefix="sparkcache-probe"))
+        return _POOL[0]
+
+
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
 class _Counted:
     """The tier's HEAD and GET, counted."""
 
     def __init__(self, tier: SharedTier) -> None:
         self.tier = tier
         self.requests = 0
+        self._lock = threading.Lock()
 
     def has(self, key: str) -> bool:
-        self.requests += 1
+        with self._lock:
+            self.requests += 1
         return self.tier.exists(key)
 
     def get(self, key: str) -> bytes | None:
@@ -167,14 +185,18 @@ def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], bloc
     stride = max(1, heads.tier.alias_stride // block_size)
     strides = list(range(stride - 1, n_blocks, stride))
     last = n_blocks - 1
+    # The prompt's end and the first stride, at once: a miss costs one round trip.
+    # Matched strides are a prefix of them, so the first one unmarked means none is.
+    first = [i for i in (last if (last + 1) % stride else None,
+                         strides[0] if strides else None) if i is not None]
+    found = dict(zip(first, _pool().map(marked, first) if len(first) > 1
+                     else map(marked, first), strict=True))
     best: RemotePrefix | None
-    if (last + 1) % stride and marked(last):  # the whole prompt: strides are fallbacks
+    if found.get(last):  # the whole prompt: the strides are fallbacks only
         best, matched = at(last), len(strides)
     else:
-        # Matched strides are a prefix of them: the first one unmarked means none
-        # is (a prompt the tier has nothing of costs two HEADs), else bisect.
-        lo, hi = (1, len(strides)) if strides and marked(strides[0]) else (0, 0)
-        while lo < hi:
+        lo, hi = (1, len(strides)) if strides and found[strides[0]] else (0, 0)
+        while lo < hi:  # bisect the rest
             mid = (lo + hi) // 2
             if marked(strides[mid]):
                 lo = mid + 1
