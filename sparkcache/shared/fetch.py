@@ -3,17 +3,16 @@
 The read side of docs/shared.md.  :func:`probe` asks the tier which prefix of
 a prompt it holds, in a bounded number of small requests and never a listing:
 
-1. a HEAD of the marker at the prompt's last whole block (a snapshot of this
+1. a HEAD of the marker at the first stride boundary: a snapshot holding the
+   prompt's first ``p`` tokens marked every stride boundary up to ``p``, so
+   the matched ones are a prefix of them, and when the first is not marked
+   the tier holds nothing of the prompt past it (one HEAD: the common miss);
+2. a HEAD of the marker at the prompt's last whole block (a snapshot of this
    very prompt, answered before on another host, marked it: its save's
-   breakpoint at the prompt's end), and at the same time one of the first
-   stride boundary's marker;
-2. unless the first found one, a binary search over the other stride
-   boundaries, one HEAD of a marker each (a snapshot holding the prompt's
-   first ``p`` tokens marked every stride boundary up to ``p``, so the
-   matched probes are a prefix of them: when the first is not marked nothing
-   is, and a prompt the tier holds nothing of costs one round trip), then a
-   HEAD of the markers at the request's own breakpoints above the best stride
-   (at most :data:`MAX_BREAKPOINT_PROBES`).
+   breakpoint at the prompt's end);
+3. otherwise a binary search over the other stride boundaries, one HEAD of a
+   marker each, then a HEAD of the markers at the request's own breakpoints
+   above the best stride (at most :data:`MAX_BREAKPOINT_PROBES`).
 
 :func:`resolve` then GETs the best marker, the manifest it names and its
 parents' manifests (root first), parsing each strictly; a marker whose
@@ -41,7 +40,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,19 +130,6 @@ class FetchResult:
 # -- probe ---------------------------------------------------------------------------------
 
 
-def _pool() -> ThreadPoolExecutor:
-    """The threads that send a probe's first two HEADs at once (made on first use)."""
-    with _POOL_LOCK:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(max_workers=4,
-                                            thread_name_prefix="sparkcache-probe"))
-        return _POOL[0]
-
-
-_POOL: list[ThreadPoolExecutor] = []
-_POOL_LOCK = threading.Lock()
-
-
 class _Counted:
     """The tier's HEAD and GET, counted."""
 
@@ -168,9 +153,10 @@ def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], bloc
     """The markers the tier has for the prompt whose block hashes are ``hashes``,
     best (longest) first, then up to :data:`MAX_FALLBACKS` shorter strides to
     try when the best does not resolve; empty when it holds no prefix.
-    ``breakpoints`` are the request's (token counts).  Requests: 2 HEADs when
-    the tier holds nothing of the prompt, at most ``2 + log2(len(hashes) *
-    block_size / stride)``, and at most :data:`MAX_BREAKPOINT_PROBES` more."""
+    ``breakpoints`` are the request's (token counts).  Requests: one HEAD
+    when the tier holds nothing of the prompt, two for a prompt it holds
+    whole, at most ``2 + log2(len(hashes) * block_size / stride)``, and at
+    most :data:`MAX_BREAKPOINT_PROBES` more."""
     heads = tier if isinstance(tier, _Counted) else _Counted(tier)
     n_blocks = len(hashes)
     if n_blocks == 0:
@@ -185,17 +171,15 @@ def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], bloc
     stride = max(1, heads.tier.alias_stride // block_size)
     strides = list(range(stride - 1, n_blocks, stride))
     last = n_blocks - 1
-    # The prompt's end and the first stride, at once: a miss costs one round trip.
-    # Matched strides are a prefix of them, so the first one unmarked means none is.
-    first = [i for i in (last if (last + 1) % stride else None,
-                         strides[0] if strides else None) if i is not None]
-    found = dict(zip(first, _pool().map(marked, first) if len(first) > 1
-                     else map(marked, first), strict=True))
+    # Matched strides are a prefix of them: when the first is not marked, none
+    # is, and neither is the prompt's end (a snapshot holding it holds the first
+    # stride): a prompt the tier holds nothing of costs one HEAD.
+    first = bool(strides) and marked(strides[0])
     best: RemotePrefix | None
-    if found.get(last):  # the whole prompt: the strides are fallbacks only
-        best, matched = at(last), len(strides)
+    if (first or not strides) and (last + 1) % stride and marked(last):
+        best, matched = at(last), len(strides)  # the whole prompt: strides are fallbacks
     else:
-        lo, hi = (1, len(strides)) if strides and found[strides[0]] else (0, 0)
+        lo, hi = (1, len(strides)) if first else (0, 0)
         while lo < hi:  # bisect the rest
             mid = (lo + hi) // 2
             if marked(strides[mid]):
@@ -204,8 +188,10 @@ def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], bloc
                 hi = mid
         matched = lo
         top = strides[matched - 1] if matched else -1
+        # (none above an unmarked first stride can be marked)
+        end = n_blocks if first or not strides else strides[0]
         marks = sorted({b // block_size - 1 for b in breakpoints
-                        if top < b // block_size - 1 < n_blocks}, reverse=True)
+                        if top < b // block_size - 1 < end}, reverse=True)
         best = next((at(i) for i in marks[:MAX_BREAKPOINT_PROBES] if marked(i)), None)
         if best is None and matched:
             best, matched = at(top), matched - 1

@@ -84,9 +84,12 @@ def test_probes_are_bounded_and_never_list(s3_tier: Tier, host: HostFactory) -> 
     with s3_calls(b.shared.backend.fs) as calls:
         result = b.fetch(IDENT, long)
     assert result.outcome == "miss"
-    # the first stride is not marked: nothing is (the end is on a stride here)
+    # the first stride is not marked: nothing is, not even the end
     assert calls == {"HeadObject": 1} and result.requests == 1
-    assert b.fetch(IDENT, long[:3998]).requests == 2  # its end, then the first stride
+    assert b.fetch(IDENT, long[:3998]).requests == 1
+    assert b.fetch(IDENT, long[:12]).requests == 1  # no stride: the end only
+    # a breakpoint below the first stride is probed too, none above it
+    assert b.fetch(IDENT, long, breakpoints=[8, 12, 400]).requests == 1 + 2
     partial = prompt(64, total=4000)  # the chain's 64 tokens, then 3936 others
     with s3_calls(b.shared.backend.fs) as calls:
         hit = b.fetch(IDENT, partial)
@@ -96,6 +99,9 @@ def test_probes_are_bounded_and_never_list(s3_tier: Tier, host: HostFactory) -> 
     # size) and s3fs's own; the probe: the first stride, a binary search over
     # the other 249 (the end is on a stride)
     assert calls["GetObject"] == 5 and calls["HeadObject"] - 2 * 5 <= 1 + 8
+    again = host("c", s3_tier).fetch(IDENT, prompt(64, total=66))  # the stored tokens
+    # the first stride, then a bisection of the other three (the end is the 4th)
+    assert again.n_tokens == 64 and again.requests == 3 + 2 * 5
 
 
 def test_another_scope_is_a_miss(tier: Tier, host: HostFactory) -> None:
@@ -253,3 +259,18 @@ def test_stats_sum_the_fetches(file_tier: Tier, host: HostFactory,
     assert main(["--folder", str(b.root), "stats"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"fetched:\s+2 snapshots, 0.0 MB from the tier; 1 misses; 0 refused", out)
+
+
+def test_a_repeated_prompt_is_found_at_its_end(tier: Tier, host: HostFactory) -> None:
+    """A snapshot saved with a breakpoint at its prompt's end (as the connector
+    saves every answer) is found by the marker there: two HEADs, no bisection."""
+    a = host("a", tier)
+    toks = tokens(64, seed=3)
+    a.publish(IDENT, 0, toks, pages_for(IDENT, toks), breakpoints=[38])  # the prompt: 38
+    assert a.upload().error is None
+    b = host("b", tier)
+    result = b.fetch(IDENT, toks[:38])  # 9 whole blocks: the end, 36, is no stride
+    assert (result.outcome, result.n_tokens) == ("fetched", 36)
+    assert result.requests == 2 + 2 * 3  # then the marker, the manifest, the segment
+    match = b.lookup(IDENT, toks[:36])
+    assert match is not None and match.n_tokens == 36
