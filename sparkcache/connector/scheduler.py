@@ -300,8 +300,12 @@ class SchedulerSide:
         * memos, the same on every call: the request's scope, its breakpoints
           (noted on the first call; :meth:`plan_breakpoints` sees only requests
           asked about) and its block hashes;
-        * counters: ``lookups``, ``misses``, ``lookup_errors`` and
-          ``lookup_seconds`` count every call that reaches the index;
+        * counters: ``lookups`` and ``misses`` count every answer given from
+          the index (a call that starts a fetch from the shared tier gives
+          none: vLLM asks again); ``lookup_errors`` and ``lookup_seconds``
+          every call that reaches the index; ``remote_*`` the shared tier's
+          part (:mod:`sparkcache.connector.fetcher`), ``remote_hits`` once per
+          planned restore it supplied;
           ``coalesced`` counts a request once, however often it is told to wait;
         * the store: a lookup that finds nothing counts a miss in the store's
           own counters, and a snapshot whose stored tail block fails its checks
@@ -349,7 +353,6 @@ class SchedulerSide:
             return 0, False
         finally:
             self.counters.add("lookup_seconds", time.perf_counter() - started)
-        self.counters.add("lookups")
         if match is not None and match.n_tokens < limit:
             match = self._grow(match, tokens[:limit])
         claim = 0 if match is None else match.n_tokens
@@ -358,6 +361,7 @@ class SchedulerSide:
         have = max(claim, num_computed)
         if self._ask_tier(request, state, limit, have, hashes):
             return None, False  # ask again once the tier answered
+        self.counters.add("lookups")  # once per answer, however often it was asked
         state.remote = 0
         if state.fetch is not None and state.fetch.future.done() and claim > state.before_fetch:
             result = state.fetch.future.result()
