@@ -426,5 +426,5 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     finally:
         result.requests += counted.requests
         result.seconds = time.perf_counter() - started
-        if result.fetched:  # the counters now, if the index is free; a miss writes
-            core.try_save()  # nothing: its counts go with the next write
+        if result.outcome != "miss":  # the counters now, if the index is free; a
+            core.try_save()  # miss writes nothing: its counts go with the next write
