@@ -139,6 +139,11 @@ def cmd_stats(ctx: Context) -> int:
                                       f"{admin.mb(c.get('upload_bytes', 0))} MB; "
                                       f"{c.get('uploads.present', 0)} found in the tier; "
                                       f"{c.get('upload_failures', 0)} failures"))
+        if any(name.startswith("fetch") for name in c):
+            pairs.append(("fetched", f"{c.get('fetches', 0)} snapshots, "
+                                     f"{admin.mb(c.get('fetch_bytes', 0))} MB from the tier; "
+                                     f"{c.get('fetch_misses', 0)} misses; "
+                                     f"{c.get('fetch_refused', 0)} refused"))
         body = fields(pairs)
         if st.quarantined:
             body += "\n\nquarantined now:\n" + _snapshot_table(st.quarantined)

@@ -50,7 +50,7 @@ LOG_FIELDS: Final[tuple[str, ...]] = tuple(q.REQUEST_FIELDS.split(", "))
 
 # What each field holds (request_id, model, api, cache_key are text).
 _COUNTS: Final = frozenset({"model_id", "prompt_tokens", "live_tokens", "restored_tokens",
-                            "written_tokens", "output_tokens", "status"})
+                            "written_tokens", "output_tokens", "status", "remote_tokens"})
 _TIMES: Final = frozenset({"created_at", "queue_s", "restore_s", "ttft_s", "total_s"})
 
 
@@ -79,6 +79,7 @@ class RequestRow:
     ttft_s: float | None
     total_s: float | None
     status: int | None  # the HTTP status answered
+    remote_tokens: int | None = None  # of restored_tokens, from the shared tier
 
     def __post_init__(self) -> None:
         # The index holds the JSON text (or NULL).

@@ -59,9 +59,11 @@ from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
 from sparkcache.retention import Retention, SweepReport
 from sparkcache.shared import (
     DEFAULT_POLL_SECONDS,
+    FetchResult,
     SharedTier,
     Uploader,
     UploadReport,
+    fetch_prefix,
     shared_url,
     upload_pending,
 )
@@ -501,6 +503,35 @@ class SnapshotStore:
         """Upload the ready snapshots not uploaded yet, parents first, now: see
         :func:`sparkcache.shared.upload_pending`.  Needs ``shared``."""
         return upload_pending(self.core, self._tier(), limit=limit)
+
+    def fetch(
+        self,
+        identity: ModelIdentity,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        scope: RequestScope | None = None,
+        breakpoints: Sequence[int] = (),
+        hashes: Sequence[bytes] | None = None,
+        min_tokens: int = 1,
+    ) -> FetchResult:
+        """Ask the shared tier for the longest prefix of ``token_ids`` it holds
+        and make it local: see :func:`sparkcache.shared.fetch_prefix`.  Afterwards
+        :meth:`lookup` (and :meth:`grow`) find it as any local snapshot.
+
+        A bounded probe (HEADs of alias markers at the tier's stride boundaries,
+        by binary search; never a listing), then the manifests, then every
+        link's segments, each verified (size, digest, identity, rank, token
+        ids, key) before it is published here through :meth:`publish`'s path
+        (this store's retention applies).  ``breakpoints`` (the request's token
+        positions) are probed too.  Returns a :class:`FetchResult`: a miss, a
+        prefix fetched or already local, or ``refused`` (an object failed
+        verification: nothing of it is published).  Raises a SparkCacheError
+        when the tier is unreachable or refuses access.  Needs ``shared``.
+        """
+        return fetch_prefix(self.core, self._tier(), identity, token_ids, scope=scope,
+                            breakpoints=breakpoints, hashes=hashes,
+                            alias_stride=self.alias_stride, max_chain=self.max_chain,
+                            policy=self.retention, min_tokens=min_tokens)
 
     def start_uploader(self, *, wait_seconds: float = DEFAULT_UPLOAD_WAIT_SECONDS,
                        poll_seconds: float | None = None) -> Uploader:

@@ -13,14 +13,15 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
-__all__ = ["S3Server", "free_port", "s3_calls", "s3_server", "stop_s3_servers"]
+__all__ = ["DelayProxy", "S3Server", "free_port", "s3_calls", "s3_server", "stop_s3_servers"]
 
 
 def free_port() -> int:
@@ -121,3 +122,62 @@ def s3_calls(fs: Any) -> Iterator[Counter[str]]:
         yield calls
     finally:
         fs.s3.meta.events.unregister("before-call.s3", count)
+
+
+class DelayProxy:
+    """A TCP proxy on 127.0.0.1 to ``port`` that holds every piece a client sends
+    ``delay`` seconds before forwarding it: a slow endpoint (every request, on
+    new and kept-alive connections), made of real sockets.  ``delay`` may be
+    changed while it runs; :meth:`stop` closes everything."""
+
+    def __init__(self, port: int, delay: float) -> None:
+        self.target, self.delay = port, delay
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = int(self.sock.getsockname()[1])
+        self._open: list[socket.socket] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+        except OSError:
+            client.close()
+            return
+        self._open += [client, upstream]
+        for a, b, slow in ((client, upstream, True), (upstream, client, False)):
+            threading.Thread(target=self._pipe, args=(a, b, slow), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if slow and self._stop.wait(self.delay):
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        for s in self._open:
+            s.close()

@@ -277,7 +277,9 @@ class FsspecBackend:
             raise NotFound(f"no object {key!r} in {self.url}") from exc
         except OSError as exc:
             raise self._os_error(exc, "reading", key, self.url) from exc
-        return BufferBlob(bytes(data))
+        # s3fs returns a bytearray for a large object (read in concurrent ranges):
+        # kept as it is, not copied again.
+        return BufferBlob(data if isinstance(data, (bytes, bytearray)) else bytes(data))
 
     @_guarded("looking up")
     def exists(self, key: str) -> bool:

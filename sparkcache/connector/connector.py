@@ -14,7 +14,9 @@ false, or auto while the request is alone) as one within the prefill step,
 read layer by layer under its forward; it coalesces concurrent requests for
 one base, plans saves when requests finish and holds their blocks until every
 worker copied them out.  It also runs the retention sweeper and, with a shared
-tier, the uploader and (``shared_sweep``) the tier's sweeper (docs/shared.md).
+tier, the uploader, the fetches of prompts' prefixes from the tier
+(:mod:`sparkcache.connector.fetcher`) and (``shared_sweep``) the tier's
+sweeper (docs/shared.md).
 
 Worker side (one per rank): loads and saves on background threads with
 bounded queues; finished loads and saves reported through ``get_finished``,
@@ -38,6 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.layout import check_tensors, model_identity, rank_of
 from sparkcache.connector.logwriter import LogWriter
@@ -93,7 +96,12 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
     """Counters summed over an interval: ``data`` maps name -> number.
 
     Scheduler: lookups, hits, misses, hit_tokens, coalesced, saves_planned,
-    saves_known, breakpoint_saves_planned, lease_failures, lookup_seconds.
+    saves_known, breakpoint_saves_planned, lease_failures, lookup_seconds; with
+    a shared tier: remote_hits and remote_hit_tokens (the part of hits and
+    hit_tokens the tier supplied; the rest is local), remote_lookups,
+    remote_misses, remote_refused, remote_errors, remote_timeouts,
+    remote_dropped, remote_fetched_bytes, remote_seconds
+    (:mod:`sparkcache.connector.fetcher`).
     Workers: loads, loaded_tokens, loaded_bytes, load_seconds, loads_direct,
     loads_in_step, load_failures, loads_dropped, loads_unwaited, saves,
     saved_tokens, saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
@@ -128,6 +136,14 @@ PROM_COUNTERS = {
     "hits": "Requests that restored a prefix from sparkcache.",
     "misses": "Lookups that found nothing restorable beyond vLLM's own prefix hit.",
     "hit_tokens": "Tokens restored from sparkcache (offered and accepted).",
+    "remote_hits": "Restores that the shared tier supplied (fetched from another host).",
+    "remote_hit_tokens": "Restored tokens that the shared tier supplied.",
+    "remote_lookups": "Prompts looked up in the shared tier.",
+    "remote_misses": "Shared-tier lookups that found nothing more than the local store.",
+    "remote_refused": "Snapshots in the shared tier refused by verification (recomputed).",
+    "remote_errors": "Shared-tier lookups that failed: unreachable or refused (recomputed).",
+    "remote_timeouts": "Requests that stopped waiting for the shared tier at the deadline.",
+    "remote_fetched_bytes": "Bytes fetched from the shared tier.",
     "coalesced": "Requests that waited for another request's restore of their prefix.",
     "loaded_bytes": "KV bytes copied from sparkcache into the KV cache.",
     "loads_in_step": "Restores read layer by layer under the forward of their prefill step.",
@@ -202,6 +218,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.sweeper: Sweeper | None = None
         self.upload_store: SnapshotStore | None = None
         self.shared_sweeper: SharedSweeper | None = None
+        self.fetcher: Fetcher | None = None
         self.log_writer: LogWriter | None = None
         self.sched: SchedulerSide | None = None
         config = self._kv_transfer_config
@@ -237,7 +254,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # Its own store too; opening it checks the tier (endpoint, credentials,
             # bucket): a mistake is an error now, not failed uploads later.
             self.upload_store = SnapshotStore(self.settings.folder, shared=self.settings.shared,
-                                              shared_options=self.settings.shared_options)
+                                              shared_options=self.settings.shared_options,
+                                              retention=self.retention)
             self.upload_store.start_uploader(wait_seconds=self.settings.upload_wait_seconds)
             logger.info("sparkcache uploads this host's snapshots to the shared tier %s",
                         self.settings.shared)
@@ -245,6 +263,11 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # The limits are read now: a bad value stops the engine at start.
                 self.shared_sweeper = SharedSweeper(self.upload_store.shared,
                                                     TierLimits.from_env()).start()
+            if self.settings.shared_fetch and self.settings.restore:
+                self.fetcher = Fetcher(self.upload_store, self.identity, self.counters,
+                                       deadline=self.settings.shared_deadline_seconds,
+                                       min_tokens=self.sched.min_tokens)
+                self.sched.fetcher = self.fetcher
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -259,7 +282,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         Returns ``(tokens, load_async)``: ``(0, False)`` nothing to restore;
         ``(None, False)`` ask again on a later step (another request's restore
-        of this prefix is in flight); else the tokens offered (never the
+        of this prefix is in flight, or a fetch from the shared tier, up to
+        ``shared_deadline_seconds``); else the tokens offered (never the
         prompt's last: vLLM computes one to sample) and whether they land while
         the request waits (True) or within its prefill step (False).
 
@@ -311,8 +335,10 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.sched.plan_breakpoints(scheduler_output.num_scheduled_tokens, self._block_ids_of)
         preempted = self.sched.preempted(getattr(scheduler_output, "preempted_req_ids", None)
                                          or ())
-        loads, saves = self.sched.take_jobs()
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        if idle:  # requests waiting for the shared tier: let it answer, do not spin
+            self.sched.wait_fetches(IDLE_WAIT_SECONDS)
+        loads, saves = self.sched.take_jobs()
         return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted, idle=idle)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -579,6 +605,8 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.log_writer.close()
             if self.shared_sweeper is not None:
                 self.shared_sweeper.stop()
+            if self.fetcher is not None:
+                self.fetcher.close()
             if self.upload_store is not None:
                 self.upload_store.close()
         elif self.io is not None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from sparkcache.connector.fetcher import Fetch, Fetcher
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
@@ -154,6 +155,12 @@ class _ReqState:
     loaded_at: float | None = None  # an asynchronous restore landed
     first_token_at: float | None = None
     reported: bool = False  # the prefill's facts went out
+    # -- the shared tier --
+    fetch: Fetch | None = None  # a fetch from the tier, started for this request
+    fetch_done: bool = False  # asked the tier already (or gave up waiting)
+    before_fetch: int = 0  # tokens local (vLLM's or ours) before the fetch
+    remote: int = 0  # tokens of the pending offer the tier supplied
+    remote_restored: int = 0  # of ``restored``, those the tier supplied
 
     def facts(self, *, final: bool) -> dict[str, Any]:
         """The request's row of the request log (``requestlog.LOG_FIELDS``).
@@ -176,6 +183,7 @@ class _ReqState:
             "prompt_tokens": int(request.num_prompt_tokens),
             "live_tokens": self.local,
             "restored_tokens": self.restored,
+            "remote_tokens": self.remote_restored,
             "written_tokens": written,
             "breakpoints": list(self.params.breakpoints),
             "queue_s": _since(arrival, self.admitted_at),
@@ -219,8 +227,12 @@ class SchedulerSide:
         min_tokens: int = 64,
         tail_block: bool = True,
         on_facts: Callable[[dict[str, Any]], None] | None = None,
+        fetcher: Fetcher | None = None,
     ) -> None:
         self.store = store
+        #: Fetches from the shared tier when the local index holds less of a
+        #: prompt than it may (None: no tier, or restoring from it is off).
+        self.fetcher = fetcher
         #: Called with a request's log row when its prompt has been scheduled
         #: (what usage reports) and again when it finished (timings, output).
         self.on_facts = on_facts
@@ -288,8 +300,12 @@ class SchedulerSide:
         * memos, the same on every call: the request's scope, its breakpoints
           (noted on the first call; :meth:`plan_breakpoints` sees only requests
           asked about) and its block hashes;
-        * counters: ``lookups``, ``misses``, ``lookup_errors`` and
-          ``lookup_seconds`` count every call that reaches the index;
+        * counters: ``lookups`` and ``misses`` count every answer given from
+          the index (a call that starts a fetch from the shared tier gives
+          none: vLLM asks again); ``lookup_errors`` and ``lookup_seconds``
+          every call that reaches the index; ``remote_*`` the shared tier's
+          part (:mod:`sparkcache.connector.fetcher`), ``remote_hits`` once per
+          planned restore it supplied;
           ``coalesced`` counts a request once, however often it is told to wait;
         * the store: a lookup that finds nothing counts a miss in the store's
           own counters, and a snapshot whose stored tail block fails its checks
@@ -318,6 +334,15 @@ class SchedulerSide:
                     state.waited = True
                     self.counters.add("coalesced")
                 return None, False  # ask again once that load has landed
+        state = self._state(request)
+        if state.fetch is not None and not state.fetch_done:
+            if not state.fetch.future.done():
+                if not state.fetch.expired():
+                    return None, False  # ask again once the tier answered
+                self.counters.add("remote_timeouts")  # go on with what is local
+                if self.fetcher is not None:
+                    self.fetcher.failed()  # and do not make the next ones wait
+            state.fetch_done = True
         started = time.perf_counter()
         try:
             match = self.store.lookup(self.identity, np.asarray(tokens[:limit], np.uint32),
@@ -328,12 +353,20 @@ class SchedulerSide:
             return 0, False
         finally:
             self.counters.add("lookup_seconds", time.perf_counter() - started)
-        self.counters.add("lookups")
         if match is not None and match.n_tokens < limit:
             match = self._grow(match, tokens[:limit])
         claim = 0 if match is None else match.n_tokens
         if match is not None and tail and match.n_tokens == limit:
             match, claim = self._extend(match, tokens[:want])
+        have = max(claim, num_computed)
+        if self._ask_tier(request, state, limit, have, hashes):
+            return None, False  # ask again once the tier answered
+        self.counters.add("lookups")  # once per answer, however often it was asked
+        state.remote = 0
+        if state.fetch is not None and state.fetch.future.done() and claim > state.before_fetch:
+            result = state.fetch.future.result()
+            if result.hit:
+                state.remote = claim - state.before_fetch
         if match is None or claim <= num_computed:
             self.counters.add("misses")
             return 0, False
@@ -345,6 +378,30 @@ class SchedulerSide:
             load_async = len(self._live) > 1
         self._offers[request.request_id] = (match, num_computed, load_async, claim)
         return claim - num_computed, load_async
+
+    def _ask_tier(self, request: Any, state: _ReqState, limit: int, have: int,
+                  hashes: list[bytes]) -> bool:
+        """Start a fetch from the shared tier when it may hold more of the prompt
+        than is local (at least a block more, of a prompt long enough to have
+        been saved); True when one started (vLLM is told to ask again)."""
+        if self.fetcher is None or state.fetch is not None or state.fetch_done:
+            return False
+        if limit < max(self.min_tokens, self.bs) or limit - have < self.bs:
+            return False
+        request_tokens = np.asarray(request.all_token_ids[:limit], np.uint32)
+        fetch = self.fetcher.start(request_tokens, state.scope, state.params.breakpoints,
+                                   hashes)
+        if fetch is None:
+            state.fetch_done = True
+            return False
+        state.fetch, state.before_fetch = fetch, have
+        return True
+
+    def wait_fetches(self, timeout: float) -> None:
+        """On a step that computes nothing: wait up to ``timeout`` for a fetch
+        from the tier to end, instead of letting the engine spin."""
+        if self.fetcher is not None and self.fetcher.busy:
+            self.fetcher.wait_any(timeout)
 
     def _grow(self, match: Match, tokens: Any) -> Match | None:
         """The match grown to the last whole block the prompt shares with its
@@ -393,7 +450,7 @@ class SchedulerSide:
             if state.admitted_at is None:
                 state.admitted_at = time.time()
             if offer is not None:  # (not the call after an asynchronous load landed)
-                state.restored = 0
+                state.restored = state.remote_restored = 0
         if num_external == 0 or offer is None:
             return
         match, local, load_async, claim = offer
@@ -421,6 +478,10 @@ class SchedulerSide:
         self.counters.add("hit_tokens", num_external)
         if state is not None:
             state.restored = num_external
+            if state.remote:  # the shared tier supplied the tokens past before_fetch
+                state.remote_restored = min(state.remote, num_external)
+                self.counters.add("remote_hits")
+                self.counters.add("remote_hit_tokens", state.remote_restored)
 
     def plan_breakpoints(
         self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], list[int]]

@@ -26,6 +26,7 @@ from sparkcache.shared import check_options, resolve_shared
 __all__ = [
     "DEFAULT_MAX_PENDING_MB",
     "DEFAULT_MAX_QUEUED",
+    "DEFAULT_SHARED_DEADLINE_SECONDS",
     "DEFAULT_STAGING_MB",
     "DEFAULT_UPLOAD_WAIT_SECONDS",
     "MODES",
@@ -44,6 +45,8 @@ DEFAULT_LOAD_THREADS = 2
 DEFAULT_STAGING_MB = DEFAULT_STAGING_BYTES >> 20
 #: How long the scheduler's shutdown waits for queued uploads to the shared tier.
 DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
+#: How long a request waits for the shared tier before it is recomputed instead.
+DEFAULT_SHARED_DEADLINE_SECONDS = 2.0
 #: mode -> (restore, publish).
 MODES: dict[str, tuple[bool, bool]] = {
     "read-write": (True, True),
@@ -144,6 +147,12 @@ class ConnectorSettings:
     process also sweeps the tier (its per-model budget and age,
     ``SPARK_KV_CACHE_SHARED_*``) every ``SPARK_KV_CACHE_SHARED_SWEEP_SECONDS``,
     one host of the fleet at a time (default false; needs ``shared``).
+    ``shared_fetch``: ``true`` (default)
+    asks the tier for a prompt's prefix when the local index holds less of it
+    than the tier may, and restores what it fetched (modes that restore);
+    ``shared_deadline_seconds``: how long such a request waits for the tier
+    before it goes on with what is local (default 2; a slow or unreachable
+    tier is then a miss, recomputed).
     """
 
     folder: str
@@ -163,6 +172,8 @@ class ConnectorSettings:
     shared_options: dict[str, Any] = field(default_factory=dict)
     upload_wait_seconds: float = DEFAULT_UPLOAD_WAIT_SECONDS
     shared_sweep: bool = False
+    shared_fetch: bool = True
+    shared_deadline_seconds: float = DEFAULT_SHARED_DEADLINE_SECONDS
 
     @property
     def restore(self) -> bool:
@@ -238,4 +249,8 @@ class ConnectorSettings:
             upload_wait_seconds=_as_seconds(
                 "upload_wait_seconds",
                 extra.get("upload_wait_seconds", DEFAULT_UPLOAD_WAIT_SECONDS)),
+            shared_fetch=_as_bool("shared_fetch", extra.get("shared_fetch", True)),
+            shared_deadline_seconds=_as_seconds(
+                "shared_deadline_seconds",
+                extra.get("shared_deadline_seconds", DEFAULT_SHARED_DEADLINE_SECONDS)),
         )

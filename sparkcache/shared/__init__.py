@@ -4,13 +4,15 @@ Each host keeps its own store (its SQLite index is the fast local path); a
 shared tier (``s3://bucket/prefix``, ``gs://...``, ``file:///mnt/nfs/...``) is
 a second level behind it.  :mod:`~sparkcache.shared.layout` names every object
 (docs/shared.md), :mod:`~sparkcache.shared.tier` opens and checks a tier, and
-:mod:`~sparkcache.shared.uploader` copies each locally ready snapshot there, and
-:mod:`~sparkcache.shared.sweep` applies the tier's own limits (budget, age),
-one host at a time (:mod:`~sparkcache.shared.lease`).
+:mod:`~sparkcache.shared.uploader` copies each locally ready snapshot there,
+:mod:`~sparkcache.shared.fetch` finds a prompt's prefix there and makes it
+local, and :mod:`~sparkcache.shared.sweep` applies the tier's own limits
+(budget, age), one host at a time (:mod:`~sparkcache.shared.lease`).
 """
 
 from __future__ import annotations
 
+from sparkcache.shared.fetch import FetchResult, fetch_prefix
 from sparkcache.shared.layout import Manifest, parse_manifest
 from sparkcache.shared.lease import SweepLease
 from sparkcache.shared.sweep import (
@@ -34,6 +36,7 @@ from sparkcache.shared.uploader import (
 __all__ = [
     "DEFAULT_POLL_SECONDS",
     "SHARED_ENV",
+    "FetchResult",
     "Manifest",
     "SharedSweeper",
     "SharedTier",
@@ -44,6 +47,7 @@ __all__ = [
     "UploadResult",
     "Uploader",
     "check_options",
+    "fetch_prefix",
     "mark_used",
     "parse_manifest",
     "pending_uploads",

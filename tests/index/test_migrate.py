@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import apsw
 import pytest
 from alembic import command
 
@@ -35,7 +36,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert upgrade(conn, "0001") == ["0001"]
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
-    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006"]
+    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006", "0007"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -48,7 +49,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
-        assert db.migrated == ["0002", "0003", "0004", "0005", "0006"]
+        assert db.migrated == ["0002", "0003", "0004", "0005", "0006", "0007"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -90,7 +91,7 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0003.sqlite", path)
     assert current_revision(raw(path)) == "0003"
     with Database(path) as db:
-        assert db.migrated == ["0004", "0005", "0006"]
+        assert db.migrated == ["0004", "0005", "0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -118,7 +119,7 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0004.sqlite", path)
     assert current_revision(raw(path)) == "0004"
     with Database(path) as db:
-        assert db.migrated == ["0005", "0006"]
+        assert db.migrated == ["0005", "0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -146,7 +147,7 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0005.sqlite", path)
     assert current_revision(raw(path)) == "0005"
     with Database(path) as db:
-        assert db.migrated == ["0006"]
+        assert db.migrated == ["0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -173,24 +174,39 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
             assert list(conn.execute(queries.UPLOAD_QUEUE, (10,))) == []
 
 
+def _golden_downgraded(tmp_path: Path, rev: str, back: str, fill: str) -> apsw.Connection:
+    """golden_0005 upgraded to ``rev``, ``fill`` (SQL) run, then downgraded to
+    ``back``; checked to hold exactly the schema of a new index at ``back``."""
+    fresh = raw(tmp_path / f"{back}.sqlite")
+    upgrade(fresh, back)
+    path = tmp_path / f"{rev}.sqlite"
+    shutil.copyfile(DATA / "golden_0005.sqlite", path)
+    conn = raw(path)
+    upgrade(conn, rev)
+    conn.execute(fill)
+    buffer = io.StringIO()
+    command.downgrade(alembic_config(buffer), f"{rev}:{back}", sql=True)
+    with conn:
+        conn.execute(buffer.getvalue())
+    assert schema_objects(conn) == schema_objects(fresh)
+    assert current_revision(conn) == back
+    return conn
+
+
 def test_0006_downgrades_to_the_schema_of_0005(tmp_path: Path) -> None:
     """0006's downgrade (the view, the index, then the column) leaves exactly 0005's
     schema, and the snapshots' other columns."""
-    at_0005 = raw(tmp_path / "0005.sqlite")
-    upgrade(at_0005, "0005")
-    path = tmp_path / "0006.sqlite"
-    shutil.copyfile(DATA / "golden_0005.sqlite", path)
-    at_0006 = raw(path)
-    upgrade(at_0006, "0006")
-    at_0006.execute("UPDATE snapshots SET uploaded_at = 1.0")
-    buffer = io.StringIO()
-    command.downgrade(alembic_config(buffer), "0006:0005", sql=True)
-    with at_0006:
-        at_0006.execute(buffer.getvalue())
-    assert schema_objects(at_0006) == schema_objects(at_0005)
-    assert current_revision(at_0006) == "0005"
-    assert at_0006.execute("SELECT id, state FROM v_snapshots ORDER BY id").fetchall() == [
+    conn = _golden_downgraded(tmp_path, "0006", "0005", "UPDATE snapshots SET uploaded_at = 1.0")
+    assert conn.execute("SELECT id, state FROM v_snapshots ORDER BY id").fetchall() == [
         (1, "ready"), (2, "quarantined")]
+
+
+def test_0007_downgrades_to_the_schema_of_0006(tmp_path: Path) -> None:
+    """0007's downgrade (the column) leaves exactly 0006's schema and the log's rows."""
+    conn = _golden_downgraded(tmp_path, "0007", "0006",
+                              "UPDATE request_log SET remote_tokens = 500")
+    assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
+        ("r1", 600)]
 
 
 def test_0005_downgrades_to_the_schema_of_0004(tmp_path: Path) -> None:

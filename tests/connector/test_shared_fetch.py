@@ -1,0 +1,153 @@
+"""The scheduler side with a shared tier (moto's S3 server): a second host's
+request waits for the fetch ("ask again"), then restores the first host's
+rows; a slow tier (a delaying proxy) or one that is down is a counted miss."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sparkcache import SnapshotStore
+from sparkcache.connector.fetcher import Fetcher
+from sparkcache.connector.jobs import Counters
+from sparkcache.connector.scheduler import SchedulerSide
+from sparkcache.connector.worker import WorkerIO
+
+from ..s3server import DelayProxy, S3Server, s3_server, stop_s3_servers
+from .helpers import BS, FakePages, Req, blocks_of, finished, identity, prompt, save
+
+P = prompt(100, 31)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_s3() -> Iterator[None]:
+    yield
+    stop_s3_servers()
+
+
+def _host(root: Path, url: str, endpoint: str, *, deadline: float = 30.0,
+          ) -> tuple[SnapshotStore, SchedulerSide, WorkerIO, Counters, SnapshotStore]:
+    ident = identity()
+    store = SnapshotStore(root)
+    shared = SnapshotStore(root, shared=url, shared_options={"endpoint_url": endpoint})
+    counters = Counters()
+    fetcher = Fetcher(shared, ident, counters, deadline=deadline, min_tokens=BS)
+    sched = SchedulerSide(store, ident, counters, min_tokens=BS, load_async=True,
+                          fetcher=fetcher)
+    io = WorkerIO(store, ident, 0, FakePages(64, seed=int(root.stat().st_ino) % 100), counters)
+    return store, sched, io, counters, shared
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    made: list[Any] = []
+
+    def make(name: str, url: str, endpoint: str, **kw: Any) -> Any:
+        host = _host(tmp_path / name, url, endpoint, **kw)
+        made.append(host)
+        return host
+
+    yield make
+    for store, sched, io, _counters, shared in made:
+        io.close()
+        assert sched.fetcher is not None
+        sched.fetcher.close()
+        store.close()
+        shared.close()
+
+
+def _uploaded(hosts: Callable[..., Any], server: S3Server) -> tuple[str, Any]:
+    url = f"s3://{server.bucket()}/kv"
+    a = hosts("a", url, server.endpoint)
+    save(a[1], a[2], Req("a", P))  # 112 tokens: the prompt and 12 answer tokens
+    assert a[4].upload().error is None
+    return url, a
+
+
+def _ask(sched: SchedulerSide, req: Req, timeout: float = 30.0) -> tuple[int | None, bool]:
+    """vLLM's loop: ask again (an idle step waits for the fetch) until answered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = sched.matched_tokens(req, 0)
+        if answer[0] is not None or time.monotonic() > deadline:
+            return answer
+        sched.wait_fetches(0.02)
+
+
+def test_a_second_host_restores_through_the_tier(hosts: Callable[..., Any]) -> None:
+    server = s3_server()
+    url, a = _uploaded(hosts, server)
+    b_store, b_sched, b_io, counters, _ = hosts("b", url, server.endpoint)
+    req = Req("b", P)
+    assert b_sched.matched_tokens(req, 0) == (None, False)  # the fetch runs
+    assert _ask(b_sched, req) == (99, True)  # 96 whole + the block holding the end
+    b_sched.after_alloc(req, list(range(7)), 99)
+    (load,), _ = b_sched.take_jobs()
+    b_io.submit_load(load)
+    assert b_io.flush() and b_io.poll()[1] == {"b"} and not b_io.take_failed_blocks()
+    np.testing.assert_array_equal(b_io.pages.arr[:, :7], a[2].pages.arr[:, :7])  # a's rows
+    data = counters.take()
+    assert (data["remote_lookups"], data["remote_hits"], data["remote_hit_tokens"],
+            data["hits"]) == (1, 1, 99, 1)
+    assert b_store.stats()["fetches"] == 1
+    b_sched.on_output({"b"}, ())
+    facts: list[dict[str, Any]] = []
+    b_sched.on_facts = facts.append
+    b_sched.finished(finished(req), blocks_of(req))
+    assert (facts[-1]["restored_tokens"], facts[-1]["remote_tokens"]) == (99, 99)  # the log
+    # local now: the next request is answered at once, without the tier
+    assert b_sched.matched_tokens(Req("c", P), 0) == (99, True)
+    assert "remote_lookups" not in counters.take()
+
+
+def test_a_slow_tier_is_a_miss_at_the_deadline(hosts: Callable[..., Any]) -> None:
+    server = s3_server()
+    url, _a = _uploaded(hosts, server)
+    proxy = DelayProxy(server.port, 0.0)
+    try:
+        b = hosts("b", url, proxy.endpoint, deadline=0.5)  # opened while the tier is fast
+        _store, sched, _io, counters, _shared = b
+        proxy.delay = 5.0
+        req = Req("b", P)
+        started = time.monotonic()
+        assert sched.matched_tokens(req, 0) == (None, False)
+        # another request with nothing to ask the tier (under a block) is answered at once
+        assert sched.matched_tokens(Req("short", P[:10]), 0) == (0, False)
+        answer = _ask(sched, req)
+        waited = time.monotonic() - started
+        assert answer == (0, False) and 0.5 <= waited < 3.0, (answer, waited)
+        # the tier is paused now: the next request does not wait out the deadline
+        assert sched.matched_tokens(Req("next", P), 0) == (0, False)
+        data = counters.take()
+        assert (data["remote_timeouts"], data["remote_skipped"]) == (1, 1)
+        assert "remote_hits" not in data
+        # fast again: after the pause (1 s) the tier is asked, and restores
+        proxy.delay = 0.0
+        time.sleep(1.1)
+        again = Req("again", P)
+        assert sched.matched_tokens(again, 0) == (None, False)
+        assert _ask(sched, again) == (99, True)
+    finally:
+        proxy.stop()
+
+
+def test_a_tier_that_is_down_is_a_counted_miss(hosts: Callable[..., Any]) -> None:
+    s3_server()  # the session's environment (credentials) stays
+    server = S3Server(set_env=False)
+    try:
+        url, _a = _uploaded(hosts, server)
+        _store, sched, _io, counters, _shared = hosts("b", url, server.endpoint)
+    finally:
+        server.stop()
+    req = Req("b", P)
+    assert sched.matched_tokens(req, 0) == (None, False)
+    assert _ask(sched, req) == (0, False)
+    assert sched.matched_tokens(Req("next", P), 0) == (0, False)  # paused: not asked
+    data = counters.take()
+    assert (data["remote_errors"], data["remote_skipped"]) == (1, 1)
+    assert "remote_hits" not in data
