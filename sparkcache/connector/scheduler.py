@@ -618,6 +618,11 @@ class SchedulerSide:
                                   f"{len(self.group_windows)} KV cache groups")
         return groups
 
+    def _counted(self, groups: list[list[int]]) -> list[int]:
+        """The group whose blocks a save counts: a full-attention one if any."""
+        windows = self.group_windows
+        return groups[windows.index(0)] if 0 in windows else max(groups, key=len)
+
     def _group_blocks(self, groups: list[list[int]], start: int,
                       end: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Per group: the first block it needs of ``[start, end)`` and its ids from
@@ -689,7 +694,7 @@ class SchedulerSide:
                 return None, known
         return SaveJob(
             req_id=request.request_id, token_ids=token_ids,
-            block_ids=list(max(groups, key=len)[start:end] if groups else block_ids[start:end]),
+            block_ids=list(self._counted(groups)[start:end] if groups else block_ids[start:end]),
             parent=parent_id, scope=scope, breakpoints=marks, report=not mid_request,
             keep=keep, group_blocks=group_blocks,
         ), known

@@ -16,6 +16,8 @@ block below it).  All engines run in one script process
    and answers with the plain engine's greedy tokens and logprobs;
 4. *fault*: the same with restored pages scrambled after verification
    (``SPARKCACHE_TEST_FAULT=flip-restored``): it must answer differently;
+   *corrupt*: a byte of the stored window flipped on disk: the restore fails
+   verification, vLLM recomputes, the answer is plain vLLM's;
 5. *one group*: an engine with the hybrid manager off (vLLM then treats every
    layer as full attention: one group) must not restore what the hybrid
    engines stored - its identity differs in the group structure alone.
@@ -57,7 +59,8 @@ ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend"
 HMA_WARNING = "Turning off hybrid kv cache manager"
 
 SCRIPT = """
-import json, logging, time, traceback
+import json, logging, struct, time, traceback
+from pathlib import Path
 from vllm import SamplingParams
 from tiny_model import connector_config, counter_delta as delta, in_process_engine, metrics_of
 from sparkcache import SnapshotStore
@@ -123,6 +126,15 @@ try:
     with engine(fault="flip-restored") as llm:
         rec["fault"] = gen(llm, store, turn2)
         settle(llm, store, 2)
+    # A byte of the longest snapshot's payload flipped on disk (layer 0: sliding).
+    newest = max(ready(store), key=lambda s: s.n_tokens)
+    (path,) = Path(args["folder"]).rglob(f"objects/*/*/{newest.snap_key}-*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[8 + struct.unpack_from("<Q", data)[0] + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with engine() as llm:
+        rec["corrupt"] = gen(llm, store, turn2)
+        settle(llm, store, 1)
     with engine(disable_hybrid_kv_cache_manager=True) as llm:
         rec["one_group"] = gen(llm, store, turn2)
 except Exception:
@@ -190,6 +202,18 @@ def test_sliding_window_model_restores_every_group_with_the_hybrid_manager_on(
     bad = runs["fault"]
     assert _external(bad) > n_tokens and bad["stats"]["hits"] == 1
     assert same_answer(bad, plain) != ""
+
+
+@pytest.mark.slow
+def test_a_corrupt_window_is_recomputed_as_a_failed_request(runs: dict[str, Any]) -> None:
+    """A flipped byte on disk fails verification: with several groups vLLM
+    hears of it as a failed request (``failed_recving``; failed block ids would
+    stop its scheduler), recomputes, and answers as plain vLLM."""
+    assert "error" not in runs, runs.get("error", "") + runs["_log"]
+    out = runs["corrupt"]
+    assert out["metrics"]["vllm:sparkcache_load_failures"] >= 1, runs["_log"]
+    assert any(k.startswith("quarantined") for k in out["stats"]), out["stats"]
+    assert same_answer(out, runs["plain2"]) == ""
 
 
 @pytest.mark.slow
