@@ -84,7 +84,7 @@ def _sliding(n_blocks: int, held: list[int]) -> list[int]:
 
 
 def _publish(setup: Setup) -> tuple[Req, list[list[int]]]:
-    store, sched, io, _pages, _counters = setup
+    _store, sched, io, _pages, _counters = setup
     req = finished(Req("a", prompt(100, 1)))  # 116 tokens, 115 computed: 7 whole blocks
     blocks = [_sliding(8, [20, 21, 22]), list(range(1, 9))]
     held, _ = sched.finished(req, tuple(blocks))
@@ -110,7 +110,7 @@ def test_a_save_keeps_each_groups_blocks_and_only_the_window(grouped: Setup) -> 
 
 
 def test_a_restore_lands_in_each_groups_own_blocks(grouped: Setup) -> None:
-    store, sched, io, pages, counters = grouped
+    _store, sched, io, pages, counters = grouped
     req, _ = _publish(grouped)
     sliding_src, full_src = pages[0].arr[[20, 21]].copy(), pages[1].arr[1:8].copy()
     nxt = Req("b", req.all_token_ids + prompt(30, 2))
@@ -141,7 +141,7 @@ def test_only_whole_snapshots_are_offered(grouped: Setup) -> None:
 
 
 def test_a_failed_restore_is_a_failed_request_not_failed_blocks(grouped: Setup) -> None:
-    store, sched, io, pages, counters = grouped
+    store, sched, io, _pages, counters = grouped
     req, _ = _publish(grouped)
     nxt = Req("d", req.all_token_ids + prompt(30, 3))
     assert sched.matched_tokens(nxt, 0) == (112, True)
