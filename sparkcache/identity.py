@@ -17,6 +17,7 @@ machines and Python versions (no ``hash()``, no PYTHONHASHSEED).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -147,7 +148,7 @@ class ModelIdentity:
             raise InvalidArgument(f"extra {WINDOW_BLOCKS_KEY} names {len(windows)} layers; "
                                   f"the identity has num_layers={self.num_layers}")
 
-    @property
+    @functools.cached_property
     def window_blocks(self) -> tuple[int, ...]:
         """Per layer, the blocks a segment keeps below its end (0: all of them);
         ``()`` when every layer keeps every block (``extra[WINDOW_BLOCKS_KEY]``)."""
