@@ -48,15 +48,15 @@ from tiny_model import MISSING, SKIP_REASON, run_engine_script, token_prompt
 WINDOW = 512
 LAYERS = 8
 COMMON = {"hidden": 512, "heads": 8, "kv_heads": 4, "layers": LAYERS, "intermediate": 1024,
-          "max_model_len": 8192}
+          "max_model_len": 4096}
 MODELS: dict[str, dict[str, Any]] = {
     "gemma3": {"arch": "gemma3_text", "sliding_window": WINDOW,
                "layer_types": ["sliding_attention"] * 3 + ["full_attention"]
                + ["sliding_attention"] * 3 + ["full_attention"]},
     "llama": {"arch": "llama"},
 }
-ENGINE = {"dtype": "bfloat16", "max_model_len": 8192, "max_num_seqs": 4,
-          "num_gpu_blocks_override": 512, "distributed_executor_backend": "uni"}
+ENGINE = {"dtype": "bfloat16", "max_model_len": 4096, "max_num_seqs": 4,
+          "distributed_executor_backend": "uni"}
 
 SCRIPT = """
 import statistics, time
