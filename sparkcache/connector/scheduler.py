@@ -416,7 +416,7 @@ class SchedulerSide:
             return
         match, local, load_async, claim = offer
         start, end = local // self.bs, match.n_tokens // self.bs
-        groups = self._groups(block_ids, start, end)
+        groups = self._groups(block_ids)
         shortest = min(len(ids) for ids in groups) if groups else len(block_ids)
         if local + num_external != claim or local % self.bs or shortest < end:
             logger.warning("sparkcache: unexpected external token count %d (offered %d from "
@@ -608,7 +608,7 @@ class SchedulerSide:
         finally:
             self._reqs.pop(req_id, None)
 
-    def _groups(self, block_ids: Any, start: int, end: int) -> list[list[int]]:
+    def _groups(self, block_ids: Any) -> list[list[int]]:
         """vLLM's per-group block ids as lists (``[]`` with one group)."""
         if not self.group_windows:
             return []
@@ -661,7 +661,7 @@ class SchedulerSide:
         stored prefix found (None when none, or not looked up)."""
         if n < max(self.min_tokens, self.bs):
             return None, None
-        groups = self._groups(block_ids, 0, n // self.bs)
+        groups = self._groups(block_ids)
         for ids in groups or [block_ids]:
             if len(ids) * self.bs < n:
                 raise SparkCacheError(f"{len(ids)} blocks cannot hold {n} tokens")
