@@ -149,7 +149,6 @@ def _external(rec: dict[str, Any]) -> float:
     return float(rec["metrics"].get("vllm:external_prefix_cache_hits", 0))
 
 
-@pytest.mark.slow
 def test_sliding_window_model_restores_every_group_with_the_hybrid_manager_on(
     runs: dict[str, Any],
 ) -> None:
@@ -184,7 +183,6 @@ def test_sliding_window_model_restores_every_group_with_the_hybrid_manager_on(
     assert same_answer(bad, plain) != ""
 
 
-@pytest.mark.slow
 def test_a_corrupt_window_is_recomputed_as_a_failed_request(runs: dict[str, Any]) -> None:
     """A flipped byte on disk fails verification: with several groups vLLM
     hears of it as a failed request (``failed_recving``; failed block ids would
@@ -196,7 +194,6 @@ def test_a_corrupt_window_is_recomputed_as_a_failed_request(runs: dict[str, Any]
     assert same_answer(out, runs["plain2"]) == ""
 
 
-@pytest.mark.slow
 def test_another_group_structure_is_a_clean_miss(runs: dict[str, Any]) -> None:
     """The hybrid manager off: vLLM gives every layer full attention in one
     group, which writes other KV blocks; nothing stored by the hybrid engines
@@ -207,7 +204,6 @@ def test_another_group_structure_is_a_clean_miss(runs: dict[str, Any]) -> None:
     assert same_answer(out, runs["plain2"]) == ""
 
 
-@pytest.mark.slow
 def test_a_mamba_hybrid_is_refused_at_start_naming_its_layer_types(
     runs: dict[str, Any],
 ) -> None:
