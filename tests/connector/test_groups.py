@@ -165,3 +165,56 @@ def test_no_save_when_vllm_freed_part_of_the_window(grouped: Setup) -> None:
     held, _ = sched.finished(req, (_sliding(8, [22]), list(range(1, 9))))
     assert not held and sched.take_jobs() == ([], [])
     assert counters.take().get("saves_windowless") == 1
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_real_kv_pages_of_two_groups_round_trip(tmp_path: Path, use_numpy: bool) -> None:
+    """The same save and restore over :class:`~sparkcache.cuda.KVPages` of CPU
+    tensors: straight into the cache's memory (numpy views), and through host
+    buffers scattered layer by layer (the torch path a GPU cache takes)."""
+    torch = pytest.importorskip("torch")
+    from sparkcache.cuda import KVPages
+
+    ident = dataclasses.replace(identity(), extra=((WINDOW_BLOCKS_KEY, f"{KEEP},0"),))
+    gen = torch.Generator().manual_seed(5)
+
+    def cache() -> Any:  # [blocks, *page_shape] float32, as identity() says
+        return torch.randn((64, *ident.page_shape), generator=gen)
+
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    src = {names[0]: cache(), names[1]: cache()}
+    dst = {names[0]: cache(), names[1]: cache()}
+    before = {name: t.clone() for name, t in dst.items()}
+
+    def worker(kv: dict[str, Any]) -> WorkerIO:
+        pages = [KVPages({names[0]: kv[names[0]]}, use_numpy=use_numpy),
+                 KVPages({names[1]: kv[names[1]]}, use_numpy=use_numpy)]
+        return WorkerIO(store, ident, 0, pages[0], counters,
+                        groups=LayerGroups(pages, [(0, 0), (1, 0)]))
+
+    store, counters = SnapshotStore(tmp_path / "s"), Counters()
+    sched = SchedulerSide(store, ident, counters, min_tokens=BS, group_windows=(KEEP, 0))
+    saver, loader = worker(src), worker(dst)
+    try:
+        req = finished(Req("a", prompt(100, 1)))
+        assert sched.finished(req, (_sliding(8, [20, 21, 22]), list(range(1, 9))))[0]
+        _, (save_job,) = sched.take_jobs()
+        saver.submit_save(save_job)
+        assert saver.flush()
+        nxt = Req("b", req.all_token_ids + prompt(30, 2))
+        assert sched.matched_tokens(nxt, 0) == (112, True)
+        sched.after_alloc(nxt, (_sliding(10, [40, 41, 42, 43, 44]), list(range(50, 60))), 112)
+        (load_job,), _ = sched.take_jobs()
+        loader.submit_load(load_job)
+        assert loader.flush()
+        assert loader.take_failed_requests() == set()
+        assert torch.equal(dst[names[0]][[40, 41]], src[names[0]][[20, 21]])
+        assert torch.equal(dst[names[1]][50:57], src[names[1]][1:8])
+        for name, written in ((names[0], [40, 41]), (names[1], list(range(50, 57)))):
+            others = [b for b in range(64) if b not in written]
+            assert torch.equal(dst[name][others], before[name][others])  # nothing else
+        assert counters.take()["loaded_bytes"] == (7 + KEEP) * ident.page_nbytes
+    finally:
+        saver.close()
+        loader.close()
+        store.close()
