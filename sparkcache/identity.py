@@ -17,6 +17,7 @@ machines and Python versions (no ``hash()``, no PYTHONHASHSEED).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from sparkcache.errors import InvalidArgument
 
 __all__ = [
     "STORAGE_SCHEMA_VERSION",
+    "WINDOW_BLOCKS_KEY",
     "ModelIdentity",
     "RequestScope",
     "canonical_json",
@@ -36,6 +38,11 @@ __all__ = [
 #: Bumped whenever the bytes a segment holds change meaning.  Part of every
 #: identity, so entries written by another version miss cleanly.
 STORAGE_SCHEMA_VERSION = 1
+
+#: The ``extra`` key naming, per layer (in layer order), how many blocks ending
+#: at a segment's end that layer stores: ``"2,0,2,0"`` (0: every block).  Set
+#: for models with sliding-window layers, which need only their window.
+WINDOW_BLOCKS_KEY = "window_blocks"
 
 # Storage dtype names are the safetensors ones; engine spellings map onto them.
 _DTYPE_ALIASES: dict[str, str] = {
@@ -136,6 +143,34 @@ class ModelIdentity:
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"extra must be (name, value) pairs, got {self.extra!r}") from exc
         object.__setattr__(self, "extra", extra)
+        windows = self.window_blocks
+        if windows and len(windows) != self.num_layers:
+            raise InvalidArgument(f"extra {WINDOW_BLOCKS_KEY} names {len(windows)} layers; "
+                                  f"the identity has num_layers={self.num_layers}")
+
+    @functools.cached_property
+    def window_blocks(self) -> tuple[int, ...]:
+        """Per layer, the blocks a segment keeps below its end (0: all of them);
+        ``()`` when every layer keeps every block (``extra[WINDOW_BLOCKS_KEY]``)."""
+        text = dict(self.extra).get(WINDOW_BLOCKS_KEY)
+        if not text:
+            return ()
+        try:
+            windows = tuple(int(v) for v in text.split(","))
+        except ValueError as exc:
+            raise InvalidArgument(f"extra {WINDOW_BLOCKS_KEY} must be comma-separated "
+                                  f"block counts, got {text!r}") from exc
+        if any(w < 0 for w in windows):
+            raise InvalidArgument(f"extra {WINDOW_BLOCKS_KEY} has a negative count: {text!r}")
+        return windows
+
+    def first_stored_block(self, layer: int, start_block: int, end_block: int) -> int:
+        """The first block that ``layer`` stores of a segment holding blocks
+        ``[start_block, end_block)``: ``start_block`` unless the layer keeps only
+        a window of blocks ending at ``end_block``."""
+        windows = self.window_blocks
+        keep = windows[layer] if windows else 0
+        return start_block if keep == 0 else max(start_block, end_block - keep)
 
     @property
     def world_size(self) -> int:

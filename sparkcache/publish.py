@@ -126,9 +126,11 @@ def publish(
     plan = _plan(core, identity, identity.check_rank(rank), block_tokens(identity, token_ids),
                  parent, scope, breakpoints, max_chain)
     bs = identity.block_size
-    views = _page_views(identity, pages, (plan.n - plan.tail_start) // bs)
+    views = _page_views(identity, pages, plan.tail_start // bs, plan.n // bs)
     if policy is not None:
         nbytes = (plan.n - plan.start) // bs * identity.page_nbytes * len(views)
+        if identity.window_blocks:
+            nbytes = sum(v.size for v in views)
         why = policy.refuse(core, plan.n, nbytes)
         if why is not None:
             with core.write() as conn:
@@ -167,6 +169,9 @@ def _plan(
     # Breakpoints round down to whole blocks; one below the first block marks nothing.
     marks = sorted({b // bs * bs for b in _token_counts(breakpoints) if bs <= b <= n})
     start, depth, compact, tail_start = 0, 0, False, 0
+    if parent is not None and identity.window_blocks:
+        raise InvalidArgument("a model whose layers keep a window of blocks (sliding-window "
+                              "attention) publishes whole snapshots: pass parent=None")
     if parent is not None:
         with core.read() as conn:
             p = core.snapshot(conn, parent)
@@ -203,7 +208,8 @@ def _token_counts(breakpoints: Iterable[int]) -> list[int]:
     return counts
 
 
-def _page_views(identity: ModelIdentity, pages: Sequence[Any], n_blocks: int) -> list[np.ndarray]:
+def _page_views(identity: ModelIdentity, pages: Sequence[Any], start_block: int,
+                end_block: int) -> list[np.ndarray]:
     if isinstance(pages, (bytes, bytearray, memoryview, np.ndarray)) or not pages:
         raise InvalidArgument("pages must be a non-empty sequence of per-layer buffers")
     if len(pages) != identity.num_layers:
@@ -211,9 +217,10 @@ def _page_views(identity: ModelIdentity, pages: Sequence[Any], n_blocks: int) ->
             f"pages holds {len(pages)} layers; the identity says num_layers="
             f"{identity.num_layers}: pass one buffer per layer"
         )
-    want = n_blocks * identity.page_nbytes
     views = [as_byte_view(p) for p in pages]
     for i, view in enumerate(views):
+        n_blocks = end_block - identity.first_stored_block(i, start_block, end_block)
+        want = n_blocks * identity.page_nbytes
         if view.size != want:
             raise InvalidArgument(
                 f"layer {i} holds {view.size} bytes; {n_blocks} blocks of page_shape "

@@ -63,7 +63,7 @@ def read_pages(
 
 def read_into(
     core: Core, match: Match, rank: int, out: Sequence[Any], *,
-    n_tokens: int | None = None, start_tokens: int = 0,
+    n_tokens: int | None = None, start_tokens: int | Sequence[int] = 0,
     on_layer: Callable[[int], None] | None = None, threads: int = 1,
     cpus: Sequence[int] = (),
 ) -> int:
@@ -76,9 +76,11 @@ def read_into(
     its page 0 receives block ``start_tokens // block_size``.  Layers are
     copied in order, each from every link of the chain; ``on_layer(i)`` runs
     once layer ``i`` is complete (a consumer may use it while later layers
-    are read).  Returns the number of blocks copied.  A failure may
-    leave ``out`` partly written with *verified* bytes only; treat it as a
-    miss."""
+    are read).  ``start_tokens`` may also be one start per layer (a
+    sliding-window layer needs only its window): each layer's destination
+    then receives its own start's block first.  Returns the number of blocks
+    copied (from the lowest start).  A failure may leave ``out`` partly
+    written with *verified* bytes only; treat it as a miss."""
     dests: list[np.ndarray | seg.Sink] = [
         seg.Pieces(o) if isinstance(o, (list, tuple))
         else o if not isinstance(o, np.ndarray) and isinstance(o, seg.Sink)
@@ -86,16 +88,21 @@ def read_into(
         for o in out
     ]
     page = match.identity.page_nbytes
+    bs = match.identity.block_size
+    starts = [start_tokens] * len(dests) if isinstance(start_tokens, int) else list(start_tokens)
+    if len(starts) != len(dests):
+        raise InvalidArgument(f"{len(starts)} start_tokens for {len(dests)} destinations")
 
     def check(n_layers: int, n_blocks: int) -> list[np.ndarray | seg.Sink]:
         if n_layers != len(dests):
             raise InvalidArgument(f"the snapshot has {n_layers} layers, out has {len(dests)}")
-        need = n_blocks * page
-        if any(d.size < need for d in dests):
-            raise InvalidArgument(
-                f"each destination needs at least {need} bytes ({n_blocks} pages of {page} "
-                f"bytes, from token {start_tokens}); got {min(d.size for d in dests)}"
-            )
+        end = n_blocks + min(starts) // bs
+        for d, start in zip(dests, starts, strict=True):
+            need = (end - start // bs) * page
+            if d.size < need:
+                raise InvalidArgument(
+                    f"each destination needs at least {need} bytes ({need // page} pages of "
+                    f"{page} bytes, from token {start}); got {d.size}")
         return dests
 
     return _read_chain(core, match, rank, n_tokens, check, skip_tokens=start_tokens,
@@ -186,21 +193,22 @@ class _Opened:
 
 @dataclass(frozen=True)
 class _Copy:
-    """What one link contributes to every layer: its bytes ``[skip, nbytes)`` of
-    each layer tensor land at byte ``at`` of the layer's destination."""
+    """What one link contributes to each layer ``i``: its bytes ``[skip[i],
+    nbytes[i])`` of the layer's tensor land at byte ``at[i]`` of the layer's
+    destination (nothing when ``skip[i] >= nbytes[i]``)."""
 
     link: _Link
     opened: _Opened
-    skip: int
-    nbytes: int
-    at: int
+    skip: tuple[int, ...]  # per layer
+    nbytes: tuple[int, ...]
+    at: tuple[int, ...]
 
 
 def _read_chain(
     core: Core, match: Match, rank: int, n_tokens: int | None,
     dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Sink]], *, touch: bool = True,
-    skip_tokens: int = 0, on_layer: Callable[[int], None] | None = None, threads: int = 1,
-    cpus: Sequence[int] = (),
+    skip_tokens: int | Sequence[int] = 0, on_layer: Callable[[int], None] | None = None,
+    threads: int = 1, cpus: Sequence[int] = (),
 ) -> int:
     """Verify the chain's tokens ``[0, n)`` and copy the pages of ``[skip_tokens, n)``.
 
@@ -209,7 +217,11 @@ def _read_chain(
     Every link is opened and its header, identity and token ids checked before
     any payload is copied, so the whole prefix is proven; payload below
     ``skip_tokens`` is never read.  Then layer by layer (``on_layer`` after
-    each), every link's part of that layer.
+    each), every link's part of that layer.  ``skip_tokens`` may be one start
+    per layer (page 0 of layer ``i``'s destination is then block
+    ``skip_tokens[i] // block_size``); a layer that keeps only a window of
+    blocks (``identity.window_blocks``) and lacks one at or above its start is
+    NotFound (a miss: that prefix's window was not stored).
     """
     identity = match.identity
     identity.check_rank(rank)
@@ -219,14 +231,17 @@ def _read_chain(
         raise InvalidArgument(
             f"n_tokens must be a positive multiple of {bs} up to {match.n_tokens}, got {n}"
         )
-    if not 0 <= skip_tokens < n or skip_tokens % bs:
-        raise InvalidArgument(
-            f"start_tokens must be a multiple of the block size {bs} in [0, {n}) "
-            f"(below n_tokens), got {skip_tokens}"
-        )
+    skips = ([skip_tokens] * identity.num_layers if isinstance(skip_tokens, int)
+             else list(skip_tokens))
+    for skip in skips:
+        if not 0 <= skip < n or skip % bs:
+            raise InvalidArgument(
+                f"start_tokens must be a multiple of the block size {bs} in [0, {n}) "
+                f"(below n_tokens), got {skip}"
+            )
+    low = min(skips)
     model_id, links = _chain_links(core, match, rank, n)
-    page = identity.page_nbytes
-    skip_blocks = skip_tokens // bs
+    skip_blocks = low // bs
     dests: Sequence[np.ndarray | seg.Sink] | None = None
     copies: list[_Copy] = []
     with ExitStack() as stack:
@@ -246,24 +261,50 @@ def _read_chain(
                     del stored
                     n_layers = opened.header.n_layers
                     if dests is None:
+                        if n_layers != len(skips):
+                            raise InvalidArgument(f"{len(skips)} start_tokens for "
+                                                  f"{n_layers} layers")
                         dests = dest_for(n_layers, n // bs - skip_blocks)
                     elif n_layers != len(dests):
                         raise CorruptSnapshot("chain links disagree on the layer count",
                                               "shape")
-                if stop > skip_tokens:  # else wholly below the range: payload unread
-                    first = max(link.start, skip_tokens) // bs  # first block copied from here
-                    copies.append(_Copy(
-                        link, opened, skip=(first - link.start // bs) * page,
-                        nbytes=(stop - link.start) // bs * page, at=(first - skip_blocks) * page))
+                if stop > low:  # else wholly below the range: payload unread
+                    copies.append(_link_copy(identity, link, opened, stop, skips))
                 del opened
             assert dests is not None
             _copy_layers(core, copies, dests, on_layer, threads, cpus)
+            copied = sum(max(0, b - a) for c in copies
+                         for a, b in zip(c.skip, c.nbytes, strict=True))
         finally:
             copies.clear()  # drop the views before the mmaps close
     n_blocks = n // bs - skip_blocks
     if touch:
-        _touch(core, model_id, links, n - skip_tokens, n_blocks * page * len(dests))
+        _touch(core, model_id, links, n - low, copied)
     return n_blocks
+
+
+def _link_copy(identity: ModelIdentity, link: _Link, opened: _Opened, stop: int,
+               skips: Sequence[int]) -> _Copy:
+    """What ``link`` contributes to each layer: blocks from the layer's start (or
+    the link's) below ``stop``, in the layer's stored range."""
+    bs, page = identity.block_size, identity.page_nbytes
+    begin, end, stop_block = link.start // bs, link.end // bs, stop // bs
+    skip, nbytes, at = [], [], []
+    for i, start in enumerate(skips):
+        first = max(begin, start // bs)  # the first block copied from here
+        if first >= stop_block:
+            skip.append(0)
+            nbytes.append(0)
+            at.append(0)
+            continue
+        stored = identity.first_stored_block(i, begin, end)
+        if first < stored:
+            raise NotFound(f"layer {i} of snapshot link {link.id} keeps blocks from "
+                           f"{stored}; block {first} (its window at this prefix) was not stored")
+        skip.append((first - stored) * page)
+        nbytes.append((stop_block - stored) * page)
+        at.append((first - start // bs) * page)
+    return _Copy(link, opened, tuple(skip), tuple(nbytes), tuple(at))
 
 
 def _copy_layers(core: Core, copies: list[_Copy],
@@ -309,9 +350,11 @@ def _copy_layers(core: Core, copies: list[_Copy],
         while (i := take()) is not None:
             try:
                 for c in copies:
+                    if c.skip[i] >= c.nbytes[i]:
+                        continue
                     with _quarantine_on_failure(core, c.link):
                         seg.copy_verified(c.opened.buf, c.opened.header, f"layer.{i}",
-                                          c.nbytes, dests[i], skip=c.skip, at=c.at,
+                                          c.nbytes[i], dests[i], skip=c.skip[i], at=c.at[i],
                                           read_at=c.opened.read_at, bounce=bounce)
             except BaseException as exc:  # handed to the caller's thread
                 with lock:

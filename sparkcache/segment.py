@@ -108,17 +108,24 @@ def build_header(
 ) -> tuple[bytes, str]:
     """Header bytes (length prefix included) and the segment digest.
 
-    ``layers`` are flat uint8 views; ``tokens`` is a little-endian uint32 array.
-    Hashes every chunk once (xxh3_128 runs at memory speed, far above fsync).
+    ``layers`` are flat uint8 views of whole pages (a layer that keeps only a
+    window holds fewer than the token range's blocks); ``tokens`` is a
+    little-endian uint32 array.  Hashes every chunk once (xxh3_128 runs at
+    memory speed, far above fsync).
     """
-    n_blocks = int(meta["token_end"] - meta["token_start"]) // int(meta["block_size"])
+    page_nbytes = DTYPE_SIZES[dtype]
+    for dim in page_shape:
+        page_nbytes *= int(dim)
     entries: dict[str, Any] = {}
     chunks: dict[str, str] = {}
     offset = 0
     for i, layer in enumerate(layers):
+        if layer.size % page_nbytes:
+            raise InvalidArgument(f"layer {i} holds {layer.size} bytes, not whole pages of "
+                                  f"{page_nbytes} bytes")
         entries[f"layer.{i}"] = {
             "dtype": dtype,
-            "shape": [n_blocks, *page_shape],
+            "shape": [layer.size // page_nbytes, *page_shape],
             "data_offsets": [offset, offset + layer.size],
         }
         chunks[f"layer.{i}"] = _chunk_digests(layer)
@@ -218,6 +225,13 @@ def check_header(
         if header.meta.get(key) != value:
             raise _fail(f"segment {key} is {header.meta.get(key)!r}, expected {value!r}",
                         "identity")
+    bs = identity.block_size
+    for i in range(identity.num_layers):
+        first = identity.first_stored_block(i, token_start // bs, token_end // bs)
+        want = (token_end // bs - first) * identity.page_nbytes
+        if header.tensors[f"layer.{i}"][1] != want:
+            raise _fail(f"segment layer.{i} holds {header.tensors[f'layer.{i}'][1]} bytes, "
+                        f"expected {want}", "shape")
     return header
 
 

@@ -303,7 +303,10 @@ class SnapshotStore:
         the parent's token count (0 without a parent): with a parent only the
         new tail is written (copy-on-write).  Chains longer than ``max_chain``
         are compacted here: the parent's rows are read (verified) and a full
-        segment is written.  ``breakpoints`` (token counts, rounded down to whole
+        segment is written.  A model whose identity keeps windows
+        (:attr:`~sparkcache.identity.ModelIdentity.window_blocks`: sliding-window
+        layers) passes, for each such layer, only the window's blocks ending at
+        the snapshot's end, and no parent.  ``breakpoints`` (token counts, rounded down to whole
         blocks) get alias rows.  Returns once this rank's bytes are durable; the
         snapshot is restorable when every rank has published.
         """
@@ -393,7 +396,7 @@ class SnapshotStore:
 
     def read_into(
         self, match: Match, rank: int, out: Sequence[Any], *, n_tokens: int | None = None,
-        start_tokens: int = 0, on_layer: Callable[[int], None] | None = None,
+        start_tokens: int | Sequence[int] = 0, on_layer: Callable[[int], None] | None = None,
         threads: int = 1, cpus: Sequence[int] = (),
     ) -> int:
         """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
@@ -411,7 +414,9 @@ class SnapshotStore:
         verified first (a 1 MiB chunk straddling ``start_tokens`` is verified
         whole).  Layers are copied in order; ``on_layer(i)`` is called as soon
         as layer ``i`` is complete, so a consumer can use it while the rest is
-        read; ``threads`` > 1 shares the layers among that many threads (still
+        read; ``start_tokens`` may be one start per layer (a sliding-window
+        layer needs only its window: page 0 of its destination is then its own
+        start's block); ``threads`` > 1 shares the layers among that many threads (still
         reported in order), each pinned to its own CPU of ``cpus`` for the copy
         when given (thread ``k`` on ``cpus[k % len(cpus)]``).  Returns the
         number of blocks copied; ``restored_tokens`` / ``restored_bytes`` count

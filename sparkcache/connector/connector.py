@@ -42,13 +42,19 @@ from typing import Any
 
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
-from sparkcache.connector.layout import check_tensors, model_identity, rank_of
+from sparkcache.connector.layout import (
+    check_tensors,
+    kv_groups,
+    layer_order,
+    model_identity,
+    rank_of,
+)
 from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
-from sparkcache.connector.worker import PAGES_ENV, WorkerIO
+from sparkcache.connector.worker import PAGES_ENV, LayerGroups, WorkerIO
 from sparkcache.cuda import KVPages
-from sparkcache.errors import SparkCacheError
+from sparkcache.errors import InvalidArgument, SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.requestlog import log_rows_setting
 from sparkcache.retention import Retention, RetentionSettings, Sweeper
@@ -61,6 +67,8 @@ _base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.ba
 _metrics = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
 _hit_source = importlib.import_module("vllm.v1.metrics.cache_hit_source")
 KVConnectorBase_V1: Any = _base.KVConnectorBase_V1
+SupportsHMA: Any = _base.SupportsHMA
+KVConnectorTransferResults: Any = _base.KVConnectorTransferResults
 KVConnectorMetadata: Any = _base.KVConnectorMetadata
 KVConnectorRole: Any = _base.KVConnectorRole
 KVConnectorStats: Any = _metrics.KVConnectorStats
@@ -176,8 +184,13 @@ class SparkCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 self.counters[name][engine_idx].inc(value)
 
 
-class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """Persistent, verified prefix snapshots for vLLM (see the module docstring)."""
+class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """Persistent, verified prefix snapshots for vLLM (see the module docstring).
+
+    Supports vLLM's hybrid KV cache manager (``SupportsHMA``): block ids come
+    one list per KV cache group, and each group is saved and restored in its
+    own blocks (a sliding-window group: only its window).
+    """
 
     _cache_hit_source = CacheHitSource.DISK
 
@@ -190,6 +203,10 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             vllm_config, kv_cache_config, revision=self.settings.revision
         )
         self.block_size = self.identity.block_size
+        self.kv_groups = kv_groups(kv_cache_config)
+        #: Per group, the blocks a snapshot keeps (0: all); () with one full group.
+        self.group_windows = tuple(g.window_blocks for g in self.kv_groups) \
+            if len(self.kv_groups) > 1 or self.identity.window_blocks else ()
         self.counters = Counters()
         self.active = self.settings.mode != "off"
         self.retention = Retention(RetentionSettings.from_env(folder=self.settings.folder))
@@ -244,6 +261,7 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             load_async=self.settings.load_async, tail_block=self.settings.tail_block,
             min_tokens=self.retention.settings.min_tokens if min_tokens is None else min_tokens,
             on_facts=None if self.log_writer is None else self.log_writer.put,
+            group_windows=self.group_windows,
         )
         if self.settings.sweep:
             # Its own store (own index connection): a long sweep never holds the
@@ -263,7 +281,12 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # The limits are read now: a bad value stops the engine at start.
                 self.shared_sweeper = SharedSweeper(self.upload_store.shared,
                                                     TierLimits.from_env()).start()
-            if self.settings.shared_fetch and self.settings.restore:
+            if self.settings.shared_fetch and self.settings.restore and self.sched.windowed:
+                # The tier's markers sit at stride boundaries, where a windowed
+                # snapshot's window is not stored: nothing fetched would restore.
+                logger.warning("sparkcache does not restore sliding-window models from the "
+                               "shared tier yet (uploads go on); their restores are local")
+            elif self.settings.shared_fetch and self.settings.restore:
                 self.fetcher = Fetcher(self.upload_store, self.identity, self.counters,
                                        deadline=self.settings.shared_deadline_seconds,
                                        min_tokens=self.sched.min_tokens)
@@ -312,7 +335,10 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """
         if self.sched is None:
             return
-        block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
+        block_ids: Any = []
+        if num_external_tokens:
+            per_group = blocks.get_block_ids()
+            block_ids = per_group if self.group_windows else list(per_group[0])
         self.sched.after_alloc(request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(
@@ -346,12 +372,14 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().bind_kv_cache_manager(kv_cache_manager)
         self._kv_manager = kv_cache_manager
 
-    def _block_ids_of(self, req_id: str) -> list[int]:
-        """A running request's blocks (group 0), for its breakpoint saves."""
+    def _block_ids_of(self, req_id: str) -> Any:
+        """A running request's blocks, for its breakpoint saves (one list per KV
+        cache group with several groups)."""
         manager = getattr(self, "_kv_manager", None)
         if manager is None:
             raise KeyError("vLLM did not bind its KV cache manager")
-        return list(manager.get_block_ids(req_id)[0])
+        per_group = manager.get_block_ids(req_id)
+        return per_group if self.group_windows else list(per_group[0])
 
     def update_connector_output(self, connector_output: Any) -> None:
         """After each step: what the workers reported in :meth:`get_finished`.
@@ -390,6 +418,21 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return False, None
         return self.sched.finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` with one block-id list per KV cache group
+        (vLLM's hybrid allocator, ``SupportsHMA``; vLLM calls it instead).
+
+        A sliding-window group's list holds vLLM's null block (id 0) where the
+        window has moved past; the save takes each group's own blocks (the
+        window's only) and holds all of them until copied.
+        """
+        if self.sched is None:
+            return False, None
+        return self.sched.finished(request, block_ids if self.group_windows
+                                   else list(block_ids[0]))
+
     def has_pending_block_frees(self) -> bool:
         """True while blocks that :meth:`request_finished` held are not copied out
         yet: vLLM may wait for them instead of preempting."""
@@ -424,24 +467,38 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         parallel = importlib.import_module("vllm.distributed.parallel_state")
         pages: KVPages | None = None
+        groups: LayerGroups | None = None
+        group_pages: list[KVPages] = []
         rank = 0
         try:
-            pages = KVPages(kv_caches, use_numpy=os.environ.get(PAGES_ENV) != "torch",
-                            staging_bytes=self.settings.staging_mb << 20)
-            check_tensors(self.identity, pages.tensors)
+            if self.group_windows:
+                group_pages, groups = self._layer_groups(kv_caches)
+                pages = group_pages[0]
+            else:
+                pages = self._pages(kv_caches)
+                check_tensors(self.identity, pages.tensors)
             rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
                            parallel.get_pipeline_model_parallel_rank())
         except SparkCacheError as exc:
             # Loads fail (and are recomputed), saves are skipped: misses only.
             logger.error("sparkcache is off on this worker: %s", exc)
-            pages = None
+            pages, groups = None, None
         self.io = WorkerIO(
             self.store, self.identity, rank, pages, self.counters,
             max_queued_loads=self.settings.max_queued_loads,
             load_threads=self.settings.load_threads,
             max_queued_saves=self.settings.max_queued_saves,
             max_pending_bytes=self.settings.max_pending_mb << 20,
+            groups=groups,
         )
+        if groups is not None:
+            names = layer_order(n for g in self.kv_groups for n in g.layers)
+            self._layer_index = {name: i for i, name in enumerate(names)}
+            logger.info("sparkcache worker rank %d: %d KV cache groups (%s), %d-byte pages on "
+                        "%s", rank, len(self.kv_groups),
+                        ", ".join(f"{g.kind} x{len(g.layers)}" for g in self.kv_groups),
+                        group_pages[0].page_nbytes, group_pages[0].where)
+            return
         if pages is not None:
             # Layers sharing another layer's cache wait for that layer's pages.
             where = {int(t.data_ptr()): i for i, t in enumerate(pages.tensors)}
@@ -450,6 +507,29 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             logger.info("sparkcache worker rank %d: %d layers of %d blocks, %d-byte pages %s "
                         "on %s", rank, len(pages), pages.num_blocks, pages.page_nbytes,
                         self.identity.page_shape, pages.where)
+
+    def _pages(self, kv_caches: dict[str, Any], groups: int = 1) -> KVPages:
+        """The page mover of these layers; several groups share ``staging_mb``."""
+        return KVPages(kv_caches, use_numpy=os.environ.get(PAGES_ENV) != "torch",
+                       staging_bytes=(self.settings.staging_mb << 20) // groups)
+
+    def _layer_groups(self, kv_caches: dict[str, Any]) -> tuple[list[KVPages], LayerGroups]:
+        """Each KV cache group's layers as their own :class:`KVPages` (each group
+        has its own block table), checked against the identity."""
+        names = layer_order(n for g in self.kv_groups for n in g.layers)
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise InvalidArgument(f"vLLM registered no KV cache for layers {missing[:4]}")
+        group_pages = [self._pages({n: kv_caches[n] for n in g.layers}, len(self.kv_groups))
+                       for g in self.kv_groups]
+        check_tensors(self.identity, [t for p in group_pages for t in p.tensors])
+        where = []
+        for name in names:
+            g = next(k for k, group in enumerate(self.kv_groups) if name in group.layers)
+            if name not in group_pages[g].names:
+                raise InvalidArgument(f"layer {name} shares another layer's KV cache")
+            where.append((g, group_pages[g].names.index(name)))
+        return group_pages, LayerGroups(group_pages, where)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Each step, with the step's metadata bound: before the forward when the
@@ -558,6 +638,18 @@ class SparkCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.io.wait_for_loads(IDLE_WAIT_SECONDS)
         sent, recved = self.io.poll()
         return (sent or None), (recved or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """:meth:`get_finished`, plus (with several KV cache groups) the requests
+        whose restore failed in ``failed_recving``: vLLM's block ids are per
+        group there, so a failed load is reported as a failed request and vLLM
+        recomputes it whole.  Failures are taken after the finished ids, so a
+        failed request is never reported finished before it is reported failed."""
+        sent, recved = self.get_finished(finished_req_ids)
+        failed = self.io.take_failed_requests() if self.io is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sent or ()),
+                                          finished_recving=set(recved or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of loads that failed since the last call (verification, a full

@@ -32,6 +32,10 @@ class LoadJob:
     #: Feeds this step's forward (vLLM's synchronous load) instead of landing
     #: while the request waits.
     in_step: bool = False
+    #: Several KV cache groups (vLLM's hybrid allocator): per group, the first
+    #: block restored and the group's block ids from it up to ``n_tokens``
+    #: (a sliding-window group: only its window).  ``block_ids`` is then empty.
+    group_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class SaveJob:
     #: Seconds to keep the published snapshot at least (a breakpoint's ``ttl``):
     #: rank 0 takes a keep lease on it once published.
     keep: float | None = None
+    #: Several KV cache groups: per group, the first block saved and the
+    #: group's block ids from it (a sliding-window group: only its window).
+    #: ``block_ids`` then holds the full-attention blocks (what is counted).
+    group_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 class Counters:

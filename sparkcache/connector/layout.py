@@ -17,16 +17,25 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from sparkcache.errors import InvalidArgument
-from sparkcache.identity import DTYPE_SIZES, ModelIdentity, canonical_json, normalize_dtype
+from sparkcache.identity import (
+    DTYPE_SIZES,
+    WINDOW_BLOCKS_KEY,
+    ModelIdentity,
+    canonical_json,
+    normalize_dtype,
+)
 
 __all__ = [
-    "check_tensors", "config_fingerprint", "model_identity", "rank_of", "weights_fingerprint",
+    "KVGroup", "check_tensors", "config_fingerprint", "kv_groups", "layer_order",
+    "model_identity", "rank_of", "weights_fingerprint",
 ]
 
 #: Files whose bytes define the weights of a local model folder.
@@ -83,19 +92,104 @@ def _dtype_name(dtype: Any) -> str:
     return normalize_dtype(str(dtype))
 
 
-def _attention_spec(kv_cache_config: Any) -> Any:
+#: KV cache specs whose blocks vLLM frees or rewrites below a request's end
+#: (windows, chunks, rings, recurrent state) and that sparkcache does not
+#: store; sliding windows (``SlidingWindowSpec``) are stored per window.
+_UNSUPPORTED_SPECS = ("MambaSpec", "ChunkedLocalAttentionSpec", "CircularBufferSpec",
+                      "RSWASpec", "CrossAttentionSpec", "EncoderOnlyAttentionSpec")
+_SUPPORTED = ("full attention (FullAttentionSpec) and sliding-window attention "
+              "(SlidingWindowSpec) layers")
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups, as sparkcache stores it.
+
+    ``window_blocks``: the blocks a snapshot keeps of each of its layers,
+    ending at the snapshot's end (0: every block).  A sliding window of ``W``
+    tokens reaches back ``W - 1`` tokens (plus vLLM's ``extra_retained_tokens``)
+    from the next token, so a restore at a block boundary needs exactly the
+    blocks holding those tokens.
+    """
+
+    kind: str  # "full" or "sliding"
+    spec: str  # vLLM's spec class name
+    window: int  # tokens; 0 for full attention
+    block_size: int
+    window_blocks: int
+    layers: tuple[str, ...]  # vLLM layer names
+
+
+def layer_order(names: Any) -> list[str]:
+    """vLLM's layer names in model order (``model.layers.<i>...``: by ``i``)."""
+    def key(name: str) -> tuple[int, str]:
+        found = _LAYER_INDEX.findall(f".{name}.")
+        return (int(found[-1]) if found else -1, name)
+    return sorted(names, key=key)
+
+
+def _describe(groups: list[Any]) -> str:
+    return "; ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} "
+                     f"layer{'s' if len(g.layer_names) != 1 else ''}: "
+                     f"{', '.join(layer_order(g.layer_names)[:4])}"
+                     f"{', ...' if len(g.layer_names) > 4 else ''})" for g in groups)
+
+
+def kv_groups(kv_cache_config: Any, hf_config: Any = None) -> list[KVGroup]:
+    """The engine's KV cache groups; InvalidArgument (the engine does not start)
+    for a layout sparkcache cannot store, naming its layer types.
+
+    Every group must be attention KV of one page layout (heads, head size,
+    dtype, block size); a group of Mamba or linear-attention state, chunked
+    local attention, a ring buffer or cross-attention is refused: a restore
+    would need that state at the prefix's end, which this version does not
+    store (docs/connector.md, "Model coverage").
+    """
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise InvalidArgument(
-            f"sparkcache supports models with one KV cache group, this one has {len(groups)} "
-            "(hybrid, sliding-window or encoder-decoder layouts are not supported yet)"
-        )
-    spec = groups[0].kv_cache_spec
-    for attr in ("num_kv_heads", "head_size", "block_size", "dtype"):
-        if not hasattr(spec, attr):
-            raise InvalidArgument(f"KV cache spec {type(spec).__name__} is not attention KV "
-                                  f"(no {attr}); sparkcache cannot store it")
-    return spec
+    if not groups:
+        raise InvalidArgument("the engine has no KV cache groups; sparkcache has nothing to store")
+    types = getattr(hf_config, "layer_types", None) or getattr(hf_config, "layers_block_type",
+                                                               None)
+    what = f" (the model's layer types: {sorted(set(map(str, types)))})" if types else ""
+    out: list[KVGroup] = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        name = type(spec).__name__
+        missing = [a for a in ("num_kv_heads", "head_size", "block_size", "dtype")
+                   if not hasattr(spec, a)]
+        if name in _UNSUPPORTED_SPECS or missing:
+            raise InvalidArgument(
+                f"sparkcache cannot store this model's KV cache: its groups are "
+                f"{_describe(groups)}{what}.  It stores {_SUPPORTED}; {name} layers hold "
+                "state that a restore would need at the prefix's end, which sparkcache does "
+                "not store.  Serve this model without the sparkcache connector.")
+        window = int(getattr(spec, "sliding_window", None) or 0)
+        sliding = any(c.__name__ == "SlidingWindowSpec" for c in type(spec).__mro__)
+        bs = int(spec.block_size)
+        keep = 0
+        if sliding:
+            if window <= 0:
+                raise InvalidArgument(f"{name} with sliding_window={window}: not a window")
+            extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            keep = -(-(window - 1 + extra) // bs) or 1
+        out.append(KVGroup("sliding" if sliding else "full", name, window if sliding else 0,
+                           bs, keep, tuple(layer_order(group.layer_names))))
+    if len(out) > 1:
+        first = groups[0].kv_cache_spec
+        for group in groups[1:]:
+            spec = group.kv_cache_spec
+            same = all(getattr(spec, a) == getattr(first, a)
+                       for a in ("num_kv_heads", "head_size", "block_size", "dtype"))
+            if not same or page_shape_of(spec) != page_shape_of(first):
+                raise InvalidArgument(
+                    f"sparkcache stores KV cache groups of one page layout; this engine's "
+                    f"groups differ: {_describe(groups)} ({first} vs {spec})")
+    return out
+
+
+def _attention_spec(kv_cache_config: Any) -> Any:
+    return kv_cache_config.kv_cache_groups[0].kv_cache_spec
 
 
 def page_shape_of(spec: Any) -> tuple[int, ...]:
@@ -117,6 +211,8 @@ def model_identity(
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     parallel = vllm_config.parallel_config
+    hf_text = getattr(model_config, "hf_text_config", model_config.hf_config)
+    groups = kv_groups(kv_cache_config, hf_text)
     spec = _attention_spec(kv_cache_config)
 
     model = str(model_config.model)
@@ -128,7 +224,6 @@ def model_identity(
         layout = cache_config.get_resolved_kv_cache_layout().name
     except (AttributeError, ValueError):
         layout = "unresolved"
-    hf_text = getattr(model_config, "hf_text_config", model_config.hf_config)
     extra = {
         "vllm": str(vllm.__version__),
         "cache_dtype": str(cache_config.cache_dtype),
@@ -137,10 +232,26 @@ def model_identity(
         "hf_overrides": canonical_json(getattr(model_config, "hf_overrides", None) or {}),
         "config": config_fingerprint(model_config),
     }
+    num_layers = int(hf_text.num_hidden_layers)
+    if len(groups) > 1 or groups[0].kind != "full":
+        # The group structure is part of the identity: another grouping, window
+        # or layer map is another model (a clean miss).  A single full-attention
+        # group adds nothing, so those identities are what they always were.
+        names = layer_order(name for g in groups for name in g.layers)
+        if len(names) != num_layers:
+            raise InvalidArgument(
+                f"the KV cache groups hold {len(names)} layers, the model has {num_layers} "
+                "(shared KV layers?); sparkcache cannot map them")
+        index = {name: i for i, name in enumerate(names)}
+        extra["groups"] = canonical_json([
+            {"kind": g.kind, "spec": g.spec, "window": g.window, "block_size": g.block_size,
+             "layers": [index[n] for n in g.layers]} for g in groups])
+        keep = {name: g.window_blocks for g in groups for name in g.layers}
+        extra[WINDOW_BLOCKS_KEY] = ",".join(str(keep[n]) for n in names)
     return ModelIdentity(
         model=model,
         revision=str(revision),
-        num_layers=int(hf_text.num_hidden_layers),
+        num_layers=num_layers,
         num_kv_heads=int(spec.num_kv_heads),
         head_size=int(spec.head_size),
         dtype=_dtype_name(model_config.dtype),

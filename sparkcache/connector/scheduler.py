@@ -228,17 +228,28 @@ class SchedulerSide:
         tail_block: bool = True,
         on_facts: Callable[[dict[str, Any]], None] | None = None,
         fetcher: Fetcher | None = None,
+        group_windows: tuple[int, ...] = (),
     ) -> None:
         self.store = store
         #: Fetches from the shared tier when the local index holds less of a
         #: prompt than it may (None: no tier, or restoring from it is off).
         self.fetcher = fetcher
+        #: Several KV cache groups (vLLM's hybrid allocator), or a sliding-window
+        #: one: per group, the blocks a snapshot keeps below its end (0: all).
+        #: vLLM then passes one block-id list per group; ``()``: one list.
+        self.group_windows = group_windows
+        #: A group keeps only a window: only whole snapshots are restored (their
+        #: window is stored), nothing is saved mid-request, no copy-on-write.
+        self.windowed = any(group_windows)
         #: Called with a request's log row when its prompt has been scheduled
         #: (what usage reports) and again when it finished (timings, output).
         self.on_facts = on_facts
         self.identity = identity
         self.counters = counters
-        self.restore, self.publish, self.load_async = restore, publish, load_async
+        # With several groups vLLM hears of a failed load only as a failed
+        # request (failed_recving), which only an asynchronous load can report.
+        self.restore, self.publish = restore, publish
+        self.load_async = True if group_windows else load_async
         self.min_tokens = min_tokens
         self.tail_block = tail_block
         self.bs = identity.block_size
@@ -261,7 +272,9 @@ class SchedulerSide:
             scope = scope_of(request)
             params = params_of(request)
             state = _ReqState(scope, prefix_seed(self.identity, scope), request, params)
-            if self.publish:
+            if self.publish and not self.windowed:
+                # (A window's blocks are freed while the request runs: a copy
+                # after the step could read a block vLLM already gave away.)
                 floor = max(self.min_tokens, self.bs)
                 state.marks = sorted(m for m in set(params.breakpoints)
                                      if m // self.bs * self.bs >= floor)
@@ -346,17 +359,21 @@ class SchedulerSide:
         started = time.perf_counter()
         try:
             match = self.store.lookup(self.identity, np.asarray(tokens[:limit], np.uint32),
-                                      scope=self._state(request).scope, hashes=hashes)
+                                      scope=self._state(request).scope, hashes=hashes,
+                                      whole_first=self.windowed)
+            if match is not None and self.windowed and \
+                    self.store.snapshot(match.snapshot_id).n_tokens != match.n_tokens:
+                match = None  # its window is stored at the snapshot's end only
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup failed (a miss): %s", exc)
             self.counters.add("lookup_errors")
             return 0, False
         finally:
             self.counters.add("lookup_seconds", time.perf_counter() - started)
-        if match is not None and match.n_tokens < limit:
+        if match is not None and match.n_tokens < limit and not self.windowed:
             match = self._grow(match, tokens[:limit])
         claim = 0 if match is None else match.n_tokens
-        if match is not None and tail and match.n_tokens == limit:
+        if match is not None and tail and match.n_tokens == limit and not self.windowed:
             match, claim = self._extend(match, tokens[:want])
         have = max(claim, num_computed)
         if self._ask_tier(request, state, limit, have, hashes):
@@ -435,8 +452,9 @@ class SchedulerSide:
             self.counters.add("lookup_seconds", time.perf_counter() - started)
         return (match, match.n_tokens) if longer is None else (longer, len(tokens))
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
-        """vLLM's ``update_state_after_alloc`` (``block_ids``: the request's group-0 blocks).
+    def after_alloc(self, request: Any, block_ids: Any, num_external: int) -> None:
+        """vLLM's ``update_state_after_alloc`` (``block_ids``: the request's blocks,
+        one list per KV cache group when :attr:`group_windows` is set).
 
         Uses up the request's pending offer.  When ``num_external`` tokens of it
         are to be loaded: plans the load (:meth:`take_jobs`), marks an
@@ -455,15 +473,18 @@ class SchedulerSide:
             return
         match, local, load_async, claim = offer
         start, end = local // self.bs, match.n_tokens // self.bs
-        if local + num_external != claim or local % self.bs or len(block_ids) < end:
+        groups = self._groups(block_ids)
+        shortest = min(len(ids) for ids in groups) if groups else len(block_ids)
+        if local + num_external != claim or local % self.bs or shortest < end:
             logger.warning("sparkcache: unexpected external token count %d (offered %d from "
                            "%d, %d blocks); not loading", num_external, claim - local, local,
-                           len(block_ids))
+                           shortest)
             return
         self._loads.append(LoadJob(
             req_id=request.request_id, snapshot_id=match.snapshot_id, n_tokens=match.n_tokens,
-            token_ids=match.token_ids, start_block=start, block_ids=list(block_ids[start:end]),
-            in_step=not load_async,
+            token_ids=match.token_ids, start_block=start,
+            block_ids=[] if groups else list(block_ids[start:end]),
+            in_step=not load_async, group_blocks=self._group_blocks(groups, start, end),
         ))
         if load_async:
             self._inflight[request.request_id] = self._hashes(request, claim)
@@ -603,7 +624,7 @@ class SchedulerSide:
 
     # -- save --------------------------------------------------------------------------
 
-    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished`` (once per request): plan a save; True holds
         the blocks until the workers report them copied.
 
@@ -648,11 +669,41 @@ class SchedulerSide:
         finally:
             self._reqs.pop(req_id, None)
 
-    def _plan_save(self, request: Any, block_ids: list[int]) -> bool:
+    def _groups(self, block_ids: Any) -> list[list[int]]:
+        """vLLM's per-group block ids as lists (``[]`` with one group)."""
+        if not self.group_windows:
+            return []
+        groups = [list(ids) for ids in block_ids]
+        if len(groups) != len(self.group_windows):
+            raise SparkCacheError(f"vLLM passed {len(groups)} block lists for "
+                                  f"{len(self.group_windows)} KV cache groups")
+        return groups
+
+    def _counted(self, groups: list[list[int]]) -> list[int]:
+        """The group whose blocks a save counts: a full-attention one if any."""
+        windows = self.group_windows
+        return groups[windows.index(0)] if 0 in windows else max(groups, key=len)
+
+    def _group_blocks(self, groups: list[list[int]], start: int,
+                      end: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Per group: the first block it needs of ``[start, end)`` and its ids from
+        there (a window group: the window below ``end``; blocks vLLM left null at
+        its front - id 0, outside what attention reads - are skipped)."""
+        out = []
+        for ids, keep in zip(groups, self.group_windows, strict=True):
+            first = start if keep == 0 else max(start, end - keep)
+            while keep and first < end and ids[first] == 0:
+                first += 1
+            out.append((first, tuple(ids[first:end])))
+        return tuple(out)
+
+    def _plan_save(self, request: Any, block_ids: Any) -> bool:
         if not self.publish or request.prompt_token_ids is None:
             return False
         tokens = request.all_token_ids
-        n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs)
+        held = max((len(ids) for ids in block_ids), default=0) if self.group_windows \
+            else len(block_ids)
+        n = min(request.num_computed_tokens, len(tokens), held * self.bs)
         marks = (int(request.num_prompt_tokens) - 1, *breakpoints_of(request))
         job, _known = self._save_job(request, n // self.bs * self.bs, block_ids, marks)
         if job is None:
@@ -662,7 +713,7 @@ class SchedulerSide:
         self.counters.add("saves_planned")
         return True
 
-    def _save_job(self, request: Any, n: int, block_ids: list[int], marks: tuple[int, ...],
+    def _save_job(self, request: Any, n: int, block_ids: Any, marks: tuple[int, ...],
                   *, mid_request: bool = False, keep: float | None = None,
                   ) -> tuple[SaveJob | None, Match | None]:
         """A save of the request's tokens ``[0, n)`` (whole blocks), or None when
@@ -671,8 +722,10 @@ class SchedulerSide:
         stored prefix found (None when none, or not looked up)."""
         if n < max(self.min_tokens, self.bs):
             return None, None
-        if len(block_ids) * self.bs < n:
-            raise SparkCacheError(f"{len(block_ids)} blocks cannot hold {n} tokens")
+        groups = self._groups(block_ids)
+        for ids in groups or [block_ids]:
+            if len(ids) * self.bs < n:
+                raise SparkCacheError(f"{len(ids)} blocks cannot hold {n} tokens")
         token_ids = np.asarray(request.all_token_ids[:n], dtype=np.uint32)
         hashes = self._hashes(request, n)
         scope = self._state(request).scope
@@ -685,14 +738,24 @@ class SchedulerSide:
                 if known.n_tokens == n:
                     self.counters.add("saves_known")
                     return None, known  # already stored (perhaps restored from it)
-                if self.store.snapshot(known.snapshot_id).n_tokens == known.n_tokens:
+                if self.store.snapshot(known.snapshot_id).n_tokens == known.n_tokens \
+                        and not self.windowed:
                     # A whole stored snapshot is our prefix: write only the tail.
                     parent_id, parent_tokens = known.snapshot_id, known.n_tokens
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup before save failed; saving in full: %s", exc)
+        start, end = parent_tokens // self.bs, n // self.bs
+        group_blocks = self._group_blocks(groups, start, end)
+        for (_first, held), keep_blocks in zip(group_blocks, self.group_windows, strict=False):
+            if 0 in held or (keep_blocks and len(held) < min(keep_blocks, end - start)):
+                # vLLM freed part of a window this snapshot must hold: no save.
+                self.counters.add("saves_windowless")
+                logger.info("sparkcache: not saving %s: blocks of its window below token %d "
+                            "are gone", request.request_id, n)
+                return None, known
         return SaveJob(
             req_id=request.request_id, token_ids=token_ids,
-            block_ids=list(block_ids[parent_tokens // self.bs:n // self.bs]),
+            block_ids=list(self._counted(groups)[start:end] if groups else block_ids[start:end]),
             parent=parent_id, scope=scope, breakpoints=marks, report=not mid_request,
-            keep=keep,
+            keep=keep, group_blocks=group_blocks,
         ), known

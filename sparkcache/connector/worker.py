@@ -26,6 +26,7 @@ dropped save is reported sent at once (a future miss).  Serving never waits for 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,7 +47,7 @@ from sparkcache.identity import ModelIdentity
 from sparkcache.segment import Pieces
 from sparkcache.store import Match, SnapshotStore
 
-__all__ = ["FAULT_ENV", "PAGES_ENV", "Pages", "WorkerIO"]
+__all__ = ["FAULT_ENV", "PAGES_ENV", "LayerGroups", "Pages", "WorkerIO"]
 
 logger = logging.getLogger("vllm.sparkcache")
 
@@ -80,6 +81,23 @@ class Pages(Protocol):
     def staged(self, block_ids: Sequence[int]) -> StagedRestore: ...
 
 
+class LayerGroups:
+    """A worker's KV layers by KV cache group (vLLM's hybrid allocator).
+
+    Each group has its own block table, so its layers move through their own
+    :class:`Pages`; ``where[i]`` says where the identity's layer ``i`` (model
+    order) is: ``(group, index among that group's pages)``.
+    """
+
+    def __init__(self, pages: Sequence[Pages], where: Sequence[tuple[int, int]]) -> None:
+        self.pages = list(pages)
+        self.where = list(where)
+
+    def layers_of(self, group: int) -> list[int]:
+        """The identity's layers in ``group``, in model order."""
+        return [i for i, (g, _j) in enumerate(self.where) if g == group]
+
+
 class WorkerIO:
     """Loads and saves of one rank, off the forward path (see the module docstring)."""
 
@@ -95,8 +113,14 @@ class WorkerIO:
         load_threads: int = 1,
         max_queued_saves: int = 64,
         max_pending_bytes: int = 1 << 30,
+        groups: LayerGroups | None = None,
     ) -> None:
         self.store = store
+        #: Several KV cache groups: jobs carry per-group blocks (``group_blocks``)
+        #: and a failed load is reported as a failed request (vLLM's block ids
+        #: are per group, so a failed block id would be ambiguous).
+        self.groups = groups
+        self._failed_reqs: set[str] = set()
         self.identity = identity
         self.rank = rank
         self.pages = pages
@@ -242,9 +266,13 @@ class WorkerIO:
             logger.exception("sparkcache restore for %s crashed (recomputed): %s", job.req_id, exc)
             self._finish_load(job, ok=False, report=report)
             return False
-        n_bytes = len(job.block_ids) * self.identity.page_nbytes * self.identity.num_layers
+        if job.group_blocks and self.groups is not None:
+            n_bytes = sum(len(job.group_blocks[g][1]) for g, _j in self.groups.where) * \
+                self.identity.page_nbytes
+        else:
+            n_bytes = len(job.block_ids) * self.identity.page_nbytes * self.identity.num_layers
         self.counters.add("loads")
-        self.counters.add("loaded_tokens", len(job.block_ids) * self.bs)
+        self.counters.add("loaded_tokens", job.n_tokens - job.start_block * self.bs)
         self.counters.add("loaded_bytes", n_bytes)
         self.counters.add("load_seconds", time.perf_counter() - started)
         self._finish_load(job, ok=True, report=report)
@@ -266,6 +294,9 @@ class WorkerIO:
         if self.pages is None:
             raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
         match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids)
+        if job.group_blocks:
+            self._load_groups(job, match, None if self.fault else on_layer)
+            return
         ids = job.block_ids
         start_tokens = job.start_block * self.bs
         # The fault hook rewrites every layer after the read: nothing is
@@ -298,6 +329,49 @@ class WorkerIO:
         if self.fault == "flip-restored":
             self.pages.scatter(ids, self._scramble(self.pages.gather(ids)))
 
+    def _load_groups(self, job: LoadJob, match: Match,
+                     on_layer: Callable[[int], None] | None) -> None:
+        """:meth:`_load` with several KV cache groups: each layer gets its group's
+        blocks from its group's first needed block (a sliding window: only the
+        window below the match's end), straight into the cache on CPU, else
+        through each group's staging slots, uploaded while the read goes on."""
+        groups = self.groups
+        if groups is None or len(job.group_blocks) != len(groups.pages):
+            raise SparkCacheError("a load planned for other KV cache groups than this "
+                                  "worker's")
+        for first, ids in job.group_blocks:
+            if not ids or 0 in ids or first * self.bs >= job.n_tokens:
+                raise SparkCacheError(f"no blocks to restore in a group (first {first}, "
+                                      f"ids {list(ids)[:4]}...)")
+        views = [p.block_views(ids) for p, (_f, ids) in zip(groups.pages, job.group_blocks,
+                                                             strict=True)]
+        starts = [job.group_blocks[g][0] * self.bs for g, _j in groups.where]
+        if all(v is not None for v in views):
+            out: list[Any] = [views[g][j] for g, j in groups.where]  # type: ignore[index]
+            self.store.read_into(match, self.rank, out, n_tokens=job.n_tokens,
+                                 start_tokens=starts, on_layer=on_layer,
+                                 threads=self.load_threads, cpus=read_cpus())
+            self.counters.add("loads_direct")
+        else:
+            # Leaving the block waits for every queued upload of every group.
+            with contextlib.ExitStack() as stack:
+                staged = [stack.enter_context(p.staged(ids))
+                          for p, (_f, ids) in zip(groups.pages, job.group_blocks, strict=True)]
+
+                def landed(layer: int) -> None:
+                    g, j = groups.where[layer]
+                    staged[g].landed(j)
+                    if on_layer is not None:
+                        on_layer(layer)
+
+                self.store.read_into(match, self.rank,
+                                     [staged[g].layers[j] for g, j in groups.where],
+                                     n_tokens=job.n_tokens, start_tokens=starts,
+                                     threads=self.load_threads, on_layer=landed)
+        if self.fault == "flip-restored":
+            for p, (_f, ids) in zip(groups.pages, job.group_blocks, strict=True):
+                p.scatter(ids, self._scramble(p.gather(ids)))
+
     @staticmethod
     def _scramble(layers: list[np.ndarray]) -> list[np.ndarray]:
         """The FAULT_ENV hook: each layer gets the next layer's pages (one layer:
@@ -312,6 +386,8 @@ class WorkerIO:
             if not ok:
                 self.counters.add("load_failures")
                 self._failed_blocks.update(job.block_ids)
+                if job.group_blocks:
+                    self._failed_reqs.add(job.req_id)
             if report:
                 self._recved.add(job.req_id)
                 self._progress.notify_all()
@@ -325,6 +401,9 @@ class WorkerIO:
                 self._mark_sent(job.req_id)
             return
         nbytes = len(job.block_ids) * self.pages.page_nbytes * len(self.pages)
+        if job.group_blocks and self.groups is not None:
+            nbytes = sum(len(job.group_blocks[g][1]) for g, _j in self.groups.where) * \
+                self.pages.page_nbytes
         with self._lock:
             over = self._pending_bytes + nbytes > self.max_pending_bytes
             if not over:
@@ -401,7 +480,11 @@ class WorkerIO:
                     self._active = (job.req_id, seq)
             try:
                 assert self.pages is not None
-                if not cancelled:
+                if not cancelled and job.group_blocks:
+                    started = time.perf_counter()
+                    pages = self._gather_groups(job, fence)
+                    self.counters.add("save_copy_seconds", time.perf_counter() - started)
+                elif not cancelled:
                     started = time.perf_counter()
                     pages = self.pages.gather(job.block_ids, after=fence)
                     self.counters.add("save_copy_seconds", time.perf_counter() - started)
@@ -428,6 +511,17 @@ class WorkerIO:
                     self._pending_bytes -= nbytes
                 self._saves.task_done()
         self._saves.task_done()
+
+    def _gather_groups(self, job: SaveJob, fence: object) -> list[np.ndarray]:
+        """Copies of a save's blocks with several KV cache groups: one array per
+        layer of the identity, each from its group's blocks (a window: fewer)."""
+        groups = self.groups
+        if groups is None or len(job.group_blocks) != len(groups.pages):
+            raise SparkCacheError("a save planned for other KV cache groups than this worker's")
+        copied = [p.gather(ids, after=fence) for p, (_f, ids) in zip(groups.pages,
+                                                                    job.group_blocks,
+                                                                    strict=True)]
+        return [copied[g][j] for g, j in groups.where]
 
     def _publish(self, job: SaveJob, pages: list[np.ndarray]) -> None:
         started = time.perf_counter()
@@ -480,6 +574,13 @@ class WorkerIO:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._progress.wait(left):
                     return
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load with several KV cache groups failed since the last
+        call (vLLM recomputes them: ``failed_recving``)."""
+        with self._lock:
+            failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
 
     def take_failed_blocks(self) -> set[int]:
         with self._lock:

@@ -65,10 +65,10 @@ ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend"
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 SCRIPT = """
-import os, time, traceback
+import os, traceback
 import numpy as np
-from vllm import SamplingParams
-from tiny_model import connector_config, counter_delta as delta, in_process_engine, metrics_of
+from tiny_model import answer, connector_config, in_process_engine, ready_snapshots
+from tiny_model import settle as settle_store
 from sparkcache import SnapshotStore
 from sparkcache.catalog import model_identity
 
@@ -80,31 +80,13 @@ def engine(**kwargs):
                              **args["engine"], **kwargs)
 
 def gen(llm, prompt):
-    sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True,
-                        logprobs=1)
-    metrics, stats = metrics_of(llm), store.stats()
-    (o,) = llm.generate([{"prompt_token_ids": prompt}], sp)
-    c = o.outputs[0]
-    return {"tokens": list(c.token_ids), "cached": o.num_cached_tokens,
-            "logprobs": [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
-            "metrics": delta(metrics_of(llm), metrics), "stats": delta(store.stats(), stats)}
+    return answer(llm, store, prompt, args["max_tokens"])
 
 def ready():
-    return sorted((s for s in store.snapshots() if s.state == "ready"), key=lambda s: s.id)
+    return ready_snapshots(store)
 
 def settle(llm, n):
-    # In this process the engine core steps only when asked, and a finished
-    # request's save reaches the worker with the next step.  (A multiprocess
-    # engine core steps by itself.)
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        busy = core is not None and core.scheduler.has_requests()
-        if len(ready()) >= n and not busy:
-            break
-        if core is not None:
-            llm.llm_engine.step()
-        time.sleep(0.01)
+    settle_store(llm, store, n)
 
 def pages(snap, tokens, name):
     # The snapshot's first STORED tokens, verified, as [layer, block, bytes].

@@ -19,3 +19,83 @@ def test_identity_from_a_vllm_spec() -> None:
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     # The CPU backend's page: [kv_heads, block_size, 2 * head_size] (K and V interleaved).
     assert page_shape_of(spec) == (2, 32, 64)
+
+
+def _config(*groups: tuple[list[str], object]) -> object:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for names, spec in groups])
+
+
+def _engine(layer_types: list[str] | None = None) -> object:
+    """The parts of a VllmConfig that model_identity reads (a local model named
+    by its revision; vLLM's own config objects need a model folder)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    hf = SimpleNamespace(num_hidden_layers=4, layer_types=layer_types)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model="tiny", revision="r1", hf_config=hf, hf_text_config=hf,
+                                     dtype=torch.float32, quantization=None, hf_overrides={}),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
+
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def _specs(window: int) -> tuple[object, object]:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    sliding = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32,
+                                dtype=torch.float32, sliding_window=window)
+    return full, sliding
+
+
+def test_the_group_structure_is_part_of_the_identity() -> None:
+    """Windows, kinds and the layer -> group map each name another model; one
+    full-attention group adds nothing (those identities are what they were)."""
+    from sparkcache.connector.layout import kv_groups, model_identity
+
+    full, sliding = _specs(64)
+    _, wider = _specs(128)
+    even, odd = [LAYERS[0], LAYERS[2]], [LAYERS[1], LAYERS[3]]
+    hybrid = model_identity(_engine(), _config((even, sliding), (odd, full)))
+    assert hybrid.window_blocks == (2, 0, 2, 0)
+    assert [g.kind for g in kv_groups(_config((even, sliding), (odd, full)))] == \
+        ["sliding", "full"]
+    others = [
+        model_identity(_engine(), _config((even, wider), (odd, full))),  # another window
+        model_identity(_engine(), _config((odd, sliding), (even, full))),  # another layer map
+        model_identity(_engine(), _config((LAYERS, sliding))),  # every layer sliding
+        model_identity(_engine(), _config((LAYERS, full))),  # one full group
+    ]
+    assert len({hybrid.digest(), *(o.digest() for o in others)}) == 5
+    assert others[1].window_blocks == (0, 2, 0, 2)
+    assert others[2].window_blocks == (2, 2, 2, 2)
+    single = others[3]
+    assert single.window_blocks == () and "groups" not in dict(single.extra)
+
+
+def test_a_mamba_group_is_refused_naming_the_layer_types() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from sparkcache.connector.layout import model_identity
+    from sparkcache.errors import InvalidArgument
+
+    full, _ = _specs(64)
+    mamba = MambaSpec(block_size=32, shapes=((3, 288), (8, 32, 16)),
+                      dtypes=(torch.float32, torch.float32))
+    config = _config(([LAYERS[0]], mamba), (LAYERS[1:], full))
+    with pytest.raises(InvalidArgument) as caught:
+        model_identity(_engine(["mamba", "attention", "attention", "attention"]), config)
+    text = str(caught.value)
+    assert "MambaSpec (1 layer: model.layers.0.self_attn.attn)" in text, text
+    assert "FullAttentionSpec (3 layers" in text and "['attention', 'mamba']" in text, text
+    assert "full attention (FullAttentionSpec) and sliding-window attention" in text, text

@@ -82,8 +82,8 @@ ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend"
 SCRIPT = """
 import json, time, traceback
 from pathlib import Path
-from vllm import SamplingParams
-from tiny_model import connector_config, counter_delta as delta, in_process_engine, metrics_of
+from tiny_model import answer, connector_config, in_process_engine, settle
+from tiny_model import ready_snapshots as ready
 from sparkcache import SnapshotStore
 from sparkcache.catalog import model_identity
 from sparkcache.connector.worker import FAULT_ENV
@@ -95,31 +95,7 @@ def engine(model, folder, extra, fault=""):
                              **args["engine"])
 
 def gen(llm, store, prompt):
-    sp = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True,
-                        logprobs=1)
-    metrics, stats = metrics_of(llm), store.stats()
-    (o,) = llm.generate([{"prompt_token_ids": prompt}], sp)
-    c = o.outputs[0]
-    return {"tokens": list(c.token_ids), "cached": o.num_cached_tokens,
-            "logprobs": [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
-            "metrics": delta(metrics_of(llm), metrics), "stats": delta(store.stats(), stats)}
-
-def ready(store):
-    return [s for s in store.snapshots() if s.state == "ready"]
-
-def settle(llm, store, n):
-    # In this process the engine core steps only when asked, and a finished
-    # request's save reaches the worker with the next step.  (A multiprocess
-    # engine core steps by itself.)
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        busy = core is not None and core.scheduler.has_requests()
-        if len(ready(store)) >= n and not busy:
-            break
-        if core is not None:
-            llm.llm_engine.step()
-        time.sleep(0.01)
+    return answer(llm, store, prompt, args["max_tokens"])
 
 def identities(store):
     out = {}

@@ -19,6 +19,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,42 @@ def metrics_of(llm: Any) -> dict[str, float]:
             name = f"{name}[{metric.labels['source']}]"
         out[name] = out.get(name, 0) + value
     return out
+
+
+def answer(llm: Any, store: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One greedy answer of ``prompt`` with logprobs: its tokens, logprobs,
+    ``num_cached_tokens``, and what it changed of vLLM's counters and the store's."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    metrics, stats = metrics_of(llm), store.stats()
+    (o,) = llm.generate([{"prompt_token_ids": prompt}], sp)
+    c = o.outputs[0]
+    return {"tokens": list(c.token_ids), "cached": o.num_cached_tokens,
+            "logprobs": [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)],
+            "metrics": counter_delta(metrics_of(llm), metrics),
+            "stats": counter_delta(store.stats(), stats)}
+
+
+def ready_snapshots(store: Any) -> list[Any]:
+    """The store's ready snapshots, oldest first."""
+    return sorted((s for s in store.snapshots() if s.state == "ready"), key=lambda s: s.id)
+
+
+def settle(llm: Any, store: Any, n: int, timeout: float = 60) -> None:
+    """Step an in-process engine until the store has ``n`` ready snapshots and
+    the engine no request: its engine core steps only when asked, and a
+    finished request's save reaches the worker with the next step (a
+    multiprocess engine core steps by itself)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = core is not None and core.scheduler.has_requests()
+        if len(ready_snapshots(store)) >= n and not busy:
+            break
+        if core is not None:
+            llm.llm_engine.step()
+        time.sleep(0.01)
 
 
 def same_answer(out: dict[str, Any], ref: dict[str, Any], tol: float = LOGPROB_TOL) -> str:

