@@ -16,6 +16,7 @@ change between versions).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -34,14 +35,41 @@ from sparkcache.identity import (
 )
 
 __all__ = [
-    "KVGroup", "check_tensors", "config_fingerprint", "kv_groups", "layer_order",
-    "model_identity", "rank_of", "weights_fingerprint",
+    "KVGroup", "check_tensors", "config_fingerprint", "hub_revision", "kv_groups",
+    "layer_order", "model_identity", "rank_of", "weights_fingerprint",
 ]
+
+logger = logging.getLogger("vllm.sparkcache")
+
+#: A hub commit, as the Hugging Face cache names its snapshot folders.
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 #: Files whose bytes define the weights of a local model folder.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 #: Files of a local model folder that say what its weights compute (HF, Mistral format).
 _CONFIG_FILES = ("config.json", "params.json")
+
+
+def hub_revision(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """The commit of hub model ``model`` at ``revision`` (a branch, tag or
+    commit; None: ``main``) that vLLM loaded, from the local Hugging Face cache
+    ("" when it is not there).
+
+    vLLM downloads a model at a ref and records which commit that was
+    (``refs/<ref>``); the snapshot folder holding its config.json is named by
+    that commit.  Naming the identity by the commit
+    makes an update of the repository a clean miss, not KV of the old weights
+    restored into the new ones.  Reads files only, never the network.
+    """
+    try:
+        hub = importlib.import_module("huggingface_hub")
+        found = hub.try_to_load_from_cache(model, "config.json", cache_dir=cache_dir,
+                                           revision=revision)
+    except Exception:  # not a repo id, no huggingface_hub: unknown
+        return ""
+    if isinstance(found, str) and _COMMIT.fullmatch(Path(found).parent.name):
+        return Path(found).parent.name
+    return ""
 
 
 def weights_fingerprint(folder: str | os.PathLike[str]) -> str:
@@ -203,6 +231,27 @@ def page_shape_of(spec: Any) -> tuple[int, ...]:
     return (int(heads), int(tokens), int(content_bytes) // itemsize)
 
 
+def _engine_revision(vllm_config: Any, model: str) -> str:
+    """What names the weights this engine loaded: vLLM's revision of a local
+    folder, else the folder's :func:`weights_fingerprint`; for a hub model the
+    commit its revision (or ``main``) resolved to in the local cache, else the
+    revision as given ("" and a warning when there is none)."""
+    given = vllm_config.model_config.revision
+    if os.path.isdir(model):
+        return str(given) if given is not None else weights_fingerprint(model)
+    load = getattr(vllm_config, "load_config", None)
+    commit = hub_revision(model, given, getattr(load, "download_dir", None))
+    if commit:
+        return f"commit:{commit}"
+    if given is None:
+        logger.warning(
+            "sparkcache cannot tell which revision of %s this engine runs (not a folder, "
+            "not in the Hugging Face cache): an update of the model under the same name "
+            "would not be noticed; pass --revision to vLLM or the connector's revision",
+            model)
+    return "" if given is None else str(given)
+
+
 def model_identity(
     vllm_config: Any, kv_cache_config: Any, *, revision: str | None = None
 ) -> ModelIdentity:
@@ -216,10 +265,8 @@ def model_identity(
     spec = _attention_spec(kv_cache_config)
 
     model = str(model_config.model)
-    if revision is None:
-        revision = model_config.revision
-    if revision is None:
-        revision = weights_fingerprint(model) if os.path.isdir(model) else ""
+    if revision is None:  # the connector's own revision names the weights as given
+        revision = _engine_revision(vllm_config, model)
     try:
         layout = cache_config.get_resolved_kv_cache_layout().name
     except (AttributeError, ValueError):

@@ -4,6 +4,9 @@ The settings and the package's lazy import are tested in tests/connector."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 from tiny_model import MISSING, SKIP_REASON
 
@@ -99,3 +102,58 @@ def test_a_mamba_group_is_refused_naming_the_layer_types() -> None:
     assert "MambaSpec (1 layer: model.layers.0.self_attn.attn)" in text, text
     assert "FullAttentionSpec (3 layers" in text and "['attention', 'mamba']" in text, text
     assert "full attention (FullAttentionSpec) and sliding-window attention" in text, text
+
+
+def _hub_cache(root: Path, repo: str, ref: str, commit: str, config: str) -> None:
+    """A Hugging Face cache holding ``repo`` at ``ref`` = ``commit``, laid out as
+    huggingface_hub's downloads lay it out (what vLLM leaves behind)."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / ref).write_text(commit)
+    snap = folder / "snapshots" / commit
+    snap.mkdir(parents=True, exist_ok=True)
+    (snap / "config.json").write_text(config)
+
+
+def test_a_hub_model_is_named_by_the_commit_it_loaded(tmp_path: Path) -> None:
+    """A hub model without a revision is named by the commit ``main`` resolved to
+    in the local cache, so an update of the repository is a clean miss; one
+    that is nowhere to be found keeps an empty revision and says so."""
+    from types import SimpleNamespace
+
+    from sparkcache.connector.layout import hub_revision, model_identity
+
+    full, _ = _specs(64)
+    config = _config((LAYERS, full))
+    first, second = "a" * 40, "b" * 40
+    _hub_cache(tmp_path, "org/tiny", "main", first, '{"model_type": "llama"}')
+
+    def ident(revision: str | None, model: str = "org/tiny") -> object:
+        engine = _engine()
+        engine.model_config.model, engine.model_config.revision = model, revision  # type: ignore[attr-defined]
+        engine.load_config = SimpleNamespace(download_dir=str(tmp_path))  # type: ignore[attr-defined]
+        return model_identity(engine, config)
+
+    assert hub_revision("org/tiny", None, str(tmp_path)) == first
+    before = ident(None)
+    assert before.revision == f"commit:{first}"  # type: ignore[attr-defined]
+    assert ident("main") == before  # the same ref, the same commit
+    _hub_cache(tmp_path, "org/tiny", "main", second, '{"model_type": "llama"}')
+    after = ident(None)  # the same name and config, new weights
+    assert after.revision == f"commit:{second}"  # type: ignore[attr-defined]
+    assert after.digest() != before.digest()  # type: ignore[attr-defined]
+    assert ident(first).revision == f"commit:{first}"  # type: ignore[attr-defined]
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("vllm.sparkcache")
+    log.addHandler(handler)
+    try:
+        unknown = ident(None, model="org/elsewhere")
+    finally:
+        log.removeHandler(handler)
+    assert unknown.revision == ""  # type: ignore[attr-defined]
+    assert any("cannot tell which revision of org/elsewhere" in r.getMessage()
+               for r in records)
+    assert ident("v1.0", model="org/elsewhere").revision == "v1.0"  # type: ignore[attr-defined]
