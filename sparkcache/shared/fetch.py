@@ -26,8 +26,8 @@ does: its size against the manifest, then the header against the manifest's
 digest, the identity, the rank, the snapshot key and token range, every chunk,
 the ranks' token ids against each other and the key against the hash of the
 token ids.  A link is streamed: its header and token ids come first (two
-ranged GETs) and are checked, then its layers come in ranged GETs of
-:data:`STREAM_BYTES`, at most :data:`STREAM_AHEAD` in flight, each verified
+ranged GETs) and are checked, then its layers in one GET read in pieces of
+:data:`STREAM_BYTES` (at most :data:`STREAM_AHEAD` read ahead), each verified
 and written into the local segment's temp file as it arrives
 (:class:`~sparkcache.publish.Encoded`), so memory stays a few pieces and the
 download overlaps the local write; any failure, at any byte, removes the temp
@@ -46,12 +46,13 @@ tier into a miss).
 from __future__ import annotations
 
 import logging
+import queue
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,9 +97,10 @@ MAX_CHAIN_LINKS = 64
 #: How long a fetch waits for another process of this host publishing the same
 #: snapshot (its publish lease) before it gives up (a miss).
 PENDING_WAIT_SECONDS = 10.0
-#: One ranged GET of a streamed link's layers: whole verification chunks.
+#: A streamed link's layers are read (one GET), verified and written in pieces
+#: of this size: whole verification chunks.
 STREAM_BYTES = 8 * seg.CHUNK_BYTES
-#: Ranged GETs of one link in flight at once: its memory is this many pieces.
+#: Pieces read ahead of the local write, at most: a link's memory is a few pieces.
 STREAM_AHEAD = 4
 #: The first GET of a segment: its header, whole for any model sparkcache knows
 #: (a longer one costs one GET more).
@@ -142,8 +144,9 @@ class FetchResult:
     nbytes: int = 0
     requests: int = 0
     seconds: float = 0.0
-    #: Of ``seconds``, the downloads and their verification (the rest is the
-    #: probe, the manifests and the durable publish into the local store).
+    #: Of ``seconds``, the time spent on segment bytes: reading the headers and
+    #: token ids, waiting for each piece of layers and verifying it (the
+    #: download overlaps the local write, so this is not the download's time).
     download_seconds: float = 0.0
     reason: str | None = None
 
@@ -359,7 +362,7 @@ class _Remote:
     header: seg.SegmentHeader
     tokens: np.ndarray
     nbytes: int
-    requests: int  # made so far (HEAD, header, tokens), and to come for the layers
+    requests: int  # made so far (HEAD, header, tokens), and the layers' one GET
 
     def encoded(self, tier: SharedTier, pool: ThreadPoolExecutor,
                 timer: list[float]) -> Encoded:
@@ -384,7 +387,8 @@ def _range(tier: SharedTier, key: str, start: int, end: int) -> memoryview:
 
 
 def _pieces(header: seg.SegmentHeader) -> list[tuple[str, int, int, int]]:
-    """The ranged GETs of a segment's layers: (tensor, its byte, file range)."""
+    """The pieces of a segment's layers, in file order: (tensor, its byte, file
+    range), each whole verification chunks of one tensor."""
     return [(name, at, offset + at, offset + min(at + STREAM_BYTES, total))
             for name in (f"layer.{i}" for i in range(header.n_layers))
             for offset, total in [header.tensors[name]]
@@ -416,8 +420,7 @@ def _open_remote(tier: SharedTier, identity: ModelIdentity, m: Manifest,
             these = raw.view("<u4")
             _same_tokens(m, out[0].tokens if out else None, these)
             out.append(_Remote(g.key, bytes(head[:header.data_start]), header,
-                               these.astype(np.uint32), g.nbytes,
-                               requests + len(_pieces(header))))
+                               these.astype(np.uint32), g.nbytes, requests + 1))
     finally:
         timer[0] += time.perf_counter() - started
     return out
@@ -425,30 +428,61 @@ def _open_remote(tier: SharedTier, identity: ModelIdentity, m: Manifest,
 
 def _layers(tier: SharedTier, remote: _Remote, pool: ThreadPoolExecutor,
             timer: list[float]) -> Iterator[np.ndarray]:
-    """A segment's layer bytes in file order, in ranged GETs of :data:`STREAM_BYTES`
-    (:data:`STREAM_AHEAD` in flight), each piece verified before it is yielded."""
+    """A segment's layer bytes in file order, from one request read by a thread
+    of ``pool`` in blocks of :data:`STREAM_BYTES` (at most :data:`STREAM_AHEAD`
+    waiting), cut into pieces on chunk boundaries, each verified before it is
+    yielded."""
     pieces = _pieces(remote.header)
-    ahead: deque[Future[memoryview]] = deque()
-    todo = iter(pieces)
+    blocks: queue.Queue[bytes | bytearray | BaseException | None] = queue.Queue(STREAM_AHEAD)
+    stop = threading.Event()
 
-    def more() -> None:
-        for _, _, lo, hi in todo:
-            ahead.append(pool.submit(_range, tier, remote.key, lo, hi))
-            if len(ahead) >= STREAM_AHEAD:
-                return
+    def put(item: bytes | bytearray | BaseException | None) -> bool:
+        while not stop.is_set():
+            try:
+                blocks.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
 
+    def produce() -> None:
+        try:
+            with closing(tier.backend.read_stream(remote.key, pieces[0][2], pieces[-1][3],
+                                                  STREAM_BYTES)) as stream:
+                for block in stream:
+                    if not put(block):
+                        return
+            put(None)
+        except BaseException as exc:
+            put(exc)
+
+    pool.submit(produce)
+    pending = memoryview(b"")
     try:
-        more()
-        for name, at, _, _ in pieces:
+        for name, at, lo, hi in pieces:
             started = time.perf_counter()
-            data = np.frombuffer(ahead.popleft().result(), np.uint8)
-            seg.check_piece(remote.header, name, at, data)
+            out = np.empty(hi - lo, np.uint8)
+            filled = 0
+            while filled < out.size:
+                if not pending.nbytes:
+                    item = blocks.get()
+                    if isinstance(item, NotFound):
+                        raise CorruptSnapshot(f"{remote.key} vanished from the tier",
+                                              "missing") from None
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        raise CorruptSnapshot(f"{remote.key} ended at byte {lo + filled}, "
+                                              f"its header says {pieces[-1][3]}", "truncated")
+                    pending = memoryview(item)
+                n = min(pending.nbytes, out.size - filled)
+                out[filled:filled + n] = np.frombuffer(pending[:n], np.uint8)
+                pending, filled = pending[n:], filled + n
+            seg.check_piece(remote.header, name, at, out)
             timer[0] += time.perf_counter() - started
-            more()
-            yield data
+            yield out
     finally:
-        for future in ahead:
-            future.cancel()
+        stop.set()
 
 
 def _publish_ranks(core: Core, identity: ModelIdentity, m: Manifest, full: np.ndarray,
@@ -509,7 +543,7 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
             timer = [0.0]
             payloads: Sequence[Sequence[np.ndarray] | Encoded]
             try:
-                with ThreadPoolExecutor(STREAM_AHEAD, "sparkcache-fetch") as pool:
+                with ThreadPoolExecutor(1, "sparkcache-fetch") as pool:
                     if parent is not None and parent.depth + 1 >= max_chain:
                         # compacted here: rewritten with the parent's rows, not streamed
                         tokens, payloads, nbytes = _download(tier, identity, m, timer)

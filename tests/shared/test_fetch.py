@@ -99,11 +99,10 @@ def test_probes_are_bounded_and_never_list(s3_tier: Tier, host: HostFactory) -> 
     # never a listing; one PUT: the use marker the tier's sweep reads
     assert set(calls) == {"HeadObject", "GetObject", "PutObject"} and calls["PutObject"] == 1
     # GETs: the marker and two manifests, each after our HEAD (its size) and
-    # s3fs's own; two segments streamed, each after our HEAD, in ranged GETs (its
-    # header, its token ids, one piece per layer: the identity has 2); the
-    # probe: the first stride, a binary search over the other 249 (the end is on
-    # a stride)
-    segment_gets = 2 + IDENT.num_layers
+    # s3fs's own; two segments streamed, each after our HEAD, in three GETs (its
+    # header, its token ids, its layers); the probe: the first stride, a binary
+    # search over the other 249 (the end is on a stride)
+    segment_gets = 3
     assert calls["GetObject"] == 3 + 2 * segment_gets
     assert calls["HeadObject"] - 2 * 3 - 2 <= 1 + 8
     again = host("c", s3_tier).fetch(IDENT, prompt(64, total=66))  # the stored tokens
@@ -280,7 +279,7 @@ def test_a_repeated_prompt_is_found_at_its_end(tier: Tier, host: HostFactory) ->
     result = b.fetch(IDENT, toks[:38])  # 9 whole blocks: the end, 36, is no stride
     assert (result.outcome, result.n_tokens) == ("fetched", 36)
     # then the marker and the manifest (a HEAD and a GET each), the segment (a
-    # HEAD, its header, its token ids, a piece per layer); the use marker's PUT
-    assert result.requests == 2 + 2 * 2 + 3 + IDENT.num_layers + 1
+    # HEAD, its header, its token ids, its layers); the use marker's PUT
+    assert result.requests == 2 + 2 * 2 + 4 + 1
     match = b.lookup(IDENT, toks[:36])
     assert match is not None and match.n_tokens == 36

@@ -1,10 +1,10 @@
 """The streamed fetch (moto's S3 server and file:// tiers): a link's layers are
-written into the local segment's temp file while they download, each piece
-verified first; a piece that fails, at any position, leaves nothing (no temp
+written into the local segment's temp file while they download (one GET read
+in pieces), each piece verified first; a piece that fails, at any position, leaves nothing (no temp
 file, no pending snapshot); a real process killed at any instant of a fetch
 leaves the old state or the new one.
 
-Verification chunks and ranged GETs are made small here (``CHUNK_BYTES`` 256,
+Verification chunks and pieces are made small here (``CHUNK_BYTES`` 256,
 ``STREAM_BYTES`` 512) so that each layer of the tiny test model is several
 pieces, as an 8B model's are at the real sizes.
 """
@@ -51,37 +51,37 @@ def segment_files(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*.safetensors") if p.is_file()]
 
 
-def watch_ranges(store: SnapshotStore, folder: Path) -> list[tuple[int, int]]:
-    """Each ranged GET of ``store``'s tier, as (its start, the bytes then in the
-    local temp files): the real backend's reads, observed."""
+def watch_pieces(store: SnapshotStore, folder: Path) -> list[int]:
+    """Before each block of ``store``'s tier streams arrives, the bytes then in
+    the local temp files: the real backend's reads, observed."""
     assert store.shared is not None
     backend = store.shared.backend
-    real = backend.read_range
-    seen: list[tuple[int, int]] = []
+    real = backend.read_stream
+    seen: list[int] = []
 
-    def read_range(key: str, start: int, end: int) -> bytes | bytearray:
-        seen.append((start, sum(p.stat().st_size for p in temp_files(folder))))
-        return real(key, start, end)
+    def read_stream(key: str, start: int, end: int, piece: int) -> Iterator[bytes | bytearray]:
+        for block in real(key, start, end, piece):
+            seen.append(sum(p.stat().st_size for p in temp_files(folder)))
+            yield block
 
-    backend.read_range = read_range  # type: ignore[method-assign]
+    backend.read_stream = read_stream  # type: ignore[method-assign,assignment]
     return seen
 
 
 def test_a_link_is_written_while_it_downloads(tier: Tier, host: HostFactory,
                                               tmp_path: Path) -> None:
-    """Layers come in many ranged GETs, and the local temp file grows between
-    them: the download and the local write overlap (a fetch that downloaded
-    whole first would find no temp file during any GET)."""
+    """Layers come in many pieces, and the local temp file grows between them:
+    the download and the local write overlap (a fetch that downloaded whole
+    first would find no temp file during the download)."""
     a = uploaded(host, tier)
     b = host("b", tier)
-    seen = watch_ranges(b, tmp_path / "b")
+    seen = watch_pieces(b, tmp_path / "b")
     result = b.fetch(IDENT, prompt(64))
     assert (result.outcome, result.n_tokens, len(result.fetched)) == ("fetched", 64, 2)
     layer_bytes = 32 // IDENT.block_size * IDENT.page_nbytes  # each link: 32 tokens
-    pieces = -(-layer_bytes // SMALL_STREAM) * IDENT.num_layers
-    assert pieces >= 4 and len(seen) == 2 * (2 + pieces)  # header, tokens, pieces; 2 links
-    in_temp = [n for _, n in seen]
-    assert max(in_temp) > 0 and len(set(in_temp)) > 2  # written piece by piece
+    pieces = -(-layer_bytes * IDENT.num_layers // SMALL_STREAM)
+    assert pieces >= 4 and len(seen) == 2 * pieces  # 2 links
+    assert max(seen) > 0 and len(set(seen)) > 2  # written piece by piece
     assert pages_equal(a, b, prompt(64), 64)
     assert temp_files(tmp_path / "b") == []
 
@@ -104,12 +104,12 @@ def test_a_piece_that_fails_leaves_nothing(tier: Tier, host: HostFactory, tmp_pa
     data[offset if where == "first" else offset + total - 1] ^= 0x01
     shared.put(key, [bytes(data)])
     b = host("b", tier)
-    seen = watch_ranges(b, tmp_path / "b")
+    seen = watch_pieces(b, tmp_path / "b")
     result = b.fetch(IDENT, prompt(64))
     assert result.outcome == "refused" and "digest" in str(result.reason), result
     assert len(result.fetched) == 1 and b.stats()["fetch_refused"] == 1
     if where == "last":  # the bad piece came after the others were written locally
-        assert max(n for _, n in seen) > 0
+        assert max(seen) > 0
     match = b.lookup(IDENT, prompt(64))
     assert match is not None and match.n_tokens == 32
     assert pages_equal(a, b, prompt(64), 32)
@@ -156,19 +156,25 @@ from tests.store.helpers import identity
 from tests.shared.test_fetch import prompt
 segment.CHUNK_BYTES, fetch.STREAM_BYTES, fetch.STREAM_AHEAD = 256, 512, 2
 calls = [0]
-real_range = FsspecBackend.read_range
-def read_range(self, key, start, end):
+def tick():
     calls[0] += 1
     if calls[0] == args["at"]:
-        os.kill(os.getpid(), signal.SIGKILL)  # mid-fetch, in a download thread
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-fetch
+real_range, real_stream = FsspecBackend.read_range, FsspecBackend.read_stream
+def read_range(self, key, start, end):
+    tick()
     return real_range(self, key, start, end)
-FsspecBackend.read_range = read_range
+def read_stream(self, key, start, end, piece):
+    for block in real_stream(self, key, start, end, piece):
+        tick()  # in the download thread
+        yield block
+FsspecBackend.read_range, FsspecBackend.read_stream = read_range, read_stream
 if args["at"] == 0:  # once the child's segment file is renamed into place
     from sparkcache.backends.local import LocalBackend
     real_put = LocalBackend.put
     def put(self, key, chunks, **kw):
         n = real_put(self, key, chunks, **kw)
-        if calls[0] > 2 + 8:  # the child link's (after the root's GETs)
+        if calls[0] > 2 + 8:  # the child link's (after the root's reads)
             os.kill(os.getpid(), signal.SIGKILL)
         return n
     LocalBackend.put = put
@@ -182,8 +188,9 @@ sys.exit(3)  # not killed: the test's kill point was never reached
 @pytest.mark.parametrize("at", [1, 3, 7, 12, 15, 0])
 def test_a_fetch_killed_at_any_instant_is_old_or_new(tier: Tier, host: HostFactory,
                                                      tmp_path: Path, at: int) -> None:
-    """A real process SIGKILLed at its ``at``-th ranged GET (the root's header,
-    its layers, the child's header, its layers) or once the child's segment is
+    """A real process SIGKILLed at its ``at``-th read (a ranged GET of a header
+    or token ids, a piece of layers: the root's header, its layers, the child's
+    token ids, its layers) or once the child's segment is
     renamed into place before its index row is ready (0): the store then offers
     the old state or the new one, whole and verified; ``check --fix`` reclaims
     what the dead fetch left, and a fetch then completes."""
