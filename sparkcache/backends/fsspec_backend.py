@@ -316,7 +316,7 @@ class FsspecBackend:
         Errors as :meth:`open` raises them, when the piece that meets them is read."""
         path = self._path(key)
         try:
-            if self.object_store and hasattr(self.fs, "_call_s3"):  # s3fs
+            if self.object_store and hasattr(self.fs, "call_s3"):  # s3fs
                 yield from self._s3_stream(path, start, end, piece)
                 return
             with self.fs.open(path, "rb") as f:
@@ -344,8 +344,8 @@ class FsspecBackend:
         bucket, name, _version = self.fs.split_path(path)
         if end <= start:
             return
-        out = sync(self.fs.loop, self.fs._call_s3, "get_object", Bucket=bucket, Key=name,
-                   Range=f"bytes={start}-{end - 1}")
+        out = self.fs.call_s3("get_object", Bucket=bucket, Key=name,
+                              Range=f"bytes={start}-{end - 1}")
         body = out["Body"]
         try:
             at = start

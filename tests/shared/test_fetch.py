@@ -283,3 +283,23 @@ def test_a_repeated_prompt_is_found_at_its_end(tier: Tier, host: HostFactory) ->
     assert result.requests == 2 + 2 * 2 + 4 + 1
     match = b.lookup(IDENT, toks[:36])
     assert match is not None and match.n_tokens == 36
+
+
+def test_a_childs_breakpoint_below_its_start_is_found(tier: Tier, host: HostFactory) -> None:
+    """A child published with a breakpoint inside its parent's range (a request
+    marked its system prompt only once the conversation had grown): the local
+    index restores that prefix from the child, and so must the tier, for a prompt
+    sharing only it (the breakpoint, 24, is no stride; the stride below is 16)."""
+    a = host("a", tier)
+    toks = tokens(64, seed=1)
+    root = a.publish(IDENT, 0, toks[:32], pages_for(IDENT, toks[:32], 0))
+    a.publish(IDENT, 0, toks, pages_for(IDENT, toks, 0, start=32), parent=root.snapshot_id,
+              breakpoints=[24])
+    assert a.upload().error is None
+    shared_24 = prompt(24)
+    local = a.lookup(IDENT, shared_24)
+    assert local is not None and local.n_tokens == 24
+    b = host("b", tier)
+    result = b.fetch(IDENT, shared_24, breakpoints=[24])
+    assert (result.outcome, result.n_tokens) == ("fetched", 24), result
+    assert pages_equal(a, b, shared_24, 24)
