@@ -491,9 +491,10 @@ def _publish_ranks(core: Core, identity: ModelIdentity, m: Manifest, full: np.nd
                    policy: PublishPolicy | None) -> int | str:
     """Publish link ``m``, every rank's payload in turn: the snapshot id, or why
     retention refused it.  On any failure (a streamed piece that fails its
-    check included) the snapshot this started, pending and never offered, is
-    removed with its files."""
+    check included) or a refusal after a first rank, the snapshot this
+    started, pending and never offered, is removed with its files."""
     snapshot_id: int | None = None
+    whole = False
     try:
         for rank, payload in enumerate(payloads):
             published = publish(core, identity, rank, full, payload,
@@ -504,13 +505,13 @@ def _publish_ranks(core: Core, identity: ModelIdentity, m: Manifest, full: np.nd
             if published.state == "skipped":
                 return published.skipped or "skipped"
             snapshot_id = published.snapshot_id
-    except BaseException:
-        if snapshot_id is not None:
+        whole = True
+    finally:
+        if not whole and snapshot_id is not None:
             with core.write() as conn:
                 info = core.snapshot(conn, snapshot_id)
                 if info is not None and info.state == "pending":
                     drop_snapshot(core, conn, snapshot_id, "fetch")
-        raise
     assert snapshot_id is not None
     return snapshot_id
 
