@@ -489,9 +489,9 @@ def shared_sweep(url: str, limits: TierLimits, *, dry_run: bool = False,
                  options: dict[str, Any] | None = None) -> TierSweepReport:
     """One sweep of the shared tier at ``url`` (its per-model budget and age: see
     :func:`sparkcache.shared.sweep_tier`); needs no local store.  ``dry_run``
-    lists what would go and changes nothing.  Skipped (``swept`` False) while
-    another host sweeps it."""
-    tier = SharedTier(url, options, alias_stride=DEFAULT_ALIAS_STRIDE)
+    lists what would go and changes nothing (not even a new tier's ``tier.json``
+    is written).  Skipped (``swept`` False) while another host sweeps it."""
+    tier = SharedTier(url, options, alias_stride=DEFAULT_ALIAS_STRIDE, create=not dry_run)
     try:
         return sweep_tier(tier, limits, dry_run=dry_run)
     finally:

@@ -21,6 +21,7 @@ and a later publish of the same snapshot reclaim.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import secrets
 from collections.abc import Iterable, Sequence
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from sparkcache import segment as seg
+from sparkcache.backends import BufferLike
 from sparkcache.buffers import as_byte_view
 from sparkcache.core import (
     Conn,
@@ -49,7 +51,7 @@ from sparkcache.index import queries as q
 from sparkcache.maintenance import drop_snapshot, insert_boundaries, publish_abandoned
 from sparkcache.reader import read_pages
 
-__all__ = ["PUBLISH_LEASE_SECONDS", "PublishResult", "block_tokens", "publish"]
+__all__ = ["PUBLISH_LEASE_SECONDS", "Encoded", "PublishResult", "block_tokens", "publish"]
 
 #: How long a publish may take before its lease expires and others may clean up.
 PUBLISH_LEASE_SECONDS = 600.0
@@ -66,6 +68,23 @@ class PublishResult:
     deduplicated: bool  # True when this rank's segment was already there (nothing written)
     compacted: bool = False
     skipped: str | None = None  # why retention refused to save it (state 'skipped')
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A segment already encoded (one fetched from the shared tier), published as
+    it is instead of pages: its ``header`` bytes (length prefix included, checked
+    against ``digest`` and the plan by the publish), then its layers' bytes in
+    order (``layer_nbytes`` in all) as ``layers`` yields them, each piece
+    verified by the producer before it is yielded; the token ids are the
+    publish's own.  A producer that raises undoes the publish: the temp file is
+    removed and nothing becomes visible.  Never compacted: publish it only where
+    the chain has room (``parent.depth + 1 < max_chain``)."""
+
+    header: bytes
+    digest: str
+    layers: Iterable[BufferLike]
+    layer_nbytes: int
 
 
 @dataclass(frozen=True)
@@ -118,7 +137,7 @@ def block_tokens(identity: ModelIdentity, token_ids: Any) -> np.ndarray:
 
 def publish(
     core: Core, identity: ModelIdentity, rank: int, token_ids: Sequence[int] | np.ndarray,
-    pages: Sequence[Any], *, parent: int | None, scope: RequestScope | None,
+    pages: Sequence[Any] | Encoded, *, parent: int | None, scope: RequestScope | None,
     breakpoints: Iterable[int], alias_stride: int, max_chain: int,
     policy: PublishPolicy | None,
 ) -> PublishResult:
@@ -126,11 +145,18 @@ def publish(
     plan = _plan(core, identity, identity.check_rank(rank), block_tokens(identity, token_ids),
                  parent, scope, breakpoints, max_chain)
     bs = identity.block_size
-    views = _page_views(identity, pages, plan.tail_start // bs, plan.n // bs)
+    views = (pages if isinstance(pages, Encoded)
+             else _page_views(identity, pages, plan.tail_start // bs, plan.n // bs))
+    if isinstance(views, Encoded) and plan.compact:
+        raise InvalidArgument("an encoded segment is written as it is, never compacted: "
+                              "publish its pages, or under a parent with a shorter chain")
     if policy is not None:
-        nbytes = (plan.n - plan.start) // bs * identity.page_nbytes * len(views)
-        if identity.window_blocks:
+        if isinstance(views, Encoded):
+            nbytes = views.layer_nbytes
+        elif identity.window_blocks:
             nbytes = sum(v.size for v in views)
+        else:
+            nbytes = (plan.n - plan.start) // bs * identity.page_nbytes * len(views)
         why = policy.refuse(core, plan.n, nbytes)
         if why is not None:
             with core.write() as conn:
@@ -287,12 +313,16 @@ def _reserve(core: Core, plan: _Plan) -> _Reserved | PublishResult:
 
 
 def _write(core: Core, plan: _Plan, reserved: _Reserved,
-           views: list[np.ndarray]) -> tuple[int, str]:
+           views: list[np.ndarray] | Encoded) -> tuple[int, str]:
     """Step 3: the segment file, durable when this returns: (bytes written, digest).
 
     A compacting publish first reads the parent's chain (verified) so that the
-    file holds the whole prefix.  On any failure the reservation is undone."""
+    file holds the whole prefix.  An :class:`Encoded` segment is written as its
+    layers arrive, after its header is checked against the plan.  On any
+    failure (of the producer too) the reservation is undone."""
     try:
+        if isinstance(views, Encoded):
+            return _write_encoded(core, plan, reserved, views)
         if plan.compact:
             views = _compacted(core, plan, views)
         start = plan.start
@@ -310,6 +340,23 @@ def _write(core: Core, plan: _Plan, reserved: _Reserved,
         _abandon(core, plan, reserved)
         raise
     return written, digest
+
+
+def _write_encoded(core: Core, plan: _Plan, reserved: _Reserved,
+                   enc: Encoded) -> tuple[int, str]:
+    tokens = plan.tokens[plan.start:].view(np.uint8)
+    size = len(enc.header) + enc.layer_nbytes + tokens.size
+    header = seg.check_header(memoryview(enc.header), enc.digest, plan.identity, plan.rank,
+                              plan.snap_key, plan.start, plan.n, size=size)
+    if header.tensors["tokens"][0] != len(enc.header) + enc.layer_nbytes:
+        raise InvalidArgument(f"an encoded segment's layers hold {enc.layer_nbytes} bytes, "
+                              "its header says otherwise")
+    written = core.backend.put(reserved.object_key,
+                               itertools.chain([enc.header], enc.layers, [tokens]))
+    if written != size:
+        raise SparkCacheError(f"an encoded segment's layers yielded {written} bytes in all, "
+                              f"its header says {size}")
+    return written, enc.digest
 
 
 def _compacted(core: Core, plan: _Plan, tail: list[np.ndarray]) -> list[np.ndarray]:

@@ -50,6 +50,7 @@ __all__ = [
     "Sink",
     "build_header",
     "check_header",
+    "check_piece",
     "copy_verified",
     "open_segment",
     "parse_header",
@@ -150,16 +151,18 @@ def _fail(message: str, reason: str) -> CorruptSnapshot:
     return CorruptSnapshot(message, reason)
 
 
-def parse_header(buf: memoryview, expected_digest: str) -> SegmentHeader:
+def parse_header(buf: memoryview, expected_digest: str, size: int | None = None) -> SegmentHeader:
     """Check the header against the index digest and the file size; parse it.
 
-    Raises :class:`CorruptSnapshot` on any mismatch (never returns bad data).
+    ``size``: the file's size when ``buf`` holds only its first bytes (at least
+    the header: a streamed read).  Raises :class:`CorruptSnapshot` on any
+    mismatch (never returns bad data).
     """
-    size = buf.nbytes
-    if size < 8:
-        raise _fail(f"segment is {size} bytes, too short for a header", "truncated")
+    size = buf.nbytes if size is None else size
+    if buf.nbytes < 8:
+        raise _fail(f"segment is {buf.nbytes} bytes, too short for a header", "truncated")
     (hlen,) = struct.unpack_from("<Q", buf, 0)
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > min(size, buf.nbytes):
         raise _fail(f"segment header length {hlen} does not fit a {size}-byte file", "truncated")
     header = buf[: 8 + hlen]
     digest = xxhash.xxh3_128_hexdigest(header)
@@ -203,7 +206,7 @@ def parse_header(buf: memoryview, expected_digest: str) -> SegmentHeader:
 
 def check_header(
     buf: memoryview, digest: str, identity: ModelIdentity, rank: int, snap_key: str,
-    token_start: int, token_end: int,
+    token_start: int, token_end: int, *, size: int | None = None,
 ) -> SegmentHeader:
     """The one verification of a segment's header, for every reader of a segment.
 
@@ -212,9 +215,10 @@ def check_header(
     model identity's digest, ``rank``, ``snap_key``, the token range, the block
     size, the KV dtype, the page shape and the layer count.  Raises :class:`CorruptSnapshot`
     (reason ``identity`` for a field that differs).  The payload chunks are
-    checked as they are read (:func:`verified_view`, :func:`copy_verified`).
+    checked as they are read (:func:`verified_view`, :func:`copy_verified`,
+    :func:`check_piece`).  ``size``: see :func:`parse_header`.
     """
-    header = parse_header(buf, digest)
+    header = parse_header(buf, digest, size)
     expected = {
         "model": identity.digest(), "rank": rank, "snap_key": snap_key,
         "token_start": token_start, "token_end": token_end,
@@ -267,8 +271,23 @@ def verified_view(buf: memoryview, header: SegmentHeader, name: str, nbytes: int
 
 
 def _check_chunks(view: np.ndarray, header: SegmentHeader, name: str, nbytes: int) -> None:
-    for index, start in enumerate(range(0, nbytes, CHUNK_BYTES)):
-        if _hexdigest(view[start : start + CHUNK_BYTES]) != header.chunk_digest(name, index):
+    check_piece(header, name, 0, view[: -(-nbytes // CHUNK_BYTES) * CHUNK_BYTES])
+
+
+def check_piece(header: SegmentHeader, name: str, start: int, piece: np.ndarray) -> None:
+    """Verify ``piece``, the bytes of tensor ``name`` from its byte ``start`` (a
+    multiple of :data:`CHUNK_BYTES`), chunk by chunk: whole chunks, the last
+    one short only at the tensor's end (a streamed read checks each piece as it
+    arrives).  Raises :class:`CorruptSnapshot` (``digest``, or ``truncated``
+    for a piece that does not end on a chunk or the tensor's end)."""
+    total = header.tensors[name][1]
+    if start % CHUNK_BYTES or start + piece.size > total or (
+            piece.size % CHUNK_BYTES and start + piece.size != total):
+        raise _fail(f"{name}: {piece.size} bytes at {start} are not whole chunks of its "
+                    f"{total}", "truncated")
+    first = start // CHUNK_BYTES
+    for index, at in enumerate(range(0, piece.size, CHUNK_BYTES), first):
+        if _hexdigest(piece[at : at + CHUNK_BYTES]) != header.chunk_digest(name, index):
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
 
 

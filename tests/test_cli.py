@@ -731,6 +731,19 @@ def test_another_tier_is_refused_unless_relocated(run: Run, tier: str,
     run("--shared", "nosuch://x", "upload", code=2)
 
 
+def test_a_dry_shared_sweep_writes_nothing_into_a_new_tier(run: Run, tmp_path: Path) -> None:
+    """A tier without ``tier.json``: a dry run leaves the folder empty (opening the
+    tier writes ``tier.json`` otherwise), a real sweep may write it."""
+    folder = tmp_path / "new-tier"
+    folder.mkdir()
+    url = f"file://{folder}"
+    dry = run.json("--shared", url, "shared-sweep", "--dry-run")
+    assert dry["dry_run"] and dry["swept"]
+    assert list(folder.rglob("*")) == []
+    run("--shared", url, "shared-sweep")
+    assert (folder / "tier.json").is_file()
+
+
 def test_shared_sweep(run: Run, tier: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``sparkcache shared-sweep``: a dry run lists what would go and changes nothing;
     the real run deletes it; a host holding the sweep makes it a skip (exit 1)."""

@@ -21,12 +21,20 @@ tier's sweep deleted meanwhile) or that does not agree is skipped for the next
 shorter stride (at most :data:`MAX_FALLBACKS`).
 
 :func:`fetch_chain` pulls every link not already local into the local store
-through the ordinary publish path, after verifying each rank's object as an
-import does: its size against the manifest, then the header against the
-manifest's digest, the identity, the rank, the snapshot key and token range,
-every chunk, the ranks' token ids against each other and the key against the
-hash of the token ids.  A fetched snapshot is as trusted as a local one, and
-afterwards it *is* local (and counted as uploaded: its manifest is there).
+through the ordinary publish path, verifying each rank's object as an import
+does: its size against the manifest, then the header against the manifest's
+digest, the identity, the rank, the snapshot key and token range, every chunk,
+the ranks' token ids against each other and the key against the hash of the
+token ids.  A link is streamed: its header and token ids come first (two
+ranged GETs) and are checked, then its layers in one GET read in pieces of
+:data:`STREAM_BYTES` (at most :data:`STREAM_AHEAD` read ahead), each verified
+and written into the local segment's temp file as it arrives
+(:class:`~sparkcache.publish.Encoded`), so memory stays a few pieces and the
+download overlaps the local write; any failure, at any byte, removes the temp
+file and leaves nothing visible.  (A link whose publish compacts the local
+chain is downloaded whole first, as it must be rewritten.)  A fetched
+snapshot is as trusted as a local one, and afterwards it *is* local (and
+counted as uploaded: its manifest is there).
 Any failure of a link is a miss for it and what depends on it; links already
 published stay, so the local lookup then restores the shorter prefix.
 
@@ -38,9 +46,13 @@ tier into a miss).
 from __future__ import annotations
 
 import logging
+import queue
+import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +63,8 @@ from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkC
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
-from sparkcache.publish import publish
+from sparkcache.maintenance import drop_snapshot
+from sparkcache.publish import Encoded, publish
 from sparkcache.reader import stored_tokens
 from sparkcache.shared.layout import Manifest, alias_key, manifest_key, parse_alias, parse_manifest
 from sparkcache.shared.sweep import mark_used
@@ -62,6 +75,8 @@ __all__ = [
     "MAX_BREAKPOINT_PROBES",
     "MAX_CHAIN_LINKS",
     "MAX_FALLBACKS",
+    "STREAM_AHEAD",
+    "STREAM_BYTES",
     "FetchResult",
     "RemotePrefix",
     "fetch_chain",
@@ -82,6 +97,14 @@ MAX_CHAIN_LINKS = 64
 #: How long a fetch waits for another process of this host publishing the same
 #: snapshot (its publish lease) before it gives up (a miss).
 PENDING_WAIT_SECONDS = 10.0
+#: A streamed link's layers are read (one GET), verified and written in pieces
+#: of this size: whole verification chunks.
+STREAM_BYTES = 8 * seg.CHUNK_BYTES
+#: Pieces read ahead of the local write, at most: a link's memory is a few pieces.
+STREAM_AHEAD = 4
+#: The first GET of a segment: its header, whole for any model sparkcache knows
+#: (a longer one costs one GET more).
+_HEAD_GUESS = 256 << 10
 
 # One fetch of a snapshot at a time in this process: a second request for the
 # same prefix finds it local instead of downloading it again.
@@ -121,8 +144,9 @@ class FetchResult:
     nbytes: int = 0
     requests: int = 0
     seconds: float = 0.0
-    #: Of ``seconds``, the downloads and their verification (the rest is the
-    #: probe, the manifests and the durable publish into the local store).
+    #: Of ``seconds``, the time spent on segment bytes: reading the headers and
+    #: token ids, waiting for each piece of layers and verifying it (the
+    #: download overlaps the local write, so this is not the download's time).
     download_seconds: float = 0.0
     reason: str | None = None
 
@@ -271,47 +295,225 @@ def _wait_ready(core: Core, snapshot_id: int) -> SnapshotInfo | None:
         time.sleep(0.02)
 
 
-def _download(tier: SharedTier, identity: ModelIdentity, m: Manifest,
-              seed: bytes) -> tuple[np.ndarray, list[list[np.ndarray]], int]:
-    """Every rank's segment of link ``m``, verified: (its token ids, each rank's
-    layer pages, bytes fetched).  CorruptSnapshot (reason as a read gives, or
-    ``missing`` / ``truncated``) when an object is not exactly what the
-    manifest names."""
+def _download(tier: SharedTier, identity: ModelIdentity, m: Manifest, timer: list[float],
+              ) -> tuple[np.ndarray, list[list[np.ndarray]], int]:
+    """Every rank's segment of link ``m`` whole in memory, verified: (its token
+    ids, each rank's layer pages, bytes fetched).  CorruptSnapshot (reason as a
+    read gives, or ``missing`` / ``truncated``) when an object is not exactly
+    what the manifest names."""
+    started = time.perf_counter()
     tokens: np.ndarray | None = None
     pages: list[list[np.ndarray]] = []
     nbytes = 0
-    for g in m.segments:
-        size = tier.size(g.key)
-        if size is None:
-            raise CorruptSnapshot(f"{g.key} is missing from the tier", "missing")
-        if size != g.nbytes:
-            raise CorruptSnapshot(f"{g.key} is {size} bytes, its manifest says {g.nbytes}",
-                                  "truncated")
-        try:
-            blob = tier.backend.open(g.key)  # in memory: the views below keep it alive
-        except NotFound:
-            raise CorruptSnapshot(f"{g.key} vanished from the tier", "missing") from None
-        buf = blob.buffer
-        if buf.nbytes != g.nbytes:
-            raise CorruptSnapshot(f"{g.key} read {buf.nbytes} bytes, not {g.nbytes}",
-                                  "truncated")
-        nbytes += buf.nbytes
-        header = verify_file(buf, g.digest, identity, g.rank, m.snap_key, g.token_start,
-                             g.token_end)
-        these = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1]).view("<u4")
-        if tokens is None:
-            tokens = these
-        elif not np.array_equal(tokens, these):
-            raise CorruptSnapshot(f"the ranks of {m.snap_key} disagree on the token ids",
-                                  "tokens")
-        pages.append([seg.verified_view(buf, header, f"layer.{i}", header.tensors[f"layer.{i}"][1])
-                      for i in range(header.n_layers)])
+    try:
+        for g in m.segments:
+            _check_size(tier, g.key, g.nbytes)
+            try:
+                blob = tier.backend.open(g.key)  # in memory: the views below keep it alive
+            except NotFound:
+                raise CorruptSnapshot(f"{g.key} vanished from the tier", "missing") from None
+            buf = blob.buffer
+            if buf.nbytes != g.nbytes:
+                raise CorruptSnapshot(f"{g.key} read {buf.nbytes} bytes, not {g.nbytes}",
+                                      "truncated")
+            nbytes += buf.nbytes
+            header = verify_file(buf, g.digest, identity, g.rank, m.snap_key, g.token_start,
+                                 g.token_end)
+            these = seg.verified_view(buf, header, "tokens",
+                                      header.tensors["tokens"][1]).view("<u4")
+            _same_tokens(m, tokens, these)
+            tokens = tokens if tokens is not None else these
+            pages.append([seg.verified_view(buf, header, f"layer.{i}",
+                                            header.tensors[f"layer.{i}"][1])
+                          for i in range(header.n_layers)])
+    finally:
+        timer[0] += time.perf_counter() - started
     assert tokens is not None
+    return tokens.astype(np.uint32), pages, nbytes
+
+
+def _check_size(tier: SharedTier, key: str, nbytes: int) -> None:
+    size = tier.size(key)
+    if size is None:
+        raise CorruptSnapshot(f"{key} is missing from the tier", "missing")
+    if size != nbytes:
+        raise CorruptSnapshot(f"{key} is {size} bytes, its manifest says {nbytes}", "truncated")
+
+
+def _same_tokens(m: Manifest, first: np.ndarray | None, these: np.ndarray) -> None:
+    if first is not None and not np.array_equal(first, these):
+        raise CorruptSnapshot(f"the ranks of {m.snap_key} disagree on the token ids", "tokens")
+
+
+def _check_key(identity: ModelIdentity, m: Manifest, tokens: np.ndarray, seed: bytes) -> None:
+    """The link's key must be the hash of its token ids in its scope."""
     hashes = prefix_hashes(seed, tokens, identity.block_size)
     if not hashes or hashes[-1].hex() != m.snap_key:
         raise CorruptSnapshot(f"{m.snap_key}'s token ids do not hash to its key in its scope",
                               "tokens")
-    return tokens.astype(np.uint32), pages, nbytes
+
+
+@dataclass
+class _Remote:
+    """One rank's segment in the tier: its header and token ids, checked."""
+
+    key: str
+    header_bytes: bytes
+    header: seg.SegmentHeader
+    tokens: np.ndarray
+    nbytes: int
+    requests: int  # made so far (HEAD, header, tokens), and the layers' one GET
+
+    def encoded(self, tier: SharedTier, pool: ThreadPoolExecutor,
+                timer: list[float]) -> Encoded:
+        """The segment as :func:`~sparkcache.publish.publish` writes it, its layers
+        streamed (:func:`_layers`) once the publish iterates them."""
+        layers_at = self.header.data_start
+        return Encoded(self.header_bytes, self.header.digest,
+                       _layers(tier, self, pool, timer),
+                       self.header.tensors["tokens"][0] - layers_at)
+
+
+def _range(tier: SharedTier, key: str, start: int, end: int) -> memoryview:
+    """Bytes ``[start, end)`` of a segment object, all of them (else CorruptSnapshot)."""
+    try:
+        data = tier.backend.read_range(key, start, end)
+    except NotFound:
+        raise CorruptSnapshot(f"{key} vanished from the tier", "missing") from None
+    if len(data) != end - start:
+        raise CorruptSnapshot(f"{key}: read {len(data)} bytes at {start}, not {end - start} "
+                              "(the object changed)", "truncated")
+    return memoryview(data)
+
+
+def _pieces(header: seg.SegmentHeader) -> list[tuple[str, int, int, int]]:
+    """The pieces of a segment's layers, in file order: (tensor, its byte, file
+    range), each whole verification chunks of one tensor."""
+    return [(name, at, offset + at, offset + min(at + STREAM_BYTES, total))
+            for name in (f"layer.{i}" for i in range(header.n_layers))
+            for offset, total in [header.tensors[name]]
+            for at in range(0, total, STREAM_BYTES)]
+
+
+def _open_remote(tier: SharedTier, identity: ModelIdentity, m: Manifest,
+                 timer: list[float]) -> list[_Remote]:
+    """Every rank's segment header and token ids of link ``m``, verified (the
+    ranks agree on the tokens), in two ranged GETs each (three for a header
+    over :data:`_HEAD_GUESS`).  CorruptSnapshot as :func:`_download`."""
+    out: list[_Remote] = []
+    started = time.perf_counter()
+    try:
+        for g in m.segments:
+            _check_size(tier, g.key, g.nbytes)
+            head = _range(tier, g.key, 0, min(_HEAD_GUESS, g.nbytes))
+            requests = 3
+            if head.nbytes >= 8:
+                (hlen,) = struct.unpack_from("<Q", head, 0)
+                if head.nbytes < 8 + hlen <= min(g.nbytes, seg.MAX_HEADER_BYTES):
+                    head = memoryview(bytes(head) + _range(tier, g.key, head.nbytes, 8 + hlen))
+                    requests += 1
+            header = seg.check_header(head, g.digest, identity, g.rank, m.snap_key,
+                                      g.token_start, g.token_end, size=g.nbytes)
+            offset, total = header.tensors["tokens"]
+            raw = np.frombuffer(_range(tier, g.key, offset, offset + total), np.uint8)
+            seg.check_piece(header, "tokens", 0, raw)
+            these = raw.view("<u4")
+            _same_tokens(m, out[0].tokens if out else None, these)
+            out.append(_Remote(g.key, bytes(head[:header.data_start]), header,
+                               these.astype(np.uint32), g.nbytes, requests + 1))
+    finally:
+        timer[0] += time.perf_counter() - started
+    return out
+
+
+def _layers(tier: SharedTier, remote: _Remote, pool: ThreadPoolExecutor,
+            timer: list[float]) -> Iterator[np.ndarray]:
+    """A segment's layer bytes in file order, from one request read by a thread
+    of ``pool`` in blocks of :data:`STREAM_BYTES` (at most :data:`STREAM_AHEAD`
+    waiting), cut into pieces on chunk boundaries, each verified before it is
+    yielded."""
+    pieces = _pieces(remote.header)
+    blocks: queue.Queue[bytes | bytearray | BaseException | None] = queue.Queue(STREAM_AHEAD)
+    stop = threading.Event()
+
+    def put(item: bytes | bytearray | BaseException | None) -> bool:
+        while not stop.is_set():
+            try:
+                blocks.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            with closing(tier.backend.read_stream(remote.key, pieces[0][2], pieces[-1][3],
+                                                  STREAM_BYTES)) as stream:
+                for block in stream:
+                    if not put(block):
+                        return
+            put(None)
+        except BaseException as exc:
+            put(exc)
+
+    pool.submit(produce)
+    pending = memoryview(b"")
+    try:
+        for name, at, lo, hi in pieces:
+            started = time.perf_counter()
+            out = np.empty(hi - lo, np.uint8)
+            filled = 0
+            while filled < out.size:
+                if not pending.nbytes:
+                    item = blocks.get()
+                    if isinstance(item, NotFound):
+                        raise CorruptSnapshot(f"{remote.key} vanished from the tier",
+                                              "missing") from None
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        raise CorruptSnapshot(f"{remote.key} ended at byte {lo + filled}, "
+                                              f"its header says {pieces[-1][3]}", "truncated")
+                    pending = memoryview(item)
+                n = min(pending.nbytes, out.size - filled)
+                out[filled:filled + n] = np.frombuffer(pending[:n], np.uint8)
+                pending, filled = pending[n:], filled + n
+            seg.check_piece(remote.header, name, at, out)
+            timer[0] += time.perf_counter() - started
+            yield out
+    finally:
+        stop.set()
+
+
+def _publish_ranks(core: Core, identity: ModelIdentity, m: Manifest, full: np.ndarray,
+                   payloads: Sequence[Sequence[np.ndarray] | Encoded],
+                   parent: SnapshotInfo | None, *, alias_stride: int, max_chain: int,
+                   policy: PublishPolicy | None) -> int | str:
+    """Publish link ``m``, every rank's payload in turn: the snapshot id, or why
+    retention refused it.  On any failure (a streamed piece that fails its
+    check included) or a refusal after a first rank, the snapshot this
+    started, pending and never offered, is removed with its files."""
+    snapshot_id: int | None = None
+    whole = False
+    try:
+        for rank, payload in enumerate(payloads):
+            published = publish(core, identity, rank, full, payload,
+                                parent=None if parent is None else parent.id,
+                                scope=m.scope, breakpoints=m.breakpoints,
+                                alias_stride=alias_stride, max_chain=max_chain,
+                                policy=policy)
+            if published.state == "skipped":
+                return published.skipped or "skipped"
+            snapshot_id = published.snapshot_id
+        whole = True
+    finally:
+        if not whole and snapshot_id is not None:
+            with core.write() as conn:
+                info = core.snapshot(conn, snapshot_id)
+                if info is not None and info.state == "pending":
+                    drop_snapshot(core, conn, snapshot_id, "fetch")
+    assert snapshot_id is not None
+    return snapshot_id
 
 
 def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: list[Manifest], *,
@@ -337,31 +539,36 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
                 continue
             seed = (prefix_seed(identity, m.scope) if parent is None
                     else bytes.fromhex(parent.snap_key))
-            result.requests += 2 * len(m.segments)
-            started = time.perf_counter()
+            if parent is not None and full.size < parent.n_tokens:
+                full = _tokens_of(core, identity, parent, full)
+            timer = [0.0]
+            payloads: Sequence[Sequence[np.ndarray] | Encoded]
             try:
-                tokens, pages, nbytes = _download(tier, identity, m, seed)
+                with ThreadPoolExecutor(1, "sparkcache-fetch") as pool:
+                    if parent is not None and parent.depth + 1 >= max_chain:
+                        # compacted here: rewritten with the parent's rows, not streamed
+                        tokens, payloads, nbytes = _download(tier, identity, m, timer)
+                        result.requests += 2 * len(m.segments)
+                    else:
+                        remotes = _open_remote(tier, identity, m, timer)
+                        tokens, nbytes = remotes[0].tokens, sum(r.nbytes for r in remotes)
+                        payloads = [r.encoded(tier, pool, timer) for r in remotes]
+                        result.requests += sum(r.requests for r in remotes)
+                    _check_key(identity, m, tokens, seed)
+                    full = np.concatenate([full, tokens])
+                    done = _publish_ranks(core, identity, m, full, payloads, parent,
+                                          alias_stride=alias_stride, max_chain=max_chain,
+                                          policy=policy)
             except CorruptSnapshot as exc:
                 core.count(0, "fetch_refused")
                 result.outcome, result.reason = "refused", str(exc)
                 return
             finally:
-                result.download_seconds += time.perf_counter() - started
-            if parent is not None and full.size < parent.n_tokens:
-                full = _tokens_of(core, identity, parent, full)
-            full = np.concatenate([full, tokens])
-            published = None
-            for rank, layer_pages in enumerate(pages):
-                published = publish(core, identity, rank, full, layer_pages,
-                                    parent=None if parent is None else parent.id,
-                                    scope=m.scope, breakpoints=m.breakpoints,
-                                    alias_stride=alias_stride, max_chain=max_chain,
-                                    policy=policy)
-                if published.state == "skipped":
-                    result.outcome, result.reason = "refused", published.skipped
-                    return
-            assert published is not None
-            info = _wait_ready(core, published.snapshot_id)
+                result.download_seconds += timer[0]
+            if isinstance(done, str):
+                result.outcome, result.reason = "refused", done
+                return
+            info = _wait_ready(core, done)
             if info is None or info.snap_key != m.snap_key:
                 raise SparkCacheError(f"snapshot {m.snap_key} fetched from the tier did not "
                                       "become ready here; run `sparkcache check --fix`")

@@ -106,12 +106,14 @@ class SharedTier:
 
     ``alias_stride`` is used only when the tier is new (it has no
     ``tier.json``); the tier's own stride is :attr:`alias_stride` afterwards.
+    ``create``: write ``tier.json`` into a new tier (False: a reader that must
+    write nothing, such as a dry run, takes ``alias_stride`` without writing it).
     ``counts`` tallies what was sent (``puts``, ``put_bytes``) and what was
     found already there (``skipped``), for tests and benchmarks.  Thread-safe.
     """
 
     def __init__(self, url: str | os.PathLike[str], options: Mapping[str, Any] | None = None,
-                 *, alias_stride: int) -> None:
+                 *, alias_stride: int, create: bool = True) -> None:
         text = os.fspath(url).strip()
         self.url = shared_url(text)
         if "://" not in text:
@@ -122,7 +124,7 @@ class SharedTier:
         self._lock = threading.Lock()
         try:
             self._check_root()
-            self.info = self._tier_info(alias_stride)
+            self.info = self._tier_info(alias_stride, create)
         except BaseException:
             self.backend.close()
             raise
@@ -177,14 +179,17 @@ class SharedTier:
                 "mount the shared filesystem there); sparkcache never creates it, so that "
                 "a tier on a mount point that is not mounted cannot fill the local disk")
 
-    def _tier_info(self, alias_stride: int) -> TierInfo:
+    def _tier_info(self, alias_stride: int, create: bool) -> TierInfo:
         """``tier.json``: read, or written first when the tier is new (then read
-        again: of two hosts starting a new tier at once, both use the winner's)."""
+        again: of two hosts starting a new tier at once, both use the winner's);
+        without ``create``, a new tier's is ``alias_stride``'s, written nowhere."""
         raw = self.get(TIER_FILE)
         if raw is None:
             if not isinstance(alias_stride, int) or alias_stride <= 0:
                 raise InvalidArgument(f"alias_stride must be a positive integer, got "
                                       f"{alias_stride!r}")
+            if not create:
+                return parse_tier(tier_bytes(alias_stride), self.url)
             self.put(TIER_FILE, [tier_bytes(alias_stride)])
             raw = self.get(TIER_FILE)
             if raw is None:

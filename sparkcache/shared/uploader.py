@@ -20,7 +20,10 @@ that keeps the tier consistent at every instant (docs/shared.md):
    verified whole (header, every chunk, and the snapshot key against its
    token ids: a corrupt file is quarantined, never spread) and sent unless an
    object of its key and size is there;
-4. the alias markers of its stride boundaries and breakpoints, unless there;
+4. the alias markers of its stride boundaries and breakpoints, unless there
+   (a child's breakpoint inside its parent's range too: the local index offers
+   that prefix from the child, so the tier does; its hash is the index's row,
+   the link's own token ids cannot give it);
 5. last, its manifest: the snapshot becomes visible in the tier whole or not
    at all; then ``uploaded_at`` is set.
 
@@ -164,6 +167,8 @@ def upload_snapshot(core: Core, tier: SharedTier, snapshot_id: int) -> UploadRes
         model = core.model(conn, info.model_id)
         segments = core.segments(conn, snapshot_id)
         marks = ids(conn, q.BREAKPOINTS_OF, (snapshot_id,))
+        below = [(int(n), bytes(h)) for n, h in
+                 conn.execute(q.BREAKPOINTS_BELOW, (snapshot_id, info.start_token))]
     if model is None or (info.parent_id is not None and parent is None):
         return UploadResult(snapshot_id, "gone")
     if parent is not None and parent.uploaded_at is None:
@@ -190,7 +195,7 @@ def upload_snapshot(core: Core, tier: SharedTier, snapshot_id: int) -> UploadRes
     if lease is None:
         return UploadResult(snapshot_id, "gone")
     try:
-        result = _send(core, tier, identity, info, parent, segments, marks)
+        result = _send(core, tier, identity, info, parent, segments, marks, below)
     except BaseException:
         _release(core, lease)
         raise
@@ -218,8 +223,9 @@ def _scope(info: SnapshotInfo) -> RequestScope | None:
 
 def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotInfo,
           parent: SnapshotInfo | None, segments: list[SegmentInfo],
-          marks: list[int]) -> UploadResult:
-    """Steps 3 to 5 of the module doc, under the caller's lease."""
+          marks: list[int], below: list[tuple[int, bytes]]) -> UploadResult:
+    """Steps 3 to 5 of the module doc, under the caller's lease.  ``below``: the
+    (tokens, prefix hash) of its breakpoints inside its parent's range."""
     sid, model = info.id, identity.digest()
     scope = _scope(info)
     if scope is None:
@@ -255,11 +261,11 @@ def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotI
         entries.append(SegmentEntry(g.rank, key, g.nbytes, digest, g.token_start, g.token_end))
     bs = identity.block_size
     start_blocks = info.start_token // bs
-    aliases: list[tuple[int, str]] = []
-    for i in alias_blocks(start_blocks, info.n_tokens // bs, tier.alias_stride // bs,
-                          [b // bs for b in marks]):
-        n, prefix = (i + 1) * bs, hashes[i - start_blocks].hex()
-        aliases.append((n, prefix))
+    aliases = [(n, h.hex()) for n, h in below]
+    aliases += [((i + 1) * bs, hashes[i - start_blocks].hex())
+                for i in alias_blocks(start_blocks, info.n_tokens // bs,
+                                      tier.alias_stride // bs, [b // bs for b in marks])]
+    for n, prefix in aliases:
         if tier.exists(alias_key(model, prefix)):  # the first upload's marker stays
             found += 1
             continue

@@ -98,14 +98,17 @@ def test_probes_are_bounded_and_never_list(s3_tier: Tier, host: HostFactory) -> 
     assert (hit.outcome, hit.n_tokens) == ("fetched", 64)
     # never a listing; one PUT: the use marker the tier's sweep reads
     assert set(calls) == {"HeadObject", "GetObject", "PutObject"} and calls["PutObject"] == 1
-    # GETs: the marker, two manifests, two segments, each after our HEAD (its
-    # size) and s3fs's own; the probe: the first stride, a binary search over
-    # the other 249 (the end is on a stride)
-    assert calls["GetObject"] == 5 and calls["HeadObject"] - 2 * 5 <= 1 + 8
+    # GETs: the marker and two manifests, each after our HEAD (its size) and
+    # s3fs's own; two segments streamed, each after our HEAD, in three GETs (its
+    # header, its token ids, its layers); the probe: the first stride, a binary
+    # search over the other 249 (the end is on a stride)
+    segment_gets = 3
+    assert calls["GetObject"] == 3 + 2 * segment_gets
+    assert calls["HeadObject"] - 2 * 3 - 2 <= 1 + 8
     again = host("c", s3_tier).fetch(IDENT, prompt(64, total=66))  # the stored tokens
     # the first stride, then a bisection of the other three (the end is the 4th)
     # (and the use marker's PUT)
-    assert again.n_tokens == 64 and again.requests == 3 + 2 * 5 + 1
+    assert again.n_tokens == 64 and again.requests == 3 + 2 * 3 + 2 * (1 + segment_gets) + 1
 
 
 def test_another_scope_is_a_miss(tier: Tier, host: HostFactory) -> None:
@@ -275,7 +278,28 @@ def test_a_repeated_prompt_is_found_at_its_end(tier: Tier, host: HostFactory) ->
     b = host("b", tier)
     result = b.fetch(IDENT, toks[:38])  # 9 whole blocks: the end, 36, is no stride
     assert (result.outcome, result.n_tokens) == ("fetched", 36)
-    # then the marker, the manifest, the segment; then the use marker's PUT
-    assert result.requests == 2 + 2 * 3 + 1
+    # then the marker and the manifest (a HEAD and a GET each), the segment (a
+    # HEAD, its header, its token ids, its layers); the use marker's PUT
+    assert result.requests == 2 + 2 * 2 + 4 + 1
     match = b.lookup(IDENT, toks[:36])
     assert match is not None and match.n_tokens == 36
+
+
+def test_a_childs_breakpoint_below_its_start_is_found(tier: Tier, host: HostFactory) -> None:
+    """A child published with a breakpoint inside its parent's range (a request
+    marked its system prompt only once the conversation had grown): the local
+    index restores that prefix from the child, and so must the tier, for a prompt
+    sharing only it (the breakpoint, 24, is no stride; the stride below is 16)."""
+    a = host("a", tier)
+    toks = tokens(64, seed=1)
+    root = a.publish(IDENT, 0, toks[:32], pages_for(IDENT, toks[:32], 0))
+    a.publish(IDENT, 0, toks, pages_for(IDENT, toks, 0, start=32), parent=root.snapshot_id,
+              breakpoints=[24])
+    assert a.upload().error is None
+    shared_24 = prompt(24)
+    local = a.lookup(IDENT, shared_24)
+    assert local is not None and local.n_tokens == 24
+    b = host("b", tier)
+    result = b.fetch(IDENT, shared_24, breakpoints=[24])
+    assert (result.outcome, result.n_tokens) == ("fetched", 24), result
+    assert pages_equal(a, b, shared_24, 24)
