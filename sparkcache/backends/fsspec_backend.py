@@ -131,12 +131,17 @@ def _backend_error(action: str, key: object, url: str, exc: Exception) -> Backen
 
 async def _read_exactly(body: Any, size: int) -> bytearray:
     """Up to ``size`` bytes of an aiobotocore body: fewer only at its end."""
-    out = bytearray()
-    while len(out) < size:
-        chunk = await body.read(size - len(out))
+    out = bytearray(size)  # each chunk copied once into place, never regrown
+    view = memoryview(out)
+    at = 0
+    while at < size:
+        chunk = await body.read(size - at)
         if not chunk:
+            del view
+            del out[at:]
             break
-        out += chunk
+        view[at:at + len(chunk)] = chunk
+        at += len(chunk)
     return out
 
 
