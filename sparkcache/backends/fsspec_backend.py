@@ -32,6 +32,7 @@ from __future__ import annotations
 import builtins
 import datetime
 import functools
+import itertools
 import os
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import suppress
@@ -130,13 +131,26 @@ def _backend_error(action: str, key: object, url: str, exc: Exception) -> Backen
 
 async def _read_exactly(body: Any, size: int) -> bytearray:
     """Up to ``size`` bytes of an aiobotocore body: fewer only at its end."""
-    out = bytearray()
-    while len(out) < size:
-        chunk = await body.read(size - len(out))
+    out = bytearray(size)  # each chunk copied once into place, never regrown
+    view = memoryview(out)
+    at = 0
+    while at < size:
+        chunk = await body.read(size - at)
         if not chunk:
+            del view
+            del out[at:]
             break
-        out += chunk
+        view[at:at + len(chunk)] = chunk
+        at += len(chunk)
     return out
+
+
+def _piece_sizes(piece: int | Sequence[int]) -> Iterator[int]:
+    """The sizes of a stream's pieces: ``piece``'s in turn, then its last forever."""
+    sizes = [piece] if isinstance(piece, int) else list(piece)
+    if not sizes or min(sizes) < 1:
+        raise InvalidArgument(f"a stream's pieces must be at least a byte, not {sizes[:4]}")
+    return itertools.chain(sizes, itertools.repeat(sizes[-1]))
 
 
 class FsspecBackend:
@@ -308,22 +322,24 @@ class FsspecBackend:
         return data if isinstance(data, (bytes, bytearray)) else bytes(data)
 
     def read_stream(self, key: str, start: int, end: int,
-                    piece: int) -> Generator[bytes | bytearray, None, None]:
+                    piece: int | Sequence[int]) -> Generator[bytes | bytearray, None, None]:
         """Bytes ``[start, end)`` of an object in pieces of ``piece`` bytes (the
-        last one shorter; all of them shorter where the object is), read as they
-        arrive from one request (on S3 one GET whose body is read piece by piece;
+        last one shorter; all of them shorter where the object is), or of the
+        sizes ``piece`` lists in turn (its last size again once they run out),
+        read as they arrive from one request (on S3 one GET whose body is read piece by piece;
         elsewhere one open file read in order): memory is a piece, not the range.
         Errors as :meth:`open` raises them, when the piece that meets them is read."""
         path = self._path(key)
+        sizes = _piece_sizes(piece)
         try:
             if self.object_store and hasattr(self.fs, "call_s3"):  # s3fs
-                yield from self._s3_stream(path, start, end, piece)
+                yield from self._s3_stream(path, start, end, sizes)
                 return
             with self.fs.open(path, "rb") as f:
                 f.seek(start)
                 at = start
                 while at < end:
-                    data = f.read(min(piece, end - at))
+                    data = f.read(min(next(sizes), end - at))
                     if not data:
                         return
                     at += len(data)
@@ -338,7 +354,7 @@ class FsspecBackend:
             raise _backend_error("reading", key, self.url, exc) from exc
 
     def _s3_stream(self, path: str, start: int, end: int,
-                   piece: int) -> Iterator[bytearray]:
+                   sizes: Iterator[int]) -> Iterator[bytearray]:
         from fsspec.asyn import sync
 
         bucket, name, _version = self.fs.split_path(path)
@@ -350,7 +366,7 @@ class FsspecBackend:
         try:
             at = start
             while at < end:
-                data = sync(self.fs.loop, _read_exactly, body, min(piece, end - at))
+                data = sync(self.fs.loop, _read_exactly, body, min(next(sizes), end - at))
                 if not data:
                     return
                 at += len(data)

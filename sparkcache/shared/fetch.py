@@ -429,9 +429,9 @@ def _open_remote(tier: SharedTier, identity: ModelIdentity, m: Manifest,
 def _layers(tier: SharedTier, remote: _Remote, pool: ThreadPoolExecutor,
             timer: list[float]) -> Iterator[np.ndarray]:
     """A segment's layer bytes in file order, from one request read by a thread
-    of ``pool`` in blocks of :data:`STREAM_BYTES` (at most :data:`STREAM_AHEAD`
-    waiting), cut into pieces on chunk boundaries, each verified before it is
-    yielded."""
+    of ``pool`` in its pieces (:func:`_pieces`: whole chunks of one tensor, at
+    most :data:`STREAM_BYTES`; at most :data:`STREAM_AHEAD` waiting), each
+    verified before it is yielded as the block it arrived in (no copy)."""
     pieces = _pieces(remote.header)
     blocks: queue.Queue[bytes | bytearray | BaseException | None] = queue.Queue(STREAM_AHEAD)
     stop = threading.Event()
@@ -448,7 +448,8 @@ def _layers(tier: SharedTier, remote: _Remote, pool: ThreadPoolExecutor,
     def produce() -> None:
         try:
             with closing(tier.backend.read_stream(remote.key, pieces[0][2], pieces[-1][3],
-                                                  STREAM_BYTES)) as stream:
+                                                  [hi - lo for _, _, lo, hi in pieces],
+                                                  )) as stream:
                 for block in stream:
                     if not put(block):
                         return
@@ -456,28 +457,37 @@ def _layers(tier: SharedTier, remote: _Remote, pool: ThreadPoolExecutor,
         except BaseException as exc:
             put(exc)
 
+    def block(at: int) -> memoryview:
+        item = blocks.get()
+        if isinstance(item, NotFound):
+            raise CorruptSnapshot(f"{remote.key} vanished from the tier", "missing") from None
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
+            raise CorruptSnapshot(f"{remote.key} ended at byte {at}, its header says "
+                                  f"{pieces[-1][3]}", "truncated")
+        return memoryview(item)
+
     pool.submit(produce)
     pending = memoryview(b"")
     try:
         for name, at, lo, hi in pieces:
             started = time.perf_counter()
-            out = np.empty(hi - lo, np.uint8)
-            filled = 0
-            while filled < out.size:
-                if not pending.nbytes:
-                    item = blocks.get()
-                    if isinstance(item, NotFound):
-                        raise CorruptSnapshot(f"{remote.key} vanished from the tier",
-                                              "missing") from None
-                    if isinstance(item, BaseException):
-                        raise item
-                    if item is None:
-                        raise CorruptSnapshot(f"{remote.key} ended at byte {lo + filled}, "
-                                              f"its header says {pieces[-1][3]}", "truncated")
-                    pending = memoryview(item)
-                n = min(pending.nbytes, out.size - filled)
-                out[filled:filled + n] = np.frombuffer(pending[:n], np.uint8)
-                pending, filled = pending[n:], filled + n
+            if not pending.nbytes:
+                pending = block(lo)
+            if pending.nbytes >= hi - lo:  # the piece in one block (the stream's pieces
+                # are these): a view of it, not a copy
+                out, pending = np.frombuffer(pending[:hi - lo], np.uint8), pending[hi - lo:]
+            else:  # a shorter block: joined
+                out = np.empty(hi - lo, np.uint8)
+                filled = 0
+                while True:
+                    n = min(pending.nbytes, out.size - filled)
+                    out[filled:filled + n] = np.frombuffer(pending[:n], np.uint8)
+                    pending, filled = pending[n:], filled + n
+                    if filled == out.size:
+                        break
+                    pending = block(lo + filled)
             seg.check_piece(remote.header, name, at, out)
             timer[0] += time.perf_counter() - started
             yield out
