@@ -335,10 +335,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         """
         if self.sched is None:
             return
-        block_ids: Any = []
-        if num_external_tokens:
-            per_group = blocks.get_block_ids()
-            block_ids = per_group if self.group_windows else list(per_group[0])
+        block_ids = self._per_group(blocks.get_block_ids()) if num_external_tokens else []
         self.sched.after_alloc(request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(
@@ -378,8 +375,12 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         manager = getattr(self, "_kv_manager", None)
         if manager is None:
             raise KeyError("vLLM did not bind its KV cache manager")
-        per_group = manager.get_block_ids(req_id)
-        return per_group if self.group_windows else list(per_group[0])
+        return self._per_group(manager.get_block_ids(req_id))
+
+    def _per_group(self, block_ids: Any) -> Any:
+        """vLLM's block ids (one list per KV cache group) as the scheduler takes
+        them: all the lists with several groups, else group 0's as one list."""
+        return block_ids if self.group_windows else list(block_ids[0])
 
     def update_connector_output(self, connector_output: Any) -> None:
         """After each step: what the workers reported in :meth:`get_finished`.
@@ -430,8 +431,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         """
         if self.sched is None:
             return False, None
-        return self.sched.finished(request, block_ids if self.group_windows
-                                   else list(block_ids[0]))
+        return self.sched.finished(request, self._per_group(block_ids))
 
     def has_pending_block_frees(self) -> bool:
         """True while blocks that :meth:`request_finished` held are not copied out

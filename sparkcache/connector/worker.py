@@ -93,10 +93,6 @@ class LayerGroups:
         self.pages = list(pages)
         self.where = list(where)
 
-    def layers_of(self, group: int) -> list[int]:
-        """The identity's layers in ``group``, in model order."""
-        return [i for i, (g, _j) in enumerate(self.where) if g == group]
-
 
 class WorkerIO:
     """Loads and saves of one rank, off the forward path (see the module docstring)."""
@@ -266,11 +262,7 @@ class WorkerIO:
             logger.exception("sparkcache restore for %s crashed (recomputed): %s", job.req_id, exc)
             self._finish_load(job, ok=False, report=report)
             return False
-        if job.group_blocks and self.groups is not None:
-            n_bytes = sum(len(job.group_blocks[g][1]) for g, _j in self.groups.where) * \
-                self.identity.page_nbytes
-        else:
-            n_bytes = len(job.block_ids) * self.identity.page_nbytes * self.identity.num_layers
+        n_bytes = self._nbytes(job)
         self.counters.add("loads")
         self.counters.add("loaded_tokens", job.n_tokens - job.start_block * self.bs)
         self.counters.add("loaded_bytes", n_bytes)
@@ -372,6 +364,14 @@ class WorkerIO:
             for p, (_f, ids) in zip(groups.pages, job.group_blocks, strict=True):
                 p.scatter(ids, self._scramble(p.gather(ids)))
 
+    def _nbytes(self, job: LoadJob | SaveJob) -> int:
+        """The KV bytes a job moves: every layer's blocks, or with several KV
+        cache groups each layer's own group's blocks (a window: fewer)."""
+        page = self.identity.page_nbytes
+        if job.group_blocks and self.groups is not None:
+            return sum(len(job.group_blocks[g][1]) for g, _j in self.groups.where) * page
+        return len(job.block_ids) * page * self.identity.num_layers
+
     @staticmethod
     def _scramble(layers: list[np.ndarray]) -> list[np.ndarray]:
         """The FAULT_ENV hook: each layer gets the next layer's pages (one layer:
@@ -400,10 +400,7 @@ class WorkerIO:
             if job.report:
                 self._mark_sent(job.req_id)
             return
-        nbytes = len(job.block_ids) * self.pages.page_nbytes * len(self.pages)
-        if job.group_blocks and self.groups is not None:
-            nbytes = sum(len(job.group_blocks[g][1]) for g, _j in self.groups.where) * \
-                self.pages.page_nbytes
+        nbytes = self._nbytes(job)
         with self._lock:
             over = self._pending_bytes + nbytes > self.max_pending_bytes
             if not over:

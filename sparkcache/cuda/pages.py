@@ -283,15 +283,6 @@ class KVPages:
         of every layer."""
         if len(pages) != len(self.views):
             raise InvalidArgument(f"{len(pages)} page buffers for {len(self.views)} layers")
-        self._scatter(range(len(self.views)), block_ids, pages)
-
-    def scatter_layer(self, layer: int, block_ids: Sequence[int], src: np.ndarray) -> None:
-        """:meth:`scatter` of one layer (a layer-by-layer restore); on a GPU the
-        upload is done when this returns."""
-        self._scatter([layer], block_ids, [src])
-
-    def _scatter(self, layers: Sequence[int], block_ids: Sequence[int],
-                 pages: Sequence[np.ndarray]) -> None:
         idx = self._index(block_ids)
         n = int(idx.size)
         for src in pages:
@@ -300,11 +291,11 @@ class KVPages:
                                       f"{self.page_nbytes} bytes")
         runs = block_runs(idx)
         if self._np is not None and len(runs) > 1:
-            for layer, src in zip(layers, pages, strict=True):
+            for layer, src in enumerate(pages):
                 self._np[layer][idx] = src.reshape(n, self.page_nbytes)
             return
         with self._copies():
-            for layer, src in zip(layers, pages, strict=True):
+            for layer, src in enumerate(pages):
                 host = self._torch.from_numpy(np.ascontiguousarray(src).reshape(-1))
                 self._upload(layer, idx, host)
 

@@ -38,13 +38,9 @@ class FakePages:
         rng = np.random.default_rng(seed)
         self.arr = rng.integers(0, 255, (LAYERS, blocks, PAGE_NBYTES), dtype=np.uint8)
         self.num_blocks, self.page_nbytes = blocks, PAGE_NBYTES
-        self.on_cpu = True
 
     def __len__(self) -> int:
         return LAYERS
-
-    def host_buffer(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, np.uint8)
 
     def block_views(self, block_ids: Any) -> list[list[np.ndarray]] | None:
         # One piece per block (views of the rows), whatever the ids' order.

@@ -36,13 +36,10 @@ class OneLayer:
 
     def __init__(self, blocks: int, seed: int) -> None:
         self.arr = np.random.default_rng(seed).integers(0, 255, (blocks, PAGE_NBYTES), np.uint8)
-        self.num_blocks, self.page_nbytes, self.on_cpu = blocks, PAGE_NBYTES, True
+        self.num_blocks, self.page_nbytes = blocks, PAGE_NBYTES
 
     def __len__(self) -> int:
         return 1
-
-    def host_buffer(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, np.uint8)
 
     def block_views(self, block_ids: Any) -> list[list[np.ndarray]] | None:
         return [[self.arr[b] for b in block_ids]] if block_ids else None
