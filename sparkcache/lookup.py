@@ -8,7 +8,9 @@ are a prefix of all of them and a binary search finds the longest (one
 primary-key probe each).  The rows at that stride and in the window above it
 are read in one query; candidates are checked for restorability (state,
 chain, every expected rank) and the longest wins.  docs/architecture.md
-("Lookup") has the cost.  :func:`extend` grows a match by the prompt's
+("Lookup") has the cost.  A sliding-window model's snapshots restore only at
+their ends (``ends_only``): those rows are not prefix-closed, so one query
+reads the end rows at every block of the prompt.  :func:`extend` grows a match by the prompt's
 partial last block.
 """
 
@@ -42,7 +44,7 @@ def expected_ranks(identity: ModelIdentity, ranks: Iterable[int] | None) -> list
 def lookup(
     core: Core, identity: ModelIdentity, token_ids: Sequence[int] | np.ndarray, *,
     alias_stride: int, scope: RequestScope | None = None, ranks: Iterable[int] | None = None,
-    hashes: Sequence[bytes] | None = None, whole_first: bool = False,
+    hashes: Sequence[bytes] | None = None, whole_first: bool = False, ends_only: bool = False,
 ) -> Match | None:
     """The longest stored prefix of ``token_ids`` every rank in ``ranks`` can
     restore, or None; see :meth:`sparkcache.store.SnapshotStore.lookup`."""
@@ -57,22 +59,26 @@ def lookup(
     if n_blocks == 0:
         return None
     stride = max(1, alias_stride // bs)
+    ranks_json = json.dumps(expected)
     with core.read() as conn:
         model_id = core.model_id(conn, identity)
         if model_id is None:
             return None
-        probe = list(range(stride - 1, n_blocks, stride))
-        matched = _matched_strides(conn, model_id, hashes, probe, bs)
-        top = probe[matched - 1] + 1 if matched else 0  # blocks matched at a stride
-        window = [i for i in range(top, min(n_blocks, top + stride)) if (i + 1) % stride]
-        # Every candidate of top * bs tokens or more has a row at the top stride or
-        # in the window; the shorter ones are read only if none of those restores.
-        found = _find(conn, model_id, hashes, probe[matched - 1:matched] + window, bs)
-        ranks_json = json.dumps(expected)
+        if ends_only:
+            # Snapshot ends are not prefix-closed: one query over every block.
+            passes = [(list(range(n_blocks)), q.FIND_ENDS)]
+        else:
+            probe = list(range(stride - 1, n_blocks, stride))
+            matched = _matched_strides(conn, model_id, hashes, probe, bs)
+            top = probe[matched - 1] + 1 if matched else 0  # blocks matched at a stride
+            window = [i for i in range(top, min(n_blocks, top + stride)) if (i + 1) % stride]
+            # Every candidate of top * bs tokens or more has a row at the top stride or
+            # in the window; the shorter ones are read only if none of those restores.
+            passes = [(probe[matched - 1:matched] + window, q.FIND_BOUNDARIES),
+                      (probe[:max(0, matched - 1)], q.FIND_BOUNDARIES)]
         unrestorable = False
-        for shorter in (False, True):
-            if shorter:
-                found = _find(conn, model_id, hashes, probe[:max(0, matched - 1)], bs)
+        for blocks, query in passes:
+            found = _find(conn, model_id, hashes, blocks, bs, query)
             if whole_first:  # at the same length, a snapshot that ends there first
                 ends = {sid: info.n_tokens for sid, _ in found
                         if (info := core.snapshot(conn, sid)) is not None}
@@ -172,13 +178,15 @@ def _matched_strides(
 
 
 def _find(
-    conn: Conn, model_id: int, hashes: Sequence[bytes], blocks: list[int], bs: int
+    conn: Conn, model_id: int, hashes: Sequence[bytes], blocks: list[int], bs: int,
+    query: str = q.FIND_BOUNDARIES,
 ) -> list[tuple[int, int]]:
-    """(snapshot id, n_tokens) of every boundary row at the given block indices."""
+    """(snapshot id, n_tokens) of every boundary row at the given block indices
+    (``query``: :data:`~sparkcache.index.queries.FIND_ENDS` for snapshot ends only)."""
     if not blocks:
         return []
     position = {hashes[i]: (i + 1) * bs for i in blocks}
-    rows = fetch(conn, q.FIND_BOUNDARIES, (json.dumps([h.hex() for h in position]), model_id),
+    rows = fetch(conn, query, (json.dumps([h.hex() for h in position]), model_id),
                  into=_BoundaryRow)
     # A row's position must agree with where the prompt has that hash.
     return [(row.snapshot_id, row.n_tokens) for row in rows

@@ -329,6 +329,7 @@ class SnapshotStore:
         ranks: Iterable[int] | None = None,
         hashes: Sequence[bytes] | None = None,
         whole_first: bool = False,
+        ends_only: bool = False,
     ) -> Match | None:
         """The longest stored prefix of ``token_ids`` that every rank in ``ranks``
         (default: all ranks of the topology) can restore, or None.
@@ -336,11 +337,15 @@ class SnapshotStore:
         ``hashes`` may pass precomputed :func:`~sparkcache.hashing.prefix_hashes`.
         Among snapshots holding the same longest prefix the newest is chosen, or
         with ``whole_first`` one that ends there (a copy-on-write parent for a
-        save of a longer prompt).  Read-only: it takes no write lock.  Token ids
-        are compared on ``read``.
+        save of a longer prompt).  With ``ends_only`` only a prefix at which a
+        snapshot ends is a match (a sliding-window model's snapshot stores its
+        window there alone): one query over every block's hash instead of the
+        binary search over strides.  Read-only: it takes no write lock.  Token
+        ids are compared on ``read``.
         """
         return lookups.lookup(self.core, identity, token_ids, alias_stride=self.alias_stride,
-                              scope=scope, ranks=ranks, hashes=hashes, whole_first=whole_first)
+                              scope=scope, ranks=ranks, hashes=hashes, whole_first=whole_first,
+                              ends_only=ends_only)
 
     def extend(
         self, match: Match, token_ids: Sequence[int] | np.ndarray, *,

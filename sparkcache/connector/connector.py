@@ -607,7 +607,9 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         some layer, they are reported failed), then queues the saves.  vLLM
         keeps a save's blocks until :meth:`get_finished` reports its id, which
         happens once they are copied into host memory; a dropped save is
-        reported at once (a future miss).
+        reported at once (a future miss).  A breakpoint save's sliding-window
+        blocks are copied here, before the step ends: vLLM frees them on the
+        next step while the request runs on.
         """
         meta = self._get_connector_metadata()
         if self.io is None:

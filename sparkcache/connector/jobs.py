@@ -59,6 +59,10 @@ class SaveJob:
     #: group's block ids from it (a sliding-window group: only its window).
     #: ``block_ids`` then holds the full-attention blocks (what is counted).
     group_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    #: Groups (indices into ``group_blocks``) whose blocks are copied out before
+    #: the step ends, in ``wait_for_save``: a breakpoint save's sliding-window
+    #: blocks, which vLLM frees on the next step while the request runs on.
+    copy_in_step: tuple[int, ...] = ()
 
 
 class Counters:

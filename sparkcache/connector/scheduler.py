@@ -31,6 +31,13 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
   is finished, and survives an abort or a crash of the rest.  Such a save is
   not reported back per request; the request's blocks are held at its finish
   until every one of its saves was copied out (the workers see to that).
+* **sliding windows** (a group keeps only a window, ``group_windows``): a
+  snapshot stores the window below its end alone, so lookups match snapshot
+  ends only and no save has a copy-on-write parent.  vLLM frees a window's
+  blocks as the request moves past them - on the next step, to be written by
+  the next forward - so a breakpoint save's window blocks are copied before
+  the step that reached the breakpoint ends (``SaveJob.copy_in_step``); the
+  full-attention blocks are held by the request and copied afterwards.
 """
 
 from __future__ import annotations
@@ -238,8 +245,10 @@ class SchedulerSide:
         #: one: per group, the blocks a snapshot keeps below its end (0: all).
         #: vLLM then passes one block-id list per group; ``()``: one list.
         self.group_windows = group_windows
-        #: A group keeps only a window: only whole snapshots are restored (their
-        #: window is stored), nothing is saved mid-request, no copy-on-write.
+        #: A group keeps only a window: a snapshot restores only at its end (its
+        #: window is stored there), no copy-on-write; a breakpoint's save copies
+        #: the window's blocks before the step ends (vLLM frees them as the
+        #: request moves on).
         self.windowed = any(group_windows)
         #: Called with a request's log row when its prompt has been scheduled
         #: (what usage reports) and again when it finished (timings, output).
@@ -272,9 +281,7 @@ class SchedulerSide:
             scope = scope_of(request)
             params = params_of(request)
             state = _ReqState(scope, prefix_seed(self.identity, scope), request, params)
-            if self.publish and not self.windowed:
-                # (A window's blocks are freed while the request runs: a copy
-                # after the step could read a block vLLM already gave away.)
+            if self.publish:
                 floor = max(self.min_tokens, self.bs)
                 state.marks = sorted(m for m in set(params.breakpoints)
                                      if m // self.bs * self.bs >= floor)
@@ -358,12 +365,10 @@ class SchedulerSide:
             state.fetch_done = True
         started = time.perf_counter()
         try:
+            # A windowed snapshot's window is stored at its end only.
             match = self.store.lookup(self.identity, np.asarray(tokens[:limit], np.uint32),
                                       scope=self._state(request).scope, hashes=hashes,
-                                      whole_first=self.windowed)
-            if match is not None and self.windowed and \
-                    self.store.snapshot(match.snapshot_id).n_tokens != match.n_tokens:
-                match = None  # its window is stored at the snapshot's end only
+                                      ends_only=self.windowed)
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup failed (a miss): %s", exc)
             self.counters.add("lookup_errors")
@@ -733,7 +738,7 @@ class SchedulerSide:
         known: Match | None = None
         try:
             known = self.store.lookup(self.identity, token_ids, scope=scope, hashes=hashes,
-                                      whole_first=True)
+                                      whole_first=True, ends_only=self.windowed)
             if known is not None:
                 if known.n_tokens == n:
                     self.counters.add("saves_known")
@@ -758,4 +763,6 @@ class SchedulerSide:
             block_ids=list(self._counted(groups)[start:end] if groups else block_ids[start:end]),
             parent=parent_id, scope=scope, breakpoints=marks, report=not mid_request,
             keep=keep, group_blocks=group_blocks,
+            copy_in_step=tuple(g for g, w in enumerate(self.group_windows) if w)
+            if mid_request else (),
         ), known

@@ -16,7 +16,10 @@ workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
   compute.
 * **saves** (a request finished; vLLM holds its blocks): a saver thread copies
   the blocks out into host memory, reports the id in ``finished_sending`` (vLLM
-  frees the blocks on the next step) and publishes from host memory.
+  frees the blocks on the next step) and publishes from host memory.  A
+  breakpoint save of a running request reads blocks the request holds, except
+  a sliding window's, which vLLM frees as the request moves on: those are
+  copied in ``wait_for_save``, before the step ends (``copy_in_step``).
 
 No disk I/O runs on the forward thread.  Both queues are bounded, and so are
 the host bytes held by saves: when a bound is hit the work is dropped and
@@ -139,8 +142,9 @@ class WorkerIO:
         self._seq = 0  # save jobs submitted
         self._active: tuple[str, int] | None = None  # the job being copied out
         self._loads: queue.Queue[LoadJob | None] = queue.Queue(max_queued_loads)
-        self._saves: queue.Queue[tuple[SaveJob, int, int, object] | None] = queue.Queue(
-            max_queued_saves)
+        self._saves: queue.Queue[
+            tuple[SaveJob, int, int, object, dict[int, list[np.ndarray]]] | None
+        ] = queue.Queue(max_queued_saves)
         # In-step loads of the current step: request -> layers landed (LOADED when
         # done, failed or not).  Unbounded: the step cannot run without them.
         self._in_step: queue.Queue[LoadJob | None] = queue.Queue()
@@ -410,18 +414,45 @@ class WorkerIO:
                 if not job.report:
                     self._copying.setdefault(job.req_id, set()).add(seq)
         if not over:
+            # On a GPU the copy waits for the forward that wrote the blocks.
+            fence = self.pages.fence()
             try:
-                # On a GPU the copy waits for the forward that wrote the blocks.
-                self._saves.put_nowait((job, nbytes, seq, self.pages.fence()))
+                early = self._copy_in_step(job, fence)
+            except Exception as exc:  # a failed copy is a lost save, never the step's error
+                logger.exception("sparkcache copy-out for %s failed: %s", job.req_id, exc)
+                self.counters.add("save_failures")
+                self._unqueue(job, nbytes, seq)
+                return
+            try:
+                self._saves.put_nowait((job, nbytes, seq, fence, early))
                 return
             except queue.Full:
-                with self._lock:
-                    self._pending_bytes -= nbytes
-                if not job.report:
-                    self._copied(job.req_id, {seq})
+                self._unqueue(job, nbytes, seq)
         self.counters.add("saves_dropped")
         if job.report:
             self._mark_sent(job.req_id)
+
+    def _unqueue(self, job: SaveJob, nbytes: int, seq: int) -> None:
+        """Undo :meth:`submit_save`'s accounting of a save that is not queued."""
+        with self._lock:
+            self._pending_bytes -= nbytes
+        if not job.report:
+            self._copied(job.req_id, {seq})
+
+    def _copy_in_step(self, job: SaveJob, fence: object) -> dict[int, list[np.ndarray]]:
+        """Copies of the groups the job copies before the step ends (the
+        sliding-window blocks of a breakpoint save: vLLM may hand them to
+        another request on the next step), by group index."""
+        if not job.copy_in_step:
+            return {}
+        groups = self.groups
+        if groups is None or len(job.group_blocks) != len(groups.pages):
+            raise SparkCacheError("a save planned for other KV cache groups than this worker's")
+        started = time.perf_counter()
+        early = {g: groups.pages[g].gather(job.group_blocks[g][1], after=fence)
+                 for g in job.copy_in_step}
+        self.counters.add("save_copy_seconds", time.perf_counter() - started)
+        return early
 
     def _mark_sent(self, req_id: str) -> None:
         """The request's blocks may be freed - once its breakpoint saves are copied."""
@@ -468,7 +499,7 @@ class WorkerIO:
     def _save_loop(self) -> None:
         widen_affinity()
         while (item := self._saves.get()) is not None:
-            job, nbytes, seq, fence = item
+            job, nbytes, seq, fence, early = item
             pages: list[np.ndarray] | None = None
             with self._lock:
                 cancelled = seq in self._cancelled
@@ -479,7 +510,7 @@ class WorkerIO:
                 assert self.pages is not None
                 if not cancelled and job.group_blocks:
                     started = time.perf_counter()
-                    pages = self._gather_groups(job, fence)
+                    pages = self._gather_groups(job, fence, early)
                     self.counters.add("save_copy_seconds", time.perf_counter() - started)
                 elif not cancelled:
                     started = time.perf_counter()
@@ -509,15 +540,17 @@ class WorkerIO:
                 self._saves.task_done()
         self._saves.task_done()
 
-    def _gather_groups(self, job: SaveJob, fence: object) -> list[np.ndarray]:
+    def _gather_groups(self, job: SaveJob, fence: object,
+                       early: dict[int, list[np.ndarray]]) -> list[np.ndarray]:
         """Copies of a save's blocks with several KV cache groups: one array per
-        layer of the identity, each from its group's blocks (a window: fewer)."""
+        layer of the identity, each from its group's blocks (a window: fewer);
+        ``early``: the groups copied in the step already."""
         groups = self.groups
         if groups is None or len(job.group_blocks) != len(groups.pages):
             raise SparkCacheError("a save planned for other KV cache groups than this worker's")
-        copied = [p.gather(ids, after=fence) for p, (_f, ids) in zip(groups.pages,
-                                                                    job.group_blocks,
-                                                                    strict=True)]
+        copied = [early[g] if g in early else p.gather(ids, after=fence)
+                  for g, (p, (_f, ids)) in enumerate(zip(groups.pages, job.group_blocks,
+                                                         strict=True))]
         return [copied[g][j] for g, j in groups.where]
 
     def _publish(self, job: SaveJob, pages: list[np.ndarray]) -> None:

@@ -171,6 +171,8 @@ FIND_BOUNDARIES = (
     "SELECT b.prefix_hash, b.snapshot_id, b.n_tokens FROM boundaries AS b "
     "WHERE b.prefix_hash IN (SELECT unhex(value) FROM json_each(?)) AND b.model_id = ?"
 )
+# The same, snapshot ends only (a sliding-window snapshot restores only there).
+FIND_ENDS = FIND_BOUNDARIES + " AND b.kind = 'end'"
 # Is there a row for this hash at this prompt position?  One primary-key probe.
 HAS_BOUNDARY = (
     "SELECT 1 FROM boundaries WHERE prefix_hash = ? AND model_id = ? AND n_tokens = ? LIMIT 1"

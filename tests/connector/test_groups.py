@@ -4,14 +4,16 @@ and a full-attention group, each with its own block table.
 The scheduler side gets one block-id list per group (the sliding group's
 holds vLLM's null block, id 0, below its window); saves take the full group's
 blocks and the sliding group's window, loads put each back in its own group's
-blocks; only whole snapshots are offered (their window is stored); a failed
-load is reported as a failed request (vLLM's ``failed_recving``), never as
-block ids, which are ambiguous across groups.
+blocks; only snapshot ends are offered (the window is stored there); a
+breakpoint's save copies the window before the step ends (vLLM frees it on the
+next one); a failed load is reported as a failed request (vLLM's
+``failed_recving``), never as block ids, which are ambiguous across groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import LayerGroups, WorkerIO
 from sparkcache.identity import WINDOW_BLOCKS_KEY
 
-from .helpers import BS, PAGE_NBYTES, Req, finished, identity, prompt
+from .helpers import BS, PAGE_NBYTES, Req, finished, identity, prompt, step
 
 KEEP = 2  # the sliding group's window, in blocks (layer 0); layer 1: full attention
 NULL = 0
@@ -154,6 +156,96 @@ def test_a_failed_restore_is_a_failed_request_not_failed_blocks(grouped: Setup) 
     assert io.take_failed_requests() == {"d"}
     assert io.take_failed_blocks() == set()
     assert counters.take().get("load_failures") == 1
+
+
+class LateCopies(OneLayer):
+    """A group whose copies off the calling thread wait for ``go``: the saver
+    thread copies it only after the test let vLLM reuse its blocks."""
+
+    def __init__(self, blocks: int, seed: int) -> None:
+        super().__init__(blocks, seed)
+        self.go = threading.Event()
+        self.caller = threading.current_thread()
+
+    def gather(self, block_ids: Any, after: object = None) -> list[np.ndarray]:
+        if threading.current_thread() is not self.caller:
+            assert self.go.wait(10)
+        return super().gather(block_ids, after)
+
+
+def _breakpoint_save(setup: Setup) -> tuple[Req, dict[int, np.ndarray]]:
+    """Request "a" (100 tokens, a breakpoint at 70) prefilled in two steps of 80
+    and 20; the first plans the save of 64 tokens, its worker copies the
+    window in the step, then vLLM frees the window's blocks and a next
+    forward writes them.  Returns the request and the pages saved, by block."""
+    _store, sched, io, pages, counters = setup
+    req = Req("a", prompt(100, 1), kv_transfer_params={"sparkcache": {"breakpoints": [70]}})
+    assert sched.matched_tokens(req, 0) == (0, False)  # (notes its breakpoints)
+    blocks = [_sliding(5, [12, 13, 14]), [1, 2, 3, 4, 5]]
+    (job,) = step(sched, req, 80, blocks)  # type: ignore[arg-type]
+    assert job.token_ids.size == 64 and not job.report and job.parent is None
+    assert job.group_blocks == ((2, (12, 13)), (0, (1, 2, 3, 4)))
+    assert job.copy_in_step == (0,)  # the sliding group: its blocks go with the step
+    saved = {b: pages[0].arr[b].copy() for b in (12, 13)}
+    io.submit_save(job)  # vLLM's wait_for_save, at the end of the step
+    pages[0].arr[[12, 13]] = 7  # the next step: freed, reused, overwritten
+    late = pages[0]
+    if isinstance(late, LateCopies):
+        late.go.set()
+    assert io.flush()
+    assert counters.take().get("saves") == 1
+    return req, saved
+
+
+def test_a_breakpoint_save_copies_the_window_before_the_step_ends(tmp_path: Path) -> None:
+    """The window's blocks are copied in ``submit_save`` (the step's
+    ``wait_for_save``), not by the saver thread after vLLM gave them away: a
+    restore of the breakpoint's prefix puts back what the step computed."""
+    ident = dataclasses.replace(identity(), extra=((WINDOW_BLOCKS_KEY, f"{KEEP},0"),))
+    store = SnapshotStore(tmp_path / "s")
+    counters = Counters()
+    sched = SchedulerSide(store, ident, counters, min_tokens=BS, group_windows=(KEEP, 0))
+    pages = [LateCopies(64, seed=1), OneLayer(64, seed=2)]
+    io = WorkerIO(store, ident, 0, pages[0], counters,
+                  groups=LayerGroups(pages, [(0, 0), (1, 0)]))
+    try:
+        req, saved = _breakpoint_save((store, sched, io, pages, counters))
+        (snap,) = [s for s in store.snapshots() if s.state == "ready"]
+        assert snap.n_tokens == 64
+        nxt = Req("b", req.prompt_token_ids[:70] + prompt(40, 5))
+        assert sched.matched_tokens(nxt, 0) == (64, True)
+        sched.after_alloc(nxt, (_sliding(6, [40, 41, 42, 43]), list(range(50, 56))), 64)
+        (load,), _ = sched.take_jobs()
+        assert load.group_blocks == ((2, (40, 41)), (0, (50, 51, 52, 53)))
+        io.submit_load(load)
+        assert io.flush() and io.take_failed_requests() == set()
+        assert np.array_equal(pages[0].arr[40], saved[12])
+        assert np.array_equal(pages[0].arr[41], saved[13])
+    finally:
+        io.close()
+        store.close()
+
+
+def test_a_windowed_lookup_offers_the_longest_snapshot_end(grouped: Setup) -> None:
+    """A finished request is stored whole (112 tokens, aliases at its
+    breakpoint and prompt end); a prompt sharing its first 100 tokens only
+    matches those aliases, where no window is stored: the offer is the
+    breakpoint's own snapshot, which ends at 64."""
+    store, sched, io, _pages, _counters = grouped
+    req, _saved = _breakpoint_save(grouped)
+    req.num_computed_tokens = 80
+    held, _ = sched.finished(finished(req), (_sliding(8, [20, 21, 22]), list(range(1, 9))))
+    assert held
+    _, (job,) = sched.take_jobs()
+    assert job.parent is None and job.copy_in_step == ()  # (vLLM holds a finished one's)
+    io.submit_save(job)
+    assert io.flush()
+    ends = sorted(s.n_tokens for s in store.snapshots() if s.state == "ready")
+    assert ends == [64, 112]
+    nxt = Req("c", req.prompt_token_ids + prompt(30, 6))
+    match = store.lookup(sched.identity, np.asarray(nxt.prompt_token_ids[:128], np.uint32))
+    assert match is not None and match.n_tokens == 96  # the longest alias, in the 112
+    assert sched.matched_tokens(nxt, 0) == (64, True)
 
 
 def test_no_save_when_vllm_freed_part_of_the_window(grouped: Setup) -> None:

@@ -78,6 +78,31 @@ def test_a_window_below_what_was_stored_is_a_miss(store: SnapshotStore) -> None:
     assert not any(k.startswith("quarantined") for k in store.stats())
 
 
+def test_ends_only_finds_the_longest_snapshot_end(store: SnapshotStore) -> None:
+    """Snapshots of 4 and 10 blocks and one of 7 blocks that is not a prefix:
+    a prompt sharing 8 blocks with the long one matches its stride aliases,
+    but ``ends_only`` offers only where a snapshot ends - the 4-block one, also
+    when its end sits below the prompt's stride matches; an unrestorable end
+    is skipped for a shorter one."""
+    ident = windowed()
+    toks = tokens(10 * BLOCK, seed=2)
+    other = tokens(7 * BLOCK, seed=3)
+    for t in (toks[:4 * BLOCK], toks, other):
+        store.publish(ident, 0, t, window_pages(ident, t), breakpoints=[6 * BLOCK])
+    prompt = np.concatenate([toks[:8 * BLOCK], tokens(3 * BLOCK, seed=4)])
+    match = store.lookup(ident, prompt)
+    assert match is not None and match.n_tokens == 8 * BLOCK  # an alias, no window
+    ends = store.lookup(ident, prompt, ends_only=True)
+    assert ends is not None and ends.n_tokens == 4 * BLOCK
+    assert store.snapshot(ends.snapshot_id).n_tokens == 4 * BLOCK
+    whole = store.lookup(ident, np.concatenate([toks, other]), ends_only=True)
+    assert whole is not None and whole.n_tokens == 10 * BLOCK
+    assert store.lookup(ident, other[:6 * BLOCK], ends_only=True) is None  # a breakpoint
+    store.quarantine(whole.snapshot_id, "test")
+    again = store.lookup(ident, np.concatenate([toks, other]), ends_only=True)
+    assert again is not None and again.n_tokens == 4 * BLOCK
+
+
 def test_window_pages_must_be_the_window(store: SnapshotStore) -> None:
     ident = windowed()
     toks = tokens(10 * BLOCK, seed=2)

@@ -20,7 +20,14 @@ block below it).  All engines run in one script process
    verification, vLLM recomputes, the answer is plain vLLM's;
 5. *one group*: an engine with the hybrid manager off (vLLM then treats every
    layer as full attention: one group) must not restore what the hybrid
-   engines stored - its identity differs in the group structure alone.
+   engines stored - its identity differs in the group structure alone;
+6. *a shared system prompt*: :data:`SYSTEM` with a breakpoint at its end,
+   followed by three questions.  The publishing engine answers the first: the
+   step that computes past the breakpoint saves the system prompt (its window
+   copied before vLLM frees it, chunked prefill moving on).  The restoring
+   engine answers the second, restoring the system prompt, with the plain
+   engine's tokens and logprobs; the fault engine answers the third from the
+   same snapshot, scrambled: it must answer differently.
 
 No engine may log vLLM's "Turning off hybrid kv cache manager".
 """
@@ -53,6 +60,11 @@ GRANITE4: dict[str, Any] = {
 }
 TURN1 = token_prompt(700, seed=70)
 TURN2_TAIL = token_prompt(90, seed=71)
+#: A system prompt with a breakpoint at its end, and three questions after it.
+SYSTEM = token_prompt(400, seed=72)
+QUESTIONS = [SYSTEM + token_prompt(100 + 10 * i, seed=73 + i) for i in range(3)]
+MARKS = {"sparkcache": {"breakpoints": [len(SYSTEM)]}}
+SYSTEM_STORED = len(SYSTEM) // BLOCK_SIZE * BLOCK_SIZE  # 384: whole blocks
 MAX_TOKENS = 16
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend": "uni"}
@@ -79,8 +91,8 @@ def engine(with_store=True, fault="", **more):
     return in_process_engine(args["model"], start_env={FAULT_ENV: fault} if fault else None,
                              **extra, **args["engine"], **more)
 
-def gen(llm, store, prompt):
-    rec = answer(llm, store, prompt, args["max_tokens"])
+def gen(llm, store, prompt, marks=None):
+    rec = answer(llm, store, prompt, args["max_tokens"], marks)
     rec["hma"] = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     return rec
 
@@ -92,20 +104,29 @@ try:
         rec["plain1"] = gen(llm, store, turn1)
         turn2 = turn1 + rec["plain1"]["tokens"] + args["tail"]
         rec["plain2"] = gen(llm, store, turn2)
+        for i, question in enumerate(args["questions"]):
+            rec[f"plain_q{i}"] = gen(llm, store, question)
     with engine() as llm:
         rec["publish"] = gen(llm, store, turn1)
         settle(llm, store, 1)
-    snaps = ready(store)
-    rec["published"] = [[s.id, s.n_tokens, s.nbytes, s.model_id] for s in snaps]
-    ident = model_identity(store.core, snaps[0].model_id)
-    rec["identity"] = {"extra": dict(ident.extra), "page_nbytes": ident.page_nbytes,
-                       "window_blocks": list(ident.window_blocks)}
+        snaps = ready(store)
+        rec["published"] = [[s.id, s.n_tokens, s.nbytes, s.model_id] for s in snaps]
+        ident = model_identity(store.core, snaps[0].model_id)
+        rec["identity"] = {"extra": dict(ident.extra), "page_nbytes": ident.page_nbytes,
+                           "window_blocks": list(ident.window_blocks)}
+        rec["q0"] = gen(llm, store, args["questions"][0], args["marks"])
+        settle(llm, store, 3)
+    rec["system"] = sorted(s.n_tokens for s in ready(store))
     with engine() as llm:
         rec["restore"] = gen(llm, store, turn2)
-        settle(llm, store, 2)
+        settle(llm, store, 4)
+        rec["q1"] = gen(llm, store, args["questions"][1], args["marks"])
+        settle(llm, store, 5)
     with engine(fault="flip-restored") as llm:
         rec["fault"] = gen(llm, store, turn2)
-        settle(llm, store, 2)
+        settle(llm, store, 5)
+        rec["q2"] = gen(llm, store, args["questions"][2], args["marks"])
+        settle(llm, store, 5)
     # A byte of the longest snapshot's payload flipped on disk (layer 0: sliding).
     newest = max(ready(store), key=lambda s: s.n_tokens)
     (path,) = Path(args["folder"]).rglob(f"objects/*/*/{newest.snap_key}-*.safetensors")
@@ -141,6 +162,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "tmp": str(root), "model": str(model), "mamba_model": str(mamba),
         "folder": str(root / "store"),
         "turn1": TURN1, "tail": TURN2_TAIL, "max_tokens": MAX_TOKENS, "engine": ENGINE,
+        "questions": QUESTIONS, "marks": MARKS,
         "warning": HMA_WARNING,
     }, timeout=900, env=IN_PROCESS)
 
@@ -181,6 +203,30 @@ def test_sliding_window_model_restores_every_group_with_the_hybrid_manager_on(
     bad = runs["fault"]
     assert _external(bad) > n_tokens and bad["stats"]["hits"] == 1
     assert same_answer(bad, plain) != ""
+
+
+def test_a_system_prompts_breakpoint_is_saved_mid_request_and_restored(
+    runs: dict[str, Any],
+) -> None:
+    """The step that computes past the breakpoint saves the system prompt,
+    window included, though vLLM frees the window's blocks as the chunked
+    prefill moves on; another question after it restores that prefix (the
+    longest snapshot *end* it shares) and answers as plain vLLM; scrambled,
+    the same restore answers differently."""
+    assert "error" not in runs, runs.get("error", "") + runs["_log"]
+    first = runs["q0"]
+    assert first["metrics"].get("vllm:sparkcache_saves_dropped", 0) == 0
+    assert same_answer(first, runs["plain_q0"]) == ""
+    stored_turn = (len(QUESTIONS[0]) + MAX_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert SYSTEM_STORED in runs["system"] and stored_turn in runs["system"], runs["system"]
+    out = runs["q1"]
+    assert _external(out) == SYSTEM_STORED, runs["_log"]
+    assert out["stats"]["hits"] == 1
+    assert out["metrics"].get("vllm:sparkcache_load_failures", 0) == 0
+    assert same_answer(out, runs["plain_q1"]) == ""
+    bad = runs["q2"]
+    assert _external(bad) == SYSTEM_STORED and bad["stats"]["hits"] == 1
+    assert same_answer(bad, runs["plain_q2"]) != ""
 
 
 def test_a_corrupt_window_is_recomputed_as_a_failed_request(runs: dict[str, Any]) -> None:

@@ -201,12 +201,15 @@ def metrics_of(llm: Any) -> dict[str, float]:
     return out
 
 
-def answer(llm: Any, store: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def answer(llm: Any, store: Any, prompt: list[int], max_tokens: int,
+           kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
     """One greedy answer of ``prompt`` with logprobs: its tokens, logprobs,
     ``num_cached_tokens``, and what it changed of vLLM's counters and the store's."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
+                        extra_args=extra)
     metrics, stats = metrics_of(llm), store.stats()
     (o,) = llm.generate([{"prompt_token_ids": prompt}], sp)
     c = o.outputs[0]
