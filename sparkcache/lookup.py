@@ -9,8 +9,9 @@ primary-key probe each).  The rows at that stride and in the window above it
 are read in one query; candidates are checked for restorability (state,
 chain, every expected rank) and the longest wins.  docs/architecture.md
 ("Lookup") has the cost.  A sliding-window model's snapshots restore only at
-their ends (``ends_only``): those rows are not prefix-closed, so one query
-reads the end rows at every block of the prompt.  :func:`extend` grows a match by the prompt's
+their ends (``ends_only``): those rows are not prefix-closed; the blocks where
+they may lie are the first stride's and the ends of the snapshots sharing the
+first stride (:func:`_end_blocks`), read in one query.  :func:`extend` grows a match by the prompt's
 partial last block.
 """
 
@@ -65,8 +66,7 @@ def lookup(
         if model_id is None:
             return None
         if ends_only:
-            # Snapshot ends are not prefix-closed: one query over every block.
-            passes = [(list(range(n_blocks)), q.FIND_ENDS)]
+            passes = [(_end_blocks(conn, model_id, hashes, stride, bs), q.FIND_ENDS)]
         else:
             probe = list(range(stride - 1, n_blocks, stride))
             matched = _matched_strides(conn, model_id, hashes, probe, bs)
@@ -177,6 +177,26 @@ def _matched_strides(
     return lo
 
 
+def _end_blocks(conn: Conn, model_id: int, hashes: Sequence[bytes], stride: int,
+                bs: int) -> list[int]:
+    """The blocks where a stored snapshot sharing the prompt may end.
+
+    Ends are not prefix-closed, so no binary search finds them; but a snapshot
+    that shares the prompt up to its end at or past the first stride has a
+    row at the first stride: the lengths of those snapshots (one query, rows
+    per snapshot sharing that stride), and every block of the first stride
+    (shorter snapshots have no stride row), instead of a probe per block.
+    """
+    n_blocks = len(hashes)
+    blocks = set(range(min(stride, n_blocks)))
+    if n_blocks >= stride:
+        first = stride - 1
+        rows = fetch(conn, q.LENGTHS_SHARING,
+                     (hashes[first], model_id, (first + 1) * bs, n_blocks * bs), into=_Length)
+        blocks.update(row.n_tokens // bs - 1 for row in rows)
+    return sorted(blocks)
+
+
 def _find(
     conn: Conn, model_id: int, hashes: Sequence[bytes], blocks: list[int], bs: int,
     query: str = q.FIND_BOUNDARIES,
@@ -191,6 +211,12 @@ def _find(
     # A row's position must agree with where the prompt has that hash.
     return [(row.snapshot_id, row.n_tokens) for row in rows
             if position.get(bytes(row.prefix_hash)) == row.n_tokens]
+
+
+class _Length(NamedTuple):
+    """A row of ``queries.LENGTHS_SHARING``."""
+
+    n_tokens: int
 
 
 class _BoundaryRow(NamedTuple):

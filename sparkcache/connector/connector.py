@@ -469,10 +469,11 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         pages: KVPages | None = None
         groups: LayerGroups | None = None
         group_pages: list[KVPages] = []
+        names: list[str] = []  # the identity's layers, in order (several groups)
         rank = 0
         try:
             if self.group_windows:
-                group_pages, groups = self._layer_groups(kv_caches)
+                group_pages, groups, names = self._layer_groups(kv_caches)
                 pages = group_pages[0]
             else:
                 pages = self._pages(kv_caches)
@@ -492,7 +493,6 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             groups=groups,
         )
         if groups is not None:
-            names = layer_order(n for g in self.kv_groups for n in g.layers)
             self._layer_index = {name: i for i, name in enumerate(names)}
             logger.info("sparkcache worker rank %d: %d KV cache groups (%s), %d-byte pages on "
                         "%s", rank, len(self.kv_groups),
@@ -513,9 +513,11 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         return KVPages(kv_caches, use_numpy=os.environ.get(PAGES_ENV) != "torch",
                        staging_bytes=(self.settings.staging_mb << 20) // groups)
 
-    def _layer_groups(self, kv_caches: dict[str, Any]) -> tuple[list[KVPages], LayerGroups]:
+    def _layer_groups(self, kv_caches: dict[str, Any],
+                      ) -> tuple[list[KVPages], LayerGroups, list[str]]:
         """Each KV cache group's layers as their own :class:`KVPages` (each group
-        has its own block table), checked against the identity."""
+        has its own block table), checked against the identity; and the layer
+        names in the identity's order."""
         names = layer_order(n for g in self.kv_groups for n in g.layers)
         missing = [n for n in names if n not in kv_caches]
         if missing:
@@ -529,7 +531,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             if name not in group_pages[g].names:
                 raise InvalidArgument(f"layer {name} shares another layer's KV cache")
             where.append((g, group_pages[g].names.index(name)))
-        return group_pages, LayerGroups(group_pages, where)
+        return group_pages, LayerGroups(group_pages, where), names
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Each step, with the step's metadata bound: before the forward when the

@@ -173,6 +173,13 @@ FIND_BOUNDARIES = (
 )
 # The same, snapshot ends only (a sliding-window snapshot restores only there).
 FIND_ENDS = FIND_BOUNDARIES + " AND b.kind = 'end'"
+# The lengths (up to a bound) of the snapshots with a row for this hash at this
+# position: those sharing a prompt's first stride, where their ends may lie.
+LENGTHS_SHARING = (
+    "SELECT DISTINCT s.n_tokens FROM boundaries AS b JOIN snapshots AS s "
+    "ON s.id = b.snapshot_id "
+    "WHERE b.prefix_hash = ? AND b.model_id = ? AND b.n_tokens = ? AND s.n_tokens <= ?"
+)
 # Is there a row for this hash at this prompt position?  One primary-key probe.
 HAS_BOUNDARY = (
     "SELECT 1 FROM boundaries WHERE prefix_hash = ? AND model_id = ? AND n_tokens = ? LIMIT 1"

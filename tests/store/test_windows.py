@@ -79,28 +79,33 @@ def test_a_window_below_what_was_stored_is_a_miss(store: SnapshotStore) -> None:
 
 
 def test_ends_only_finds_the_longest_snapshot_end(store: SnapshotStore) -> None:
-    """Snapshots of 4 and 10 blocks and one of 7 blocks that is not a prefix:
-    a prompt sharing 8 blocks with the long one matches its stride aliases,
-    but ``ends_only`` offers only where a snapshot ends - the 4-block one, also
-    when its end sits below the prompt's stride matches; an unrestorable end
-    is skipped for a shorter one."""
+    """Snapshots of 2, 4, 6 and 10 blocks of one prompt (a stride is 4 blocks) and
+    one of 7 blocks that is not a prefix: a prompt sharing 8 blocks with the
+    long one matches its stride aliases, but ``ends_only`` offers only where a
+    snapshot ends - past the first stride (the 6-block one), at it (the 4-block
+    one) and below it (the 2-block one, which has no stride row); an
+    unrestorable end is skipped for a shorter one."""
     ident = windowed()
     toks = tokens(10 * BLOCK, seed=2)
     other = tokens(7 * BLOCK, seed=3)
-    for t in (toks[:4 * BLOCK], toks, other):
-        store.publish(ident, 0, t, window_pages(ident, t), breakpoints=[6 * BLOCK])
-    prompt = np.concatenate([toks[:8 * BLOCK], tokens(3 * BLOCK, seed=4)])
-    match = store.lookup(ident, prompt)
-    assert match is not None and match.n_tokens == 8 * BLOCK  # an alias, no window
-    ends = store.lookup(ident, prompt, ends_only=True)
-    assert ends is not None and ends.n_tokens == 4 * BLOCK
-    assert store.snapshot(ends.snapshot_id).n_tokens == 4 * BLOCK
-    whole = store.lookup(ident, np.concatenate([toks, other]), ends_only=True)
-    assert whole is not None and whole.n_tokens == 10 * BLOCK
-    assert store.lookup(ident, other[:6 * BLOCK], ends_only=True) is None  # a breakpoint
-    store.quarantine(whole.snapshot_id, "test")
-    again = store.lookup(ident, np.concatenate([toks, other]), ends_only=True)
-    assert again is not None and again.n_tokens == 4 * BLOCK
+    for t in (toks[:2 * BLOCK], toks[:4 * BLOCK], toks[:6 * BLOCK], toks, other):
+        store.publish(ident, 0, t, window_pages(ident, t), breakpoints=[5 * BLOCK])
+
+    def ends(shared: int, **kw: object) -> int | None:
+        prompt = np.concatenate([toks[:shared * BLOCK], tokens(3 * BLOCK, seed=4)])
+        m = store.lookup(ident, prompt, **kw)  # type: ignore[arg-type]
+        return None if m is None else m.n_tokens // BLOCK
+
+    assert ends(8) == 8  # an alias of the 10-block one, where no window is stored
+    assert ends(8, ends_only=True) == 6
+    assert ends(5, ends_only=True) == 4  # not the breakpoints at 5
+    assert ends(10, ends_only=True) == 10
+    assert ends(3, ends_only=True) == 2
+    assert ends(1, ends_only=True) is None
+    assert store.lookup(ident, other[:5 * BLOCK], ends_only=True) is None  # a breakpoint
+    (six,) = [s for s in store.snapshots() if s.n_tokens == 6 * BLOCK]
+    store.quarantine(six.id, "test")
+    assert ends(8, ends_only=True) == 4
 
 
 def test_window_pages_must_be_the_window(store: SnapshotStore) -> None:
