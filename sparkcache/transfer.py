@@ -28,11 +28,10 @@ from sparkcache.backends.local import root_from_url
 from sparkcache.catalog import model_identity, resolve_model
 from sparkcache.core import INDEX_FILE, SegmentInfo, ids
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
-from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 from sparkcache.store import SnapshotInfo, SnapshotStore
-from sparkcache.verification import Problem, Progress, verify_file
+from sparkcache.verification import Problem, Progress, check_key, read_segment, same_tokens
 from sparkcache.version import VERSION
 
 __all__ = [
@@ -301,10 +300,10 @@ def _export_one(
         try:
             with seg.open_segment(store.backend, g.object_key) as blob:
                 buf = blob.buffer
-                header = verify_file(buf, str(g.digest), identity, g.rank, info.snap_key,
-                                     g.token_start, g.token_end)
+                read = read_segment(buf, str(g.digest), identity, g.rank, info.snap_key,
+                                    g.token_start, g.token_end, layers=False)
                 if g.rank == 0:
-                    _check_key(identity, store, info, scope, buf, header)
+                    _check_key(identity, store, info, scope, read.tokens)
                 out.put(_segment_key(info.snap_key, g.rank), [buf])
                 written.append(_segment_key(info.snap_key, g.rank))
                 del buf
@@ -318,23 +317,18 @@ def _export_one(
 
 
 def _check_key(identity: ModelIdentity, store: SnapshotStore, info: SnapshotInfo,
-               scope: RequestScope, buf: memoryview, header: seg.SegmentHeader) -> None:
+               scope: RequestScope, tokens: np.ndarray) -> None:
     """Refuse a snapshot whose key is not the hash of its tokens in ``scope``."""
-    seed = prefix_seed(identity, scope)
-    if info.parent_id is not None:
-        seed = bytes.fromhex(store.snapshot(info.parent_id).snap_key)
-    tokens = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1])
-    key = prefix_hashes(seed, tokens.view("<u4"), identity.block_size)[-1].hex()
-    del tokens
-    if key == info.snap_key:
-        return
     if info.scope_json is None:
-        raise CorruptSnapshot(
-            "published with a request scope (cache salt, LoRA or multimodal inputs) before "
-            "the store recorded scopes (index revision 0004): it cannot be imported again",
-            "scope")
-    raise CorruptSnapshot("its key is not the hash of its tokens in its recorded request "
-                          "scope: it cannot be imported again", "scope")
+        wrong = ("published with a request scope (cache salt, LoRA or multimodal inputs) "
+                 "before the store recorded scopes (index revision 0004): it cannot be "
+                 "imported again")
+    else:
+        wrong = ("its key is not the hash of its tokens in its recorded request scope: it "
+                 "cannot be imported again")
+    parent_key = None if info.parent_id is None else store.snapshot(info.parent_id).snap_key
+    check_key(identity, tokens, info.snap_key, scope=scope, parent_key=parent_key,
+              reason="scope", message=wrong)
 
 
 def _scope_from_dict(doc: Any) -> RequestScope | None:
@@ -553,9 +547,7 @@ def _import_one(
     sid, parent = snap["id"], snap["parent"]
     if parent is not None and parent not in new_ids:
         return Problem(sid, None, "parent", f"its parent {parent} was refused")
-    # A child's chain of hashes continues from its parent's key.
     scope: RequestScope = snap["scope"]
-    seed = prefix_seed(identity, scope) if parent is None else bytes.fromhex(keys[parent])
     blobs: list[Blob] = []
     pages: list[list[np.ndarray]] = []
     try:
@@ -569,28 +561,23 @@ def _import_one(
                 blobs.append(source.open(g["key"]))
             except NotFound:
                 return Problem(sid, g["rank"], "missing", f"{g['key']} is missing")
-            buf = blobs[-1].buffer
             try:
-                header = verify_file(buf, g["digest"], identity, g["rank"], snap["snap_key"],
-                                     g["token_start"], g["token_end"])
+                read = read_segment(blobs[-1].buffer, g["digest"], identity, g["rank"],
+                                    snap["snap_key"], g["token_start"], g["token_end"])
+                same_tokens(tokens, read.tokens, snap["snap_key"])
             except CorruptSnapshot as exc:
                 return Problem(sid, g["rank"], exc.reason, str(exc))
-            stored = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1])
-            these = stored.view("<u4").copy()
-            del stored
-            if tokens is None:
-                tokens = these
-            elif not np.array_equal(tokens, these):
-                return Problem(sid, g["rank"], "tokens", "ranks disagree on the token ids")
-            pages.append([seg.verified_view(buf, header, f"layer.{i}",
-                                            header.tensors[f"layer.{i}"][1])
-                          for i in range(header.n_layers)])
-            del buf
+            tokens = tokens if tokens is not None else read.tokens
+            pages.append(list(read.layers))
+            del read
         assert tokens is not None
-        if prefix_hashes(seed, tokens, identity.block_size)[-1].hex() != snap["snap_key"]:
-            return Problem(sid, None, "scope",
-                           "its key is not the hash of its tokens in its scope (the manifest "
-                           "was edited?)")
+        try:
+            check_key(identity, tokens, snap["snap_key"], scope=scope,
+                      parent_key=None if parent is None else keys[parent], reason="scope",
+                      message="its key is not the hash of its tokens in its scope (the "
+                              "manifest was edited?)")
+        except CorruptSnapshot as exc:
+            return Problem(sid, None, exc.reason, str(exc))
         full = tokens if parent is None else np.concatenate([full_tokens[parent], tokens])
         new_parent = None if parent is None else new_ids[parent]
         try:

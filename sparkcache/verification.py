@@ -1,5 +1,9 @@
 """Verification of whole segment files, and the undo of a quarantine.
 
+:func:`read_segment` is the one read of a whole segment file in memory,
+every byte verified once (an import, the fetch of a link that compacts, an
+upload, an export and ``verify`` all read through it); :func:`same_tokens` and
+:func:`check_key` are the checks a snapshot's ranks and key must pass.
 ``verify`` re-hashes every written segment of every snapshot not quarantined
 (a failure quarantines it, exactly as a failed read would); ``requeue`` checks
 the quarantined ones again and gives back those whose files are whole.  Both
@@ -11,8 +15,7 @@ storage holding none of them changes nothing.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,8 +29,8 @@ from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 from sparkcache.maintenance import check_storage, insert_boundaries, quarantine
 
-__all__ = ["Problem", "Progress", "RequeueReport", "VerifyReport", "requeue", "verify",
-           "verify_file"]
+__all__ = ["Problem", "Progress", "RequeueReport", "VerifiedSegment", "VerifyReport",
+           "check_key", "read_segment", "requeue", "same_tokens", "verify"]
 
 #: ``progress(done_bytes, total_bytes)``, called as work advances.
 Progress = Callable[[int, int], None]
@@ -46,22 +49,92 @@ class _VerifyRow(NamedTuple):
         return cls(SegmentInfo(*segment), snap_key, identity_json)
 
 
-@contextmanager
 def _whole_file(core: Core, segment: SegmentInfo, identity: ModelIdentity, snap_key: str,
-                tick: Callable[[int], None] = lambda n: None,
-                ) -> Iterator[tuple[memoryview, seg.SegmentHeader]]:
-    """One segment file checked completely (size, then :func:`verify_file`)."""
+                tick: Callable[[int], None] = lambda n: None) -> VerifiedSegment:
+    """One segment file checked completely (:func:`read_segment`): its header and token ids."""
     with seg.open_segment(core.backend, segment.object_key) as blob:
-        buf = blob.buffer
-        try:
-            if buf.nbytes != segment.nbytes:
-                raise CorruptSnapshot(f"segment file holds {buf.nbytes} bytes, the index "
-                                      f"says {segment.nbytes}", "truncated")
-            header = verify_file(buf, str(segment.digest), identity, segment.rank, snap_key,
-                                 segment.token_start, segment.token_end, tick)
-            yield buf, header
-        finally:
-            del buf
+        return read_segment(blob.buffer, str(segment.digest), identity, segment.rank, snap_key,
+                            segment.token_start, segment.token_end, nbytes=segment.nbytes,
+                            layers=False, tick=tick)
+
+
+# -- one segment ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerifiedSegment:
+    """A segment file read whole, every byte of it verified (:func:`read_segment`)."""
+
+    header: seg.SegmentHeader
+    #: The token ids (uint32), a copy: it outlives the buffer.
+    tokens: np.ndarray
+    #: Each layer's bytes (uint8), ``layer.0`` first: views of the buffer (drop
+    #: them before it closes); empty when the caller did not ask for them.
+    layers: tuple[np.ndarray, ...]
+
+
+def read_segment(
+    buf: memoryview, digest: str, identity: ModelIdentity, rank: int, snap_key: str,
+    token_start: int, token_end: int, *, nbytes: int | None = None, layers: bool = True,
+    tick: Callable[[int], None] = lambda n: None,
+) -> VerifiedSegment:
+    """Verify one whole segment file in ``buf`` and return its token ids and layers.
+
+    Checks, in this order: its size against ``nbytes`` (what the index or a
+    manifest records, when given), the header (:func:`sparkcache.segment.check_header`:
+    digest, identity, rank, snapshot key, token range, shapes), then every
+    chunk of every tensor, each hashed once.  ``layers=False`` verifies the
+    layers all the same but keeps no view of them.  ``tick(n)`` is called as
+    ``n`` more bytes are verified.
+
+    Raises CorruptSnapshot with the reason a read would give (``truncated``
+    for a size that differs).
+    """
+    if nbytes is not None and buf.nbytes != nbytes:
+        raise CorruptSnapshot(f"the segment holds {buf.nbytes} bytes, {nbytes} are recorded",
+                              "truncated")
+    header = seg.check_header(buf, digest, identity, rank, snap_key, token_start, token_end)
+    tick(header.data_start)
+    views: list[np.ndarray] = []
+    for i in range(header.n_layers):
+        name = f"layer.{i}"
+        size = header.tensors[name][1]
+        view = seg.verified_view(buf, header, name, size)
+        if layers:
+            views.append(view)
+        del view  # the buffer may be an mmap: keep no view the caller did not ask for
+        tick(size)
+    size = header.tensors["tokens"][1]
+    stored = seg.verified_view(buf, header, "tokens", size)
+    tokens = stored.view("<u4").astype(np.uint32)  # a copy
+    del stored
+    tick(size)
+    return VerifiedSegment(header, tokens, tuple(views))
+
+
+def same_tokens(first: np.ndarray | None, these: np.ndarray, snap_key: str) -> None:
+    """A snapshot's ranks must hold the same token ids: ``these`` (a rank's)
+    against ``first`` (the first rank's; None for the first rank itself).
+    Raises CorruptSnapshot (reason ``tokens``)."""
+    if first is not None and not np.array_equal(first, these):
+        raise CorruptSnapshot(f"the ranks of {snap_key} disagree on the token ids", "tokens")
+
+
+def check_key(identity: ModelIdentity, tokens: np.ndarray, snap_key: str, *,
+              scope: RequestScope, parent_key: str | None, reason: str,
+              message: str) -> list[bytes]:
+    """The prefix hashes of a snapshot's own blocks (``tokens``, its token ids),
+    whose last must be its key ``snap_key``; else CorruptSnapshot(``message``,
+    ``reason``), each caller saying what a wrong key means to it.
+
+    The hashes start from the seed of ``scope`` for a root and continue from
+    its parent's key (``parent_key``) for a child.
+    """
+    seed = prefix_seed(identity, scope) if parent_key is None else bytes.fromhex(parent_key)
+    hashes = prefix_hashes(seed, tokens, identity.block_size)
+    if not hashes or hashes[-1].hex() != snap_key:
+        raise CorruptSnapshot(message, reason)
+    return hashes
 
 
 # -- verify --------------------------------------------------------------------------
@@ -87,24 +160,6 @@ class VerifyReport:
     @property
     def clean(self) -> bool:
         return not self.corrupt
-
-
-def verify_file(
-    buf: memoryview, digest: str, identity: ModelIdentity, rank: int, snap_key: str,
-    token_start: int, token_end: int, tick: Callable[[int], None] = lambda n: None,
-) -> seg.SegmentHeader:
-    """Check one whole segment file: its header (:func:`sparkcache.segment.check_header`,
-    as a read does) and every chunk of every tensor, tokens included.
-
-    Raises CorruptSnapshot with the reason a read would give.
-    """
-    header = seg.check_header(buf, digest, identity, rank, snap_key, token_start, token_end)
-    tick(header.data_start)
-    for name, (_offset, nbytes) in header.tensors.items():
-        view = seg.verified_view(buf, header, name, nbytes)
-        del view  # the buffer may be an mmap: drop views before the blob closes
-        tick(nbytes)
-    return header
 
 
 def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
@@ -137,8 +192,7 @@ def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
             identity = identities.get(identity_json) or identities.setdefault(
                 identity_json, ModelIdentity.from_dict(json.loads(identity_json)))
             try:
-                with _whole_file(core, segment, identity, snap_key, tick):
-                    pass
+                _whole_file(core, segment, identity, snap_key, tick)
             except CorruptSnapshot as exc:
                 with core.read() as conn:
                     subtree = ids(conn, q.SUBTREE, (sid,))
@@ -202,22 +256,18 @@ def _requeue_one(core: Core, info: SnapshotInfo, alias_stride: int) -> Problem |
                     g.state != "ready" or g.digest is None for g in segs):
                 raise CorruptSnapshot("not every rank's segment is ready", "missing")
             for g in segs if link.id == info.id else segs[:1]:
-                with _whole_file(core, g, identity, link.snap_key) as (buf, header):
-                    if g.rank == 0:
-                        view = seg.verified_view(buf, header, "tokens",
-                                                 header.tensors["tokens"][1])
-                        tokens.append(view.view("<u4").copy())
-                        del view
-                    del buf  # before the file closes (it may be a mapping)
+                read = _whole_file(core, g, identity, link.snap_key)
+                if g.rank == 0:
+                    tokens.append(read.tokens)
+        scope = (RequestScope() if info.scope_json is None
+                 else RequestScope.from_canonical(info.scope_json))
+        # the whole chain's tokens from the root's seed: every boundary's hash
+        hashes = check_key(identity, np.concatenate(tokens), info.snap_key, scope=scope,
+                           parent_key=None, reason="scope",
+                           message="its key is not the hash of its tokens in its recorded "
+                                   "scope (published with a scope before scopes were recorded)")
     except CorruptSnapshot as exc:
         return Problem(info.id, None, exc.reason, str(exc))
-    scope = (RequestScope() if info.scope_json is None
-             else RequestScope.from_canonical(info.scope_json))
-    hashes = prefix_hashes(prefix_seed(identity, scope), np.concatenate(tokens),
-                           identity.block_size)
-    if hashes[-1].hex() != info.snap_key:
-        return Problem(info.id, None, "scope", "its key is not the hash of its tokens in its "
-                       "recorded scope (published with a scope before scopes were recorded)")
     with core.write() as conn:
         conn.execute(q.REQUEUE, (info.id,))
         if conn.changes() == 1:

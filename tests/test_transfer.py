@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from sparkcache import SnapshotStore, admin, transfer
+from sparkcache import segment as seg
 from sparkcache.cli import main
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
@@ -275,6 +276,45 @@ def test_two_rank_export_import(tmp_path: Path) -> None:
             for want, got in zip(restored(a, ident, toks, rank), restored(b, ident, toks, rank),
                                  strict=True):
                 assert np.array_equal(want, got)
+
+
+def _with_tokens(data: bytes, digest: str, toks: np.ndarray) -> tuple[bytes, str]:
+    """A segment file whose header is whole and consistent (every chunk digest
+    right) but holds other token ids: what only the ranks' agreement can tell."""
+    header = seg.parse_header(memoryview(data), digest)
+    made_by_build = {"format", "n_layers", "chunk_bytes", "chunks", "dtype", "page_shape"}
+    meta = {k: v for k, v in header.meta.items() if k not in made_by_build}
+    layers = [np.frombuffer(data, np.uint8, count=n, offset=o)
+              for o, n in (header.tensors[f"layer.{i}"] for i in range(header.n_layers))]
+    head, new_digest = seg.build_header(meta, layers, toks, header.meta["page_shape"],
+                                        header.meta["dtype"])
+    return head + b"".join(x.tobytes() for x in layers) + toks.tobytes(), new_digest
+
+
+def test_import_refuses_ranks_that_disagree_on_the_token_ids(tmp_path: Path) -> None:
+    ident, toks = identity(world=2), tokens(32)
+    with SnapshotStore(tmp_path / "a", alias_stride=16) as a, \
+            SnapshotStore(tmp_path / "b", alias_stride=16) as b:
+        for rank in (0, 1):
+            sid = a.publish(ident, rank, toks, pages_for(ident, toks, rank=rank)).snapshot_id
+        admin.export_model(a, ident.digest()[:8], str(tmp_path / "x"))
+        other = toks.copy()
+        other[-1] += 1
+
+        def rank1_other_tokens(doc: dict) -> None:  # type: ignore[type-arg]
+            g = doc["snapshots"][0]["segments"][1]
+            path = tmp_path / "y" / g["key"]
+            data, g["digest"] = _with_tokens(path.read_bytes(), g["digest"], other)
+            path.unlink()
+            path.write_bytes(data)
+            g["nbytes"] = len(data)
+
+        report = admin.import_model(b, _manifest_variant(tmp_path / "x", tmp_path / "y",
+                                                         rank1_other_tokens))
+        assert report.imported == []
+        assert [(p.snapshot_id, p.rank, p.reason) for p in report.refused] == [(sid, 1, "tokens")]
+        assert "disagree on the token ids" in report.refused[0].message
+        assert b.snapshots() == []
 
 
 def test_import_into_a_store_whose_retention_refuses(filled: Filled, tmp_path: Path) -> None:

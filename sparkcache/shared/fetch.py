@@ -69,7 +69,7 @@ from sparkcache.reader import stored_tokens
 from sparkcache.shared.layout import Manifest, alias_key, manifest_key, parse_alias, parse_manifest
 from sparkcache.shared.sweep import mark_used
 from sparkcache.shared.tier import SharedTier
-from sparkcache.verification import verify_file
+from sparkcache.verification import check_key, read_segment, same_tokens
 
 __all__ = [
     "MAX_BREAKPOINT_PROBES",
@@ -313,23 +313,16 @@ def _download(tier: SharedTier, identity: ModelIdentity, m: Manifest, timer: lis
             except NotFound:
                 raise CorruptSnapshot(f"{g.key} vanished from the tier", "missing") from None
             buf = blob.buffer
-            if buf.nbytes != g.nbytes:
-                raise CorruptSnapshot(f"{g.key} read {buf.nbytes} bytes, not {g.nbytes}",
-                                      "truncated")
             nbytes += buf.nbytes
-            header = verify_file(buf, g.digest, identity, g.rank, m.snap_key, g.token_start,
-                                 g.token_end)
-            these = seg.verified_view(buf, header, "tokens",
-                                      header.tensors["tokens"][1]).view("<u4")
-            _same_tokens(m, tokens, these)
-            tokens = tokens if tokens is not None else these
-            pages.append([seg.verified_view(buf, header, f"layer.{i}",
-                                            header.tensors[f"layer.{i}"][1])
-                          for i in range(header.n_layers)])
+            read = read_segment(buf, g.digest, identity, g.rank, m.snap_key, g.token_start,
+                                g.token_end, nbytes=g.nbytes)
+            same_tokens(tokens, read.tokens, m.snap_key)
+            tokens = tokens if tokens is not None else read.tokens
+            pages.append(list(read.layers))
     finally:
         timer[0] += time.perf_counter() - started
     assert tokens is not None
-    return tokens.astype(np.uint32), pages, nbytes
+    return tokens, pages, nbytes
 
 
 def _check_size(tier: SharedTier, key: str, nbytes: int) -> None:
@@ -338,19 +331,6 @@ def _check_size(tier: SharedTier, key: str, nbytes: int) -> None:
         raise CorruptSnapshot(f"{key} is missing from the tier", "missing")
     if size != nbytes:
         raise CorruptSnapshot(f"{key} is {size} bytes, its manifest says {nbytes}", "truncated")
-
-
-def _same_tokens(m: Manifest, first: np.ndarray | None, these: np.ndarray) -> None:
-    if first is not None and not np.array_equal(first, these):
-        raise CorruptSnapshot(f"the ranks of {m.snap_key} disagree on the token ids", "tokens")
-
-
-def _check_key(identity: ModelIdentity, m: Manifest, tokens: np.ndarray, seed: bytes) -> None:
-    """The link's key must be the hash of its token ids in its scope."""
-    hashes = prefix_hashes(seed, tokens, identity.block_size)
-    if not hashes or hashes[-1].hex() != m.snap_key:
-        raise CorruptSnapshot(f"{m.snap_key}'s token ids do not hash to its key in its scope",
-                              "tokens")
 
 
 @dataclass
@@ -418,7 +398,7 @@ def _open_remote(tier: SharedTier, identity: ModelIdentity, m: Manifest,
             raw = np.frombuffer(_range(tier, g.key, offset, offset + total), np.uint8)
             seg.check_piece(header, "tokens", 0, raw)
             these = raw.view("<u4")
-            _same_tokens(m, out[0].tokens if out else None, these)
+            same_tokens(out[0].tokens if out else None, these, m.snap_key)
             out.append(_Remote(g.key, bytes(head[:header.data_start]), header,
                                these.astype(np.uint32), g.nbytes, requests + 1))
     finally:
@@ -547,8 +527,6 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
                 parent = info
                 result.snapshot_id = info.id
                 continue
-            seed = (prefix_seed(identity, m.scope) if parent is None
-                    else bytes.fromhex(parent.snap_key))
             if parent is not None and full.size < parent.n_tokens:
                 full = _tokens_of(core, identity, parent, full)
             timer = [0.0]
@@ -564,7 +542,11 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
                         tokens, nbytes = remotes[0].tokens, sum(r.nbytes for r in remotes)
                         payloads = [r.encoded(tier, pool, timer) for r in remotes]
                         result.requests += sum(r.requests for r in remotes)
-                    _check_key(identity, m, tokens, seed)
+                    check_key(identity, tokens, m.snap_key, scope=m.scope,
+                              parent_key=None if parent is None else parent.snap_key,
+                              reason="tokens",
+                              message=f"{m.snap_key}'s token ids do not hash to its key in "
+                                      "its scope")
                     full = np.concatenate([full, tokens])
                     done = _publish_ranks(core, identity, m, full, payloads, parent,
                                           alias_stride=alias_stride, max_chain=max_chain,

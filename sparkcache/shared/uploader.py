@@ -42,13 +42,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from sparkcache import segment as seg
 from sparkcache.core import Core, SegmentInfo, SnapshotInfo, ids, scalar
 from sparkcache.cpus import widen_affinity
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, SparkCacheError, StoreClosed
-from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.holders import this_holder
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
@@ -67,7 +64,7 @@ from sparkcache.shared.layout import (
 )
 from sparkcache.shared.sweep import mark_used
 from sparkcache.shared.tier import SharedTier, describe_error
-from sparkcache.verification import verify_file
+from sparkcache.verification import check_key, read_segment
 
 __all__ = [
     "DEFAULT_BATCH",
@@ -221,6 +218,12 @@ def _scope(info: SnapshotInfo) -> RequestScope | None:
         return None
 
 
+#: Why a snapshot whose key is not the hash of its token ids is not uploaded.
+_UNFINDABLE = ("its key is not the hash of its token ids in its recorded request scope (a "
+               "snapshot published with a scope before the index recorded scopes): another "
+               "host could not find it, so it is not uploaded")
+
+
 def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotInfo,
           parent: SnapshotInfo | None, segments: list[SegmentInfo],
           marks: list[int], below: list[tuple[int, bytes]]) -> UploadResult:
@@ -247,10 +250,13 @@ def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotI
         try:
             with seg.open_segment(core.backend, g.object_key) as blob:
                 buf = blob.buffer
-                header = verify_file(buf, digest, identity, g.rank, info.snap_key,
-                                     g.token_start, g.token_end)
-                if g.rank == 0:
-                    hashes = _hashes(identity, info, parent, scope, buf, header)
+                read = read_segment(buf, digest, identity, g.rank, info.snap_key,
+                                    g.token_start, g.token_end, layers=False)
+                if g.rank == 0:  # the prefix hashes of its own blocks, for its markers
+                    hashes = check_key(
+                        identity, read.tokens, info.snap_key, scope=scope,
+                        parent_key=None if parent is None else parent.snap_key,
+                        reason="scope", message=_UNFINDABLE)
                 wrote = tier.put_once(key, buf)
                 del buf
         except CorruptSnapshot as exc:
@@ -280,23 +286,6 @@ def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotI
     else:  # another host finished it meanwhile
         found += 1
     return UploadResult(sid, "uploaded", put, found, sent)
-
-
-def _hashes(identity: ModelIdentity, info: SnapshotInfo, parent: SnapshotInfo | None,
-            scope: RequestScope, buf: memoryview, header: seg.SegmentHeader) -> list[bytes]:
-    """The prefix hashes of the link's own blocks, from its verified token ids;
-    CorruptSnapshot (reason ``scope``) unless the last is the snapshot's key."""
-    seed = prefix_seed(identity, scope) if parent is None else bytes.fromhex(parent.snap_key)
-    view = seg.verified_view(buf, header, "tokens", header.tensors["tokens"][1])
-    tokens = np.array(view.view("<u4"))  # a copy: no view of the blob outlives it
-    del view
-    hashes = prefix_hashes(seed, tokens, identity.block_size)
-    if not hashes or hashes[-1].hex() != info.snap_key:
-        raise CorruptSnapshot(
-            "its key is not the hash of its token ids in its recorded request scope (a "
-            "snapshot published with a scope before the index recorded scopes): another "
-            "host could not find it, so it is not uploaded", "scope")
-    return hashes
 
 
 def _lease(core: Core, snapshot_id: int) -> int | None:

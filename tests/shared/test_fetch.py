@@ -153,6 +153,35 @@ def test_a_damaged_segment_is_a_verified_miss(tier: Tier, host: HostFactory,
     assert b.stats()["fetch_refused"] == 1
 
 
+@pytest.mark.parametrize("damage", [None, "layer", "tokens"])
+def test_a_link_that_compacts_here_is_read_whole_and_verified(tier: Tier, host: HostFactory,
+                                                              damage: str | None) -> None:
+    """A host whose chains hold one link compacts the fetched child with its
+    parent's rows, so the child's segment is downloaded whole (not streamed)
+    and verified before any of it is published: a flipped byte of its rows or
+    of its token ids refuses it."""
+    a = uploaded(host, tier)
+    shared, manifest = _child_manifest(a)
+    key = manifest.segments[0].key  # type: ignore[attr-defined]
+    if damage is not None:
+        with shared.backend.open(key) as blob:
+            data = bytearray(blob.buffer)
+        data[{"layer": len(data) // 2, "tokens": len(data) - 5}[damage]] ^= 0x04
+        shared.put(key, [bytes(data)])
+    b = host("b", tier, max_chain=1)
+    result = b.fetch(IDENT, prompt(64))
+    if damage is not None:
+        assert (result.outcome, len(result.fetched)) == ("refused", 1), result
+        assert "digest mismatch" in str(result.reason)
+        match = b.lookup(IDENT, prompt(64))
+        assert match is not None and match.n_tokens == 32
+        return
+    assert (result.outcome, len(result.fetched)) == ("fetched", 2), result
+    child = b.snapshot(result.fetched[-1])
+    assert (child.parent_id, child.start_token, child.n_tokens) == (None, 0, 64)  # compacted
+    assert pages_equal(a, b, prompt(64), 64)
+
+
 def test_segments_without_a_manifest_are_invisible(tier: Tier, host: HostFactory) -> None:
     """An upload that died before its manifest (or a manifest swept away): its
     markers dangle, the next shorter stride is used; without any manifest, a miss."""
