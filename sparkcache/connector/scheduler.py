@@ -546,23 +546,30 @@ class SchedulerSide:
         if not reached:
             return
         state.marks = [m for m in state.marks if m > done]
-        n = reached[-1] // self.bs * self.bs
-        keep = max((state.params.keep.get(m, 0.0) for m in reached), default=0.0) or None
-        try:
-            job, known = self._save_job(request, n, block_ids_of(req_id), tuple(reached),
-                                        mid_request=True, keep=keep)
-        except (SparkCacheError, KeyError, IndexError) as exc:
-            logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
-            return
-        if job is not None:
-            self._saves.append(job)
-            state.mid_saves += 1
-            state.new_prefixes.append((n, 0 if known is None else known.n_tokens))
-            self.counters.add("breakpoint_saves_planned")
-        elif known is not None and known.n_tokens == n:
-            state.new_prefixes.append((n, n))
-            if keep is not None:
-                self._keep(known.snapshot_id, keep)
+        # One snapshot up to the last breakpoint reached, the others its aliases;
+        # with a window, which is stored at a snapshot's end only, one each.
+        ends = sorted({m // self.bs * self.bs for m in reached}) if self.windowed \
+            else [reached[-1] // self.bs * self.bs]
+        for n in ends:
+            marks = tuple(m for m in reached if m // self.bs * self.bs <= n)
+            keep = max((state.params.keep.get(m, 0.0) for m in marks
+                        if not self.windowed or m // self.bs * self.bs == n),
+                       default=0.0) or None
+            try:
+                job, known = self._save_job(request, n, block_ids_of(req_id), marks,
+                                            mid_request=True, keep=keep)
+            except (SparkCacheError, KeyError, IndexError) as exc:
+                logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
+                continue
+            if job is not None:
+                self._saves.append(job)
+                state.mid_saves += 1
+                state.new_prefixes.append((n, 0 if known is None else known.n_tokens))
+                self.counters.add("breakpoint_saves_planned")
+            elif known is not None and known.n_tokens == n:
+                state.new_prefixes.append((n, n))
+                if keep is not None:
+                    self._keep(known.snapshot_id, keep)
 
     def _keep(self, snapshot_id: int, seconds: float) -> None:
         """Renew the keep lease (a breakpoint's ``ttl``) on a stored snapshot, at

@@ -226,6 +226,31 @@ def test_a_breakpoint_save_copies_the_window_before_the_step_ends(tmp_path: Path
         store.close()
 
 
+def test_breakpoints_reached_in_one_step_are_saved_one_snapshot_each(
+    grouped: Setup,
+) -> None:
+    """A window is stored at a snapshot's end only, so two breakpoints reached
+    in one step (e.g. a whole prompt prefilled at once) are two snapshots -
+    where one model without windows makes one snapshot and an alias."""
+    store, sched, io, _pages, _counters = grouped
+    marks = {"sparkcache": {"breakpoints": [40, {"at": 70, "ttl": 60}]}}
+    req = Req("f", prompt(100, 7), kv_transfer_params=marks)
+    assert sched.matched_tokens(req, 0) == (0, False)
+    jobs = step(sched, req, 100, [_sliding(7, [10, 11, 12, 13, 14, 15, 16]),  # type: ignore[arg-type]
+                                  list(range(1, 8))])
+    assert [j.token_ids.size for j in jobs] == [32, 64]
+    assert [j.group_blocks[0] for j in jobs] == [(0, (10, 11)), (2, (12, 13))]
+    assert [j.breakpoints for j in jobs] == [(40,), (40, 70)]
+    assert [j.keep for j in jobs] == [None, 60.0]
+    assert all(j.copy_in_step == (0,) for j in jobs)
+    for job in jobs:
+        io.submit_save(job)
+    assert io.flush()
+    assert sorted(s.n_tokens for s in store.snapshots() if s.state == "ready") == [32, 64]
+    other = Req("g", req.prompt_token_ids[:50] + prompt(40, 8))
+    assert sched.matched_tokens(other, 0) == (32, True)
+
+
 def test_a_windowed_lookup_offers_the_longest_snapshot_end(grouped: Setup) -> None:
     """A finished request is stored whole (112 tokens, aliases at its
     breakpoint and prompt end); a prompt sharing its first 100 tokens only
