@@ -125,7 +125,7 @@ try:
     with SnapshotStore(args["folder"], shared=tier["shared"],
                        shared_options=tier["shared_options"]) as up:
         sent = up.upload()
-    rec["uploaded"] = [len(sent.uploaded), str(sent.error or "")]
+    rec["uploaded"] = [len(sent.uploaded), len(ready(store)), str(sent.error or "")]
     second = max(ready(store), key=lambda s: s.n_tokens)
     digest = model_identity(store.core, second.model_id).digest()
     shared = SharedTier(tier["shared"], tier["shared_options"], alias_stride=256)
@@ -271,8 +271,9 @@ def test_host2_restores_a_sliding_window_snapshot_from_the_shared_tier(
     block is fetched from the tier (its manifest, not a marker), restored at
     its end, and the answer is plain vLLM's."""
     assert "error" not in runs, runs.get("error", "") + runs["_log"]
-    assert runs["uploaded"] == [2, ""], runs["_log"]
-    ((_sid, n_tokens, _nbytes, _model),) = runs["published"]
+    sent, ready, error = runs["uploaded"]
+    assert sent == ready >= 2 and error == "", runs["_log"]  # turn 1's and turn 2's, at least
+    n_tokens = runs["published"][0][1]  # turn 1's snapshot
     out = runs["tier"]
     assert out["cached"] >= n_tokens == 704, runs["_log"]
     assert _external(out) == n_tokens
