@@ -64,7 +64,7 @@ TURN1 = token_prompt(700, seed=70)
 TURN2_TAIL = token_prompt(90, seed=71)
 #: After turn 1 and its 16 answer tokens (716), 10 more: the last whole block
 #: below the prompt's last token ends at 704, where turn 1's snapshot ends.
-TIER_TAIL = token_prompt(10, seed=72)
+TIER_TAIL = token_prompt(10, seed=80)
 MAX_TOKENS = 16
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend": "uni"}
