@@ -281,12 +281,9 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                 # The limits are read now: a bad value stops the engine at start.
                 self.shared_sweeper = SharedSweeper(self.upload_store.shared,
                                                     TierLimits.from_env()).start()
-            if self.settings.shared_fetch and self.settings.restore and self.sched.windowed:
-                # The tier's markers sit at stride boundaries, where a windowed
-                # snapshot's window is not stored: nothing fetched would restore.
-                logger.warning("sparkcache does not restore sliding-window models from the "
-                               "shared tier yet (uploads go on); their restores are local")
-            elif self.settings.shared_fetch and self.settings.restore:
+            if self.settings.shared_fetch and self.settings.restore:
+                # (A sliding-window model fetches only snapshots ending where the
+                # request can restore one: shared.fetch.probe_ends.)
                 self.fetcher = Fetcher(self.upload_store, self.identity, self.counters,
                                        deadline=self.settings.shared_deadline_seconds,
                                        min_tokens=self.sched.min_tokens)

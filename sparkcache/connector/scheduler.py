@@ -411,8 +411,10 @@ class SchedulerSide:
         if limit < max(self.min_tokens, self.bs) or limit - have < self.bs:
             return False
         request_tokens = np.asarray(request.all_token_ids[:limit], np.uint32)
-        fetch = self.fetcher.start(request_tokens, state.scope, state.params.breakpoints,
-                                   hashes)
+        breakpoints = state.params.breakpoints
+        if self.windowed:  # only a whole snapshot past what is local is of use
+            breakpoints = tuple(b for b in breakpoints if b >= have + self.bs)
+        fetch = self.fetcher.start(request_tokens, state.scope, breakpoints, hashes)
         if fetch is None:
             state.fetch_done = True
             return False

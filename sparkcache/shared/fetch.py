@@ -20,6 +20,15 @@ manifest is missing (an upload that died before its manifest, a snapshot the
 tier's sweep deleted meanwhile) or that does not agree is skipped for the next
 shorter stride (at most :data:`MAX_FALLBACKS`).
 
+A model whose layers keep a window (sliding-window attention, the identity's
+``window_blocks``) is asked differently: its snapshots store each window only
+at their end and have no parent, so a marker inside one is of no use.
+:func:`probe_ends` lists the prompt's last whole block and its breakpoints,
+longest first, and :func:`resolve_end` asks for the manifest of the snapshot
+ending exactly there (its key is the prompt's prefix hash there): one HEAD
+each while there is none, so a miss costs one HEAD plus one per breakpoint
+probed.  A manifest with a parent, or of another length, is refused.
+
 :func:`fetch_chain` pulls every link not already local into the local store
 through the ordinary publish path, verifying each rank's object as an import
 does: its size against the manifest, then the header against the manifest's
@@ -82,7 +91,9 @@ __all__ = [
     "fetch_chain",
     "fetch_prefix",
     "probe",
+    "probe_ends",
     "resolve",
+    "resolve_end",
 ]
 
 logger = logging.getLogger(__name__)
@@ -172,8 +183,10 @@ class _Counted:
         return self.tier.exists(key)
 
     def get(self, key: str) -> bytes | None:
-        self.requests += 2  # a HEAD (its size) and the GET
-        return self.tier.get(key)
+        raw = self.tier.get(key)
+        with self._lock:  # a HEAD (its size), and the GET when there is an object
+            self.requests += 1 if raw is None else 2
+        return raw
 
 
 def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], block_size: int,
@@ -229,6 +242,46 @@ def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], bloc
     below = [at(strides[k]) for k in range(matched - 1, -1, -1)
              if (strides[k] + 1) * block_size < best.n_tokens]
     return [best, *below[:MAX_FALLBACKS]]
+
+
+def probe_ends(hashes: Sequence[bytes], block_size: int, breakpoints: Sequence[int] = (),
+               ) -> list[RemotePrefix]:
+    """For a model whose layers keep a window: where a snapshot of the tier
+    could restore the prompt whose block hashes are ``hashes``, longest first:
+    the prompt's last whole block, then its breakpoints (rounded down to a
+    block, at most :data:`MAX_BREAKPOINT_PROBES`).  A windowed snapshot stores
+    its window only at its end, so it restores only a prompt that it ends
+    inside, exactly at a block boundary, and its key is the prompt's prefix
+    hash there: :func:`resolve_end` asks for that manifest (one HEAD when
+    there is none).  No request is made here."""
+    n_blocks = len(hashes)
+    if n_blocks == 0:
+        return []
+    ends = sorted({b // block_size for b in breakpoints if 0 < b // block_size < n_blocks},
+                  reverse=True)
+    return [RemotePrefix(n * block_size, hashes[n - 1].hex(), hashes[n - 1].hex())
+            for n in [n_blocks, *ends[:MAX_BREAKPOINT_PROBES]]]
+
+
+def resolve_end(tier: SharedTier | _Counted, model: str, found: RemotePrefix,
+                ) -> tuple[RemotePrefix, list[Manifest]] | None:
+    """The manifest of the snapshot that ends at ``found`` (from
+    :func:`probe_ends`): one HEAD when the tier has none (None), else a HEAD
+    and a GET.  Raises InvalidArgument when it is there but is not a whole
+    snapshot of ``found.n_tokens`` tokens: a windowed snapshot never has a
+    parent (its full-attention layers are stored whole)."""
+    gets = tier if isinstance(tier, _Counted) else _Counted(tier)
+    raw = gets.get(manifest_key(model, found.snap_key))
+    if raw is None:
+        return None
+    m = parse_manifest(raw, model, found.snap_key)
+    if m.parent is not None or m.start_token != 0:
+        raise InvalidArgument(f"manifest {m.snap_key} has a parent: a model whose layers "
+                              "keep a window is restored from whole snapshots only")
+    if m.n_tokens != found.n_tokens:
+        raise InvalidArgument(f"manifest {m.snap_key} says {m.n_tokens} tokens where the "
+                              f"prompt has that hash at {found.n_tokens}")
+    return found, [m]
 
 
 def resolve(tier: SharedTier | _Counted, model: str, found: RemotePrefix,
@@ -604,6 +657,8 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     (see the module doc); then :func:`sparkcache.lookup.lookup` finds it.
 
     ``min_tokens``: a marker for fewer tokens is not worth a fetch (a miss).
+    For a windowed identity only a snapshot ending at the prompt's last whole
+    block or at one of ``breakpoints`` is fetched (:func:`probe_ends`).
     Raises SparkCacheError when the tier or the index fails.
     """
     started = time.perf_counter()
@@ -614,18 +669,24 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     counted = _Counted(tier)
     model = identity.digest()
     result = FetchResult("miss")
+    # A windowed snapshot restores only at its end: ask for the manifests that
+    # end where the prompt could use one, not for markers inside snapshots.
+    windowed = bool(identity.window_blocks)
+    found_list = (probe_ends(hashes, bs, breakpoints) if windowed
+                  else probe(counted, model, hashes, bs, breakpoints))
     try:
-        for found in probe(counted, model, hashes, bs, breakpoints):
+        for found in found_list:
             if found.n_tokens < min_tokens:
                 break
             try:
-                resolved = resolve(counted, model, found)
+                resolved = (resolve_end if windowed else resolve)(counted, model, found)
             except InvalidArgument as exc:
                 core.count(0, "fetch_refused")
                 result.reason = str(exc)
                 continue
-            if resolved is None:  # dangling: try a shorter stride
-                result.reason = f"the marker at {found.n_tokens} tokens names no manifest"
+            if resolved is None:  # dangling (or no snapshot ends there): try a shorter one
+                if not windowed:
+                    result.reason = f"the marker at {found.n_tokens} tokens names no manifest"
                 continue
             remote, chain = resolved
             result.n_tokens = remote.n_tokens

@@ -4,6 +4,7 @@ rows; a slow tier (a delaying proxy) or one that is down is a counted miss."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +18,10 @@ from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.jobs import Counters
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
+from sparkcache.identity import WINDOW_BLOCKS_KEY
 
-from ..s3server import DelayProxy, S3Server, s3_server, stop_s3_servers
-from .helpers import BS, FakePages, Req, blocks_of, finished, identity, prompt, save
+from ..s3server import DelayProxy, S3Server, s3_calls, s3_server, stop_s3_servers
+from .helpers import BS, PAGE_NBYTES, FakePages, Req, blocks_of, finished, identity, prompt, save
 
 P = prompt(100, 31)
 
@@ -151,3 +153,49 @@ def test_a_tier_that_is_down_is_a_counted_miss(hosts: Callable[..., Any]) -> Non
     data = counters.take()
     assert (data["remote_errors"], data["remote_skipped"]) == (1, 1)
     assert "remote_hits" not in data
+
+
+def test_a_sliding_window_model_fetches_the_snapshot_ending_at_a_breakpoint(
+    tmp_path: Path,
+) -> None:
+    """A windowed model (its layer 0 keeps 2 blocks): host a's snapshot of 112
+    tokens is in the tier; host b's request goes on past it with a breakpoint
+    at its end.  The fetch asks for the manifests at the prompt's last whole
+    block and at the breakpoint, and b offers the whole snapshot (its end).  A
+    later request asks only for breakpoints past what is local."""
+    server = s3_server()
+    url = f"s3://{server.bucket()}/kv"
+    opts = {"endpoint_url": server.endpoint}
+    ident = dataclasses.replace(identity(), extra=((WINDOW_BLOCKS_KEY, "2,0"),))
+    toks = np.asarray(prompt(112, 41), np.uint32)
+    rows = np.random.default_rng(5).integers(0, 256, (7, PAGE_NBYTES), np.uint8)
+    with SnapshotStore(tmp_path / "a", shared=url, shared_options=opts) as a:
+        assert a.publish(ident, 0, toks, [rows[-2:], rows]).state == "ready"
+        assert a.upload().error is None
+    store = SnapshotStore(tmp_path / "b")
+    shared = SnapshotStore(tmp_path / "b", shared=url, shared_options=opts)
+    counters = Counters()
+    fetcher = Fetcher(shared, ident, counters, deadline=30.0, min_tokens=BS)
+    sched = SchedulerSide(store, ident, counters, min_tokens=BS, fetcher=fetcher,
+                          group_windows=(2, 0))
+    try:
+        longer = [*toks.tolist(), *prompt(60, 42)]  # 172 tokens: 160 in whole blocks
+        req = Req("b", longer, kv_transfer_params={"sparkcache": {"breakpoints": [112]}})
+        assert sched.matched_tokens(req, 0) == (None, False)  # the fetch runs
+        assert _ask(sched, req) == (112, True)  # the whole snapshot, at its end
+        data = counters.take()
+        assert data["remote_lookups"] == 1 and "remote_misses" not in data
+        assert store.stats()["fetches"] == 1
+        # 112 is local now: a longer prompt's breakpoint at 112 is not asked for
+        assert shared.shared is not None
+        again = Req("c", [*longer, *prompt(80, 43)],
+                    kv_transfer_params={"sparkcache": {"breakpoints": [112, 200]}})
+        with s3_calls(shared.shared.backend.fs) as calls:
+            assert sched.matched_tokens(again, 0) == (None, False)
+            assert _ask(sched, again) == (112, True)
+        assert calls == {"HeadObject": 2}  # 240 and 200: no snapshot ends there
+        assert counters.take()["remote_misses"] == 1
+    finally:
+        fetcher.close()
+        store.close()
+        shared.close()

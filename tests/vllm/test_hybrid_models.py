@@ -28,6 +28,13 @@ block below it).  All engines run in one script process
    engine answers the second, restoring the system prompt, with the plain
    engine's tokens and logprobs; the fault engine answers the third from the
    same snapshot, scrambled: it must answer differently.
+7. *the shared tier* (moto's S3 server): host 1's store (turn 1's and turn
+   2's snapshots) is uploaded, and a byte of turn 2's segment flipped in the
+   tier; host 2, an engine with an empty store, answers :data:`TIER_TAIL`
+   after turn 1 and its answer (its last whole block is where turn 1's
+   snapshot ends): it fetches that snapshot and restores it, answering as
+   plain vLLM; then turn 2, whose snapshot in the tier fails verification: a
+   refused fetch, recomputed, answering as plain vLLM.
 
 No engine may log vLLM's "Turning off hybrid kv cache manager".
 """
@@ -40,6 +47,8 @@ import pytest
 from conftest import CHUNK
 from random_models import build_model
 from tiny_model import BLOCK_SIZE, MISSING, NEEDS_VLLM, run_engine_script, same_answer, token_prompt
+
+from tests.s3server import s3_server, stop_s3_servers
 
 pytestmark = NEEDS_VLLM
 
@@ -65,6 +74,9 @@ SYSTEM = token_prompt(400, seed=72)
 QUESTIONS = [SYSTEM + token_prompt(100 + 10 * i, seed=73 + i) for i in range(3)]
 MARKS = {"sparkcache": {"breakpoints": [len(SYSTEM)]}}
 SYSTEM_STORED = len(SYSTEM) // BLOCK_SIZE * BLOCK_SIZE  # 384: whole blocks
+#: After turn 1 and its 16 answer tokens (716), 10 more: the last whole block
+#: below the prompt's last token ends at 704, where turn 1's snapshot ends.
+TIER_TAIL = token_prompt(10, seed=80)
 MAX_TOKENS = 16
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend": "uni"}
@@ -78,6 +90,8 @@ from tiny_model import ready_snapshots as ready
 from sparkcache import SnapshotStore
 from sparkcache.catalog import model_identity
 from sparkcache.connector.worker import FAULT_ENV
+from sparkcache.shared import SharedTier, parse_manifest
+from sparkcache.shared.layout import manifest_key
 
 warnings = []
 class Catch(logging.Handler):
@@ -106,6 +120,8 @@ try:
         rec["plain2"] = gen(llm, store, turn2)
         for i, question in enumerate(args["questions"]):
             rec[f"plain_q{i}"] = gen(llm, store, question)
+        tier_prompt = turn1 + rec["plain1"]["tokens"] + args["tier_tail"]
+        rec["plain_tier"] = gen(llm, store, tier_prompt)
     with engine() as llm:
         rec["publish"] = gen(llm, store, turn1)
         settle(llm, store, 1)
@@ -122,6 +138,28 @@ try:
         settle(llm, store, 4)
         rec["q1"] = gen(llm, store, args["questions"][1], args["marks"])
         settle(llm, store, 5)
+    # Host 1 uploads turn 1's and turn 2's snapshots; turn 2's is then damaged
+    # in the tier (a byte of its rows flipped).
+    tier = args["tier"]
+    with SnapshotStore(args["folder"], shared=tier["shared"],
+                       shared_options=tier["shared_options"]) as up:
+        sent = up.upload()
+    rec["uploaded"] = [len(sent.uploaded), len(ready(store)), str(sent.error or "")]
+    second = max(ready(store), key=lambda s: s.n_tokens)
+    digest = model_identity(store.core, second.model_id).digest()
+    shared = SharedTier(tier["shared"], tier["shared_options"], alias_stride=256)
+    raw = shared.get(manifest_key(digest, second.snap_key))
+    (piece,) = parse_manifest(raw, digest, second.snap_key).segments
+    with shared.backend.open(piece.key) as blob:
+        data = bytearray(blob.buffer)
+    data[len(data) // 2] ^= 0xFF
+    shared.put(piece.key, [bytes(data)])
+    shared.close()
+    host2 = SnapshotStore(args["folder2"])
+    with in_process_engine(args["model"], **args["engine"],
+                           kv_transfer_config=connector_config(args["folder2"], **tier)) as llm:
+        rec["tier"] = gen(llm, host2, tier_prompt)
+        rec["tier_flipped"] = gen(llm, host2, turn2)
     with engine(fault="flip-restored") as llm:
         rec["fault"] = gen(llm, store, turn2)
         settle(llm, store, 5)
@@ -158,13 +196,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hybrid")
     model = build_model(root / "gemma3", arch="gemma3_text", **GEMMA3)
     mamba = build_model(root / "granite4", arch="granitemoehybrid", **GRANITE4)
-    return run_engine_script(SCRIPT, args={
-        "tmp": str(root), "model": str(model), "mamba_model": str(mamba),
-        "folder": str(root / "store"),
-        "turn1": TURN1, "tail": TURN2_TAIL, "max_tokens": MAX_TOKENS, "engine": ENGINE,
-        "questions": QUESTIONS, "marks": MARKS,
-        "warning": HMA_WARNING,
-    }, timeout=900, env=IN_PROCESS)
+    server = s3_server()  # its environment (credentials) reaches the engines
+    tier = {"shared": f"s3://{server.bucket()}/kv",
+            "shared_options": {"endpoint_url": server.endpoint},
+            "shared_deadline_seconds": 60}
+    try:
+        return run_engine_script(SCRIPT, args={
+            "tmp": str(root), "model": str(model), "mamba_model": str(mamba),
+            "folder": str(root / "store"), "folder2": str(root / "host2"), "tier": tier,
+            "turn1": TURN1, "tail": TURN2_TAIL, "tier_tail": TIER_TAIL,
+            "max_tokens": MAX_TOKENS, "engine": ENGINE,
+            "questions": QUESTIONS, "marks": MARKS,
+            "warning": HMA_WARNING,
+        }, timeout=900, env=IN_PROCESS)
+    finally:
+        stop_s3_servers()
 
 
 def _external(rec: dict[str, Any]) -> float:
@@ -263,3 +309,35 @@ def test_a_mamba_hybrid_is_refused_at_start_naming_its_layer_types(
     # The model's layer types, as vLLM's config names them.
     assert "layer types: ['full_attention', 'linear_attention']" in message, message
     assert "sliding-window attention (SlidingWindowSpec)" in message, message
+
+
+def test_host2_restores_a_sliding_window_snapshot_from_the_shared_tier(
+    runs: dict[str, Any],
+) -> None:
+    """Host 2's store is empty: the snapshot ending at its prompt's last whole
+    block is fetched from the tier (its manifest, not a marker), restored at
+    its end, and the answer is plain vLLM's."""
+    assert "error" not in runs, runs.get("error", "") + runs["_log"]
+    sent, ready, error = runs["uploaded"]
+    assert sent == ready >= 2 and error == "", runs["_log"]  # turn 1's and turn 2's, at least
+    n_tokens = runs["published"][0][1]  # turn 1's snapshot
+    out = runs["tier"]
+    assert out["cached"] >= n_tokens == 704, runs["_log"]
+    assert _external(out) == n_tokens
+    assert out["metrics"].get("vllm:sparkcache_remote_hits") == 1, sorted(out["metrics"])
+    assert out["metrics"].get("vllm:sparkcache_remote_hit_tokens") == n_tokens
+    assert out["metrics"].get("vllm:sparkcache_load_failures", 0) == 0
+    assert same_answer(out, runs["plain_tier"]) == ""
+
+
+def test_a_flipped_byte_in_the_tier_is_refused_and_recomputed(runs: dict[str, Any]) -> None:
+    """Turn 2's snapshot in the tier has a flipped byte: the fetch is refused
+    (nothing of it is published on host 2), turn 2 is computed past what
+    vLLM holds already (turn 1's blocks, from the previous request), and the
+    answer is plain vLLM's."""
+    assert "error" not in runs, runs.get("error", "") + runs["_log"]
+    out = runs["tier_flipped"]
+    assert out["metrics"].get("vllm:sparkcache_remote_refused") == 1, runs["_log"]
+    assert out["metrics"].get("vllm:sparkcache_remote_hits", 0) == 0
+    assert out["cached"] < len(TURN1) + MAX_TOKENS, out["cached"]  # not turn 2's 800
+    assert same_answer(out, runs["plain2"]) == ""
