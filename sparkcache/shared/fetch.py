@@ -22,12 +22,17 @@ shorter stride (at most :data:`MAX_FALLBACKS`).
 
 A model whose layers keep a window (sliding-window attention, the identity's
 ``window_blocks``) is asked differently: its snapshots store each window only
-at their end and have no parent, so a marker inside one is of no use.
-:func:`probe_ends` lists the prompt's last whole block and its breakpoints,
-longest first, and :func:`resolve_end` asks for the manifest of the snapshot
-ending exactly there (its key is the prompt's prefix hash there): one HEAD
-each while there is none, so a miss costs one HEAD plus one per breakpoint
-probed.  A manifest with a parent, or of another length, is refused.
+at their end and have no parent, so only a snapshot that ends inside the
+prompt, at a block boundary, restores it.  :func:`probe_ends` lists the
+prompt's last whole block and its breakpoints, longest first, and
+:func:`resolve_end` asks for the manifest of the snapshot ending exactly
+there (its key is the prompt's prefix hash there): one HEAD each while there
+is none.  Between the last whole block and the breakpoints,
+:func:`marked_end` reads the prompt's best stride marker: when the snapshot
+it names ends inside the prompt (a new turn of a stored conversation), that
+end is asked for too.  A miss costs two HEADs (the last block's manifest, the
+first stride's marker) plus one per breakpoint probed.  A manifest with a
+parent, or of another length, is refused.
 
 :func:`fetch_chain` pulls every link not already local into the local store
 through the ordinary publish path, verifying each rank's object as an import
@@ -90,6 +95,7 @@ __all__ = [
     "RemotePrefix",
     "fetch_chain",
     "fetch_prefix",
+    "marked_end",
     "probe",
     "probe_ends",
     "resolve",
@@ -190,14 +196,15 @@ class _Counted:
 
 
 def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], block_size: int,
-          breakpoints: Sequence[int] = ()) -> list[RemotePrefix]:
+          breakpoints: Sequence[int] = (), *, whole: bool = True) -> list[RemotePrefix]:
     """The markers the tier has for the prompt whose block hashes are ``hashes``,
     best (longest) first, then up to :data:`MAX_FALLBACKS` shorter strides to
     try when the best does not resolve; empty when it holds no prefix.
     ``breakpoints`` are the request's (token counts).  Requests: one HEAD
     when the tier holds nothing of the prompt, two for a prompt it holds
     whole, at most ``2 + log2(len(hashes) * block_size / stride)``, and at
-    most :data:`MAX_BREAKPOINT_PROBES` more."""
+    most :data:`MAX_BREAKPOINT_PROBES` more.  ``whole=False``: the marker of
+    the prompt's last block is not asked for (strides and breakpoints only)."""
     heads = tier if isinstance(tier, _Counted) else _Counted(tier)
     n_blocks = len(hashes)
     if n_blocks == 0:
@@ -217,7 +224,7 @@ def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], bloc
     # stride): a prompt the tier holds nothing of costs one HEAD.
     first = bool(strides) and marked(strides[0])
     best: RemotePrefix | None
-    if (first or not strides) and (last + 1) % stride and marked(last):
+    if whole and (first or not strides) and (last + 1) % stride and marked(last):
         best, matched = at(last), len(strides)  # the whole prompt: strides are fallbacks
     else:
         lo, hi = (1, len(strides)) if first else (0, 0)
@@ -261,6 +268,31 @@ def probe_ends(hashes: Sequence[bytes], block_size: int, breakpoints: Sequence[i
                   reverse=True)
     return [RemotePrefix(n * block_size, hashes[n - 1].hex(), hashes[n - 1].hex())
             for n in [n_blocks, *ends[:MAX_BREAKPOINT_PROBES]]]
+
+
+def marked_end(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes],
+               block_size: int) -> RemotePrefix | None:
+    """For a model whose layers keep a window: the end of the snapshot that the
+    prompt's best stride marker names (:func:`probe`, then a GET of that
+    marker), when the prompt holds that snapshot whole - its key is the
+    prompt's prefix hash at its end - for :func:`resolve_end`; None when the
+    tier marks no stride of the prompt or its snapshot goes elsewhere (a
+    marker names the first snapshot uploaded through it).  Raises
+    InvalidArgument for a marker that is not what it claims to be."""
+    gets = tier if isinstance(tier, _Counted) else _Counted(tier)
+    # (A marker at the prompt's last block names a snapshot going on past it.)
+    found = probe(gets, model, hashes, block_size, whole=False)
+    if not found:
+        return None
+    raw = gets.get(alias_key(model, found[0].prefix))
+    if raw is None:
+        return None
+    alias = parse_alias(raw, found[0].prefix)
+    n = alias.snapshot_tokens // block_size
+    if alias.snapshot_tokens % block_size or not 0 < n <= len(hashes) or \
+            hashes[n - 1].hex() != alias.snapshot:
+        return None
+    return RemotePrefix(n * block_size, alias.snapshot, alias.snapshot)
 
 
 def resolve_end(tier: SharedTier | _Counted, model: str, found: RemotePrefix,
@@ -672,10 +704,26 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     # A windowed snapshot restores only at its end: ask for the manifests that
     # end where the prompt could use one, not for markers inside snapshots.
     windowed = bool(identity.window_blocks)
-    found_list = (probe_ends(hashes, bs, breakpoints) if windowed
-                  else probe(counted, model, hashes, bs, breakpoints))
+
+    def ends() -> Iterator[RemotePrefix]:
+        """The prompt's last whole block, then the stride marker's snapshot end
+        and the breakpoints, longest first (each asked only if needed)."""
+        last, *marks = probe_ends(hashes, bs, breakpoints)
+        yield last
+        try:
+            marked = marked_end(counted, model, hashes, bs)
+        except InvalidArgument as exc:
+            core.count(0, "fetch_refused")
+            result.reason = str(exc)
+            marked = None
+        if marked is not None and marked.n_tokens < last.n_tokens:
+            marks = sorted({m.n_tokens: m for m in [*marks, marked]}.values(),
+                           key=lambda m: -m.n_tokens)
+        yield from marks
+
     try:
-        for found in found_list:
+        for found in (ends() if windowed and hashes
+                      else probe(counted, model, hashes, bs, breakpoints)):
             if found.n_tokens < min_tokens:
                 break
             try:

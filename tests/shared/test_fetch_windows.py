@@ -2,10 +2,10 @@
 
 A layer that keeps a window stores it only at its snapshot's end, so such a
 snapshot restores only a prompt that reaches exactly its end.  The fetch asks
-for the manifests ending at the prompt's last whole block and at its
-breakpoints (one HEAD each while there is none), never for the markers inside
-snapshots; what it finds is local afterwards as a whole snapshot, restored at
-its end.
+for the manifests ending at the prompt's last whole block, at the end of the
+snapshot its best stride marker names (when the prompt holds it whole) and at
+its breakpoints; what it finds is local afterwards as a whole snapshot,
+restored at its end.
 """
 
 from __future__ import annotations
@@ -81,38 +81,72 @@ def test_a_snapshot_ending_at_the_prompts_last_block_is_fetched(s3_tier: Tier,
 
 
 def test_a_snapshot_ending_at_a_breakpoint_is_fetched(s3_tier: Tier, host: HostFactory) -> None:
-    uploaded(host, s3_tier)
+    """Host a uploads a longer snapshot first (the markers at 16 and 32 name
+    it: the first upload's marker stays), then :data:`TOKS`'s: a prompt that
+    goes on past :data:`TOKS` another way finds its end only by its breakpoint."""
+    a = host("a", s3_tier)
+    longer = np.concatenate([TOKS, tokens(20, seed=12)])
+    for toks in (longer, TOKS):
+        assert a.publish(IDENT, 0, toks, window_pages(IDENT, toks)).state == "ready"
+    assert len(a.upload().uploaded) == 2
     b = host("b", s3_tier)
     prompt = np.concatenate([TOKS, tokens(30, seed=6)])  # goes on past the snapshot
     # breakpoints are rounded down to a block, probed longest first: 41 -> 40
     result = b.fetch(IDENT, prompt, breakpoints=[20, 41])
-    assert (result.outcome, result.n_tokens) == ("fetched", N)
-    assert result.requests == 1 + HIT  # the prompt's end (none), then 40
+    assert (result.outcome, result.n_tokens) == ("fetched", N), result
+    # the prompt's end (none); the markers at 16, 48 (none) and 32, a GET of the one at
+    # 32 (naming the longer one); the breakpoint at 40
+    assert result.requests == 1 + 3 + 2 + HIT
     restored(b, prompt[:N])
 
 
-def test_a_miss_costs_one_head_per_place_asked(s3_tier: Tier, host: HostFactory) -> None:
-    """A prompt that goes on past the snapshot (its markers at 16 and 32 name
-    it, but its window is at 40) and has no breakpoint there: one HEAD."""
+def test_a_new_turn_fetches_the_snapshot_its_stride_marker_names(
+    s3_tier: Tier, host: HostFactory,
+) -> None:
+    """A prompt that goes on past the snapshot without a breakpoint at its end
+    (the next turn of a stored conversation): the prompt's best stride marker
+    names the snapshot, whose key is the prompt's prefix hash at its end, so
+    that end is fetched."""
+    uploaded(host, s3_tier)
+    b = host("b", s3_tier)
+    prompt = np.concatenate([TOKS, tokens(4000, seed=7)])
+    result = b.fetch(IDENT, prompt)
+    assert (result.outcome, result.n_tokens) == ("fetched", N), result
+    # the last block's manifest (none); the markers of the first stride and of
+    # a bisection of 1010 blocks' 252 strides; the best marker's GET; the fetch
+    assert result.requests == 1 + 9 + 2 + HIT, result.requests
+    restored(b, prompt[:N])
+
+
+def test_a_miss_costs_two_heads_and_one_per_breakpoint(s3_tier: Tier,
+                                                       host: HostFactory) -> None:
+    """A prompt the tier holds nothing of costs the last block's manifest HEAD
+    and the first stride's marker HEAD; one that shares part of the snapshot
+    (its markers at 16 and 32 name it) but not its end (where its window is)
+    reads the best marker too, and is a miss."""
     uploaded(host, s3_tier)
     b = host("b", s3_tier)
     assert b.shared is not None
-    prompt = np.concatenate([TOKS, tokens(4000, seed=7)])
-    # the upload marked the stride boundaries inside the snapshot: never asked for
-    hashes = prefix_hashes(prefix_seed(IDENT, None), TOKS, BLOCK)
-    assert b.shared.exists(alias_key(MODEL, hashes[32 // BLOCK - 1].hex()))
+    other = tokens(4000, seed=8)
     with s3_calls(b.shared.backend.fs) as calls:
-        result = b.fetch(IDENT, prompt)
-    assert result.outcome == "miss" and result.requests == 1
-    assert calls == {"HeadObject": 1}
-    assert b.lookup(IDENT, prompt) is None
-    # inside the snapshot (its window is not stored there): a miss
-    assert b.fetch(IDENT, TOKS[:32]).requests == 1
+        result = b.fetch(IDENT, other)
+    assert result.outcome == "miss" and result.requests == 2
+    assert calls == {"HeadObject": 2}
     # one HEAD more per breakpoint, at most MAX_BREAKPOINT_PROBES
     marks = [8, 12, 16, 20, 24, 28, 36]
-    result = b.fetch(IDENT, prompt, breakpoints=marks)
-    assert result.outcome == "miss" and result.requests == 1 + MAX_BREAKPOINT_PROBES
-    assert b.stats()["fetch_misses"] == 3 and "fetches" not in b.stats()
+    result = b.fetch(IDENT, other, breakpoints=marks)
+    assert result.outcome == "miss" and result.requests == 2 + MAX_BREAKPOINT_PROBES
+    # shares 36 tokens: the markers at 16 and 32 are the snapshot's, its end is not
+    diverging = np.concatenate([TOKS[:36], tokens(4000, seed=9)])
+    hashes = prefix_hashes(prefix_seed(IDENT, None), TOKS, BLOCK)
+    assert b.shared.exists(alias_key(MODEL, hashes[32 // BLOCK - 1].hex()))
+    result = b.fetch(IDENT, diverging)
+    assert result.outcome == "miss", result
+    assert result.requests == 1 + 9 + 2  # as for a hit above, but no fetch
+    assert b.lookup(IDENT, diverging) is None
+    # inside the snapshot (its window is not stored there): a miss
+    assert b.fetch(IDENT, TOKS[:32]).outcome == "miss"
+    assert b.stats()["fetch_misses"] == 4 and "fetches" not in b.stats()
 
 
 def test_another_window_layout_is_a_miss(s3_tier: Tier, host: HostFactory) -> None:
@@ -143,7 +177,9 @@ def test_a_manifest_with_a_parent_is_a_clean_miss(s3_tier: Tier, host: HostFacto
     b = host("b", s3_tier)
     result = b.fetch(IDENT, TOKS)
     assert result.outcome == "miss" and "has a parent" in (result.reason or "")
-    assert result.requests == 2  # the manifest's HEAD and GET: no segment
+    # the manifest's HEAD and GET; the markers of strides 16 and 32, and a GET
+    # of the one at 32 (naming that snapshot): no segment
+    assert result.requests == 2 + 2 + 2
     assert b.lookup(IDENT, TOKS) is None and b.stats()["fetch_refused"] == 1
 
 

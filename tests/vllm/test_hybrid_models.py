@@ -31,8 +31,9 @@ block below it).  All engines run in one script process
 7. *the shared tier* (moto's S3 server): host 1's store (turn 1's and turn
    2's snapshots) is uploaded, and a byte of turn 2's segment flipped in the
    tier; host 2, an engine with an empty store, answers :data:`TIER_TAIL`
-   after turn 1 and its answer (its last whole block is where turn 1's
-   snapshot ends): it fetches that snapshot and restores it, answering as
+   after turn 1 and its answer (a next turn: no snapshot ends at its last
+   whole block, the tier's stride markers name turn 1's snapshot, which it
+   holds whole): it fetches that snapshot and restores it, answering as
    plain vLLM; then turn 2, whose snapshot in the tier fails verification: a
    refused fetch, recomputed, answering as plain vLLM.
 
@@ -74,9 +75,9 @@ SYSTEM = token_prompt(400, seed=72)
 QUESTIONS = [SYSTEM + token_prompt(100 + 10 * i, seed=73 + i) for i in range(3)]
 MARKS = {"sparkcache": {"breakpoints": [len(SYSTEM)]}}
 SYSTEM_STORED = len(SYSTEM) // BLOCK_SIZE * BLOCK_SIZE  # 384: whole blocks
-#: After turn 1 and its 16 answer tokens (716), 10 more: the last whole block
-#: below the prompt's last token ends at 704, where turn 1's snapshot ends.
-TIER_TAIL = token_prompt(10, seed=80)
+#: After turn 1 and its 16 answer tokens (716), 60 more: the prompt's last
+#: whole block ends at 768, where no snapshot ends; turn 1's ends at 704.
+TIER_TAIL = token_prompt(60, seed=80)
 MAX_TOKENS = 16
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend": "uni"}
@@ -314,9 +315,10 @@ def test_a_mamba_hybrid_is_refused_at_start_naming_its_layer_types(
 def test_host2_restores_a_sliding_window_snapshot_from_the_shared_tier(
     runs: dict[str, Any],
 ) -> None:
-    """Host 2's store is empty: the snapshot ending at its prompt's last whole
-    block is fetched from the tier (its manifest, not a marker), restored at
-    its end, and the answer is plain vLLM's."""
+    """Host 2's store is empty and its prompt goes on past turn 1's snapshot
+    (a next turn): the snapshot its best stride marker names ends inside the
+    prompt, so it is fetched from the tier, restored at its end, and the
+    answer is plain vLLM's."""
     assert "error" not in runs, runs.get("error", "") + runs["_log"]
     sent, ready, error = runs["uploaded"]
     assert sent == ready >= 2 and error == "", runs["_log"]  # turn 1's and turn 2's, at least
