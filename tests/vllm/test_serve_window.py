@@ -74,8 +74,9 @@ Q2 = "bravo: what is next?"
 UNMARKED = system_prompt(12, 600)
 
 
-def prompt_tokens(user: str) -> int:
-    return len(SYSTEM) + SYSTEM_FRAME + len(user) + USER_FRAME
+def prompt_tokens(user: str, system: str = SYSTEM) -> int:
+    """The prompt's tokens, counted by hand (serve_helpers.SYSTEM_FRAME)."""
+    return len(system) + SYSTEM_FRAME + len(user) + USER_FRAME
 
 
 def tokenized(server: Server, user: str) -> int:
@@ -127,7 +128,7 @@ def start(gemma_dir: Path, store_dir: Path, log: Path, **env: str) -> Server:
     return Server(gemma_dir, store_dir, log, env=env or None, cache_blocks=CACHE_BLOCKS)
 
 
-def hybrid_kept_on(log: Path) -> None:
+def assert_hybrid_manager_on(log: Path) -> None:
     assert HMA_WARNING not in log.read_text(errors="replace"), log
 
 
@@ -183,7 +184,7 @@ def server_b(server_a: dict[str, Any], gemma_dir: Path, store_dir: Path,
 
 def test_a_breakpoint_on_a_sliding_window_model_is_a_snapshot_ending_there(
         server_a: dict[str, Any], store_dir: Path, logs: Path) -> None:
-    hybrid_kept_on(logs / "a.log")
+    assert_hybrid_manager_on(logs / "a.log")
     # The hand count is vLLM's own: the template frames the texts as counted.
     assert server_a["counted"] == {Q1: prompt_tokens(Q1), Q2: prompt_tokens(Q2)}
     first = server_a["first"]
@@ -213,7 +214,7 @@ def test_a_breakpoint_on_a_sliding_window_model_is_a_snapshot_ending_there(
 
 def test_a_restarted_server_restores_the_breakpoint_and_answers_as_computed(
         server_a: dict[str, Any], server_b: dict[str, Any], logs: Path) -> None:
-    hybrid_kept_on(logs / "b.log")
+    assert_hybrid_manager_on(logs / "b.log")
     after, row = server_b["answer"], server_b["row"]
     prompt = prompt_tokens(Q2)
     # Read from disk: vLLM's live prefix cache started empty.
@@ -230,7 +231,7 @@ def test_without_a_breakpoint_another_question_restores_nothing(
     system prompt's only snapshot (A stored it, see the first test) ends after
     A's answer to question 1, so question 2 after the same system prompt
     shares no snapshot end."""
-    assert usage(server_b["unmarked"]) == (prompt_tokens(Q2), 0, 0)
+    assert usage(server_b["unmarked"]) == (prompt_tokens(Q2, UNMARKED), 0, 0)
     row = server_b["unmarked_row"]
     assert (row.live_tokens, row.restored_tokens) == (0, 0), row
 
@@ -244,7 +245,7 @@ def test_the_restart_comparison_catches_a_corrupted_restore(
     with start(gemma_dir, store_dir, logs / "c.log", **{FAULT_ENV: "flip-restored"}) as server:
         wrong = ask(client(server), SYSTEM, Q2, max_tokens=MAX_TOKENS)
         row = new_row(store_dir, seq)
-    hybrid_kept_on(logs / "c.log")
+    assert_hybrid_manager_on(logs / "c.log")
     assert usage(wrong)[1] == whole(BOUNDARY)
     assert (row.live_tokens, row.restored_tokens) == (0, whole(BOUNDARY)), row
     assert text(wrong) != text(server_a["reference"]), text(wrong)
