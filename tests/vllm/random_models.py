@@ -43,6 +43,16 @@ KV_HEADS = 2
 INTERMEDIATE = 256
 MAX_MODEL_LEN = 2048
 
+#: A sliding-window model (``build_model(folder, "gemma3_text", **GEMMA3)``):
+#: Gemma-3's text architecture, 4 layers alternating a :data:`WINDOW`-token
+#: sliding window (layers 0 and 2) and full attention (1 and 3), head size 32.
+#: vLLM's hybrid KV cache manager gives it two KV cache groups.
+WINDOW = 64
+GEMMA3: dict[str, Any] = {
+    "hidden": 128, "heads": 4, "kv_heads": 2, "layers": 4, "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}
+
 
 def build_tokenizer(folder: Path, max_model_len: int = MAX_MODEL_LEN) -> Any:
     """Save the byte-level tokenizer (with the chat template) in ``folder``; returns it."""

@@ -5,6 +5,14 @@
 pushes another out of vLLM's live cache) on a free port, waits until vLLM's
 ``/health`` answers, and stops it (SIGINT, then SIGKILL of its process group)
 even when a test fails.  Its output goes to a log file that a failure shows.
+
+The helpers below ask it Anthropic questions and count tokens by hand.  The
+tests' tokenizer (:func:`random_models.build_tokenizer`, every model built by
+:func:`random_models.build_model` has it) is byte-level: one token per ASCII
+character, one per special token; its chat template is
+``<bos><|role|>\\n{content}<|end|>\\n ... <|assistant|>\\n``, so a test counts
+prompt positions from its texts (:data:`SYSTEM_FRAME`, :data:`USER_FRAME`),
+not with the code under test.
 """
 
 from __future__ import annotations
@@ -24,9 +32,31 @@ from typing import Any
 
 from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_CACHE_BLOCKS, apply_cpu_env
 
+from sparkcache.store import SnapshotStore
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
 START_TIMEOUT = 300.0
+#: Tokens the template puts around a system prompt up to the next message's
+#: text: <bos> <|system|> \n ... <|end|> \n <|user|> \n
+SYSTEM_FRAME = 7
+#: ... and around one user message: <|end|> \n <|assistant|> \n after it.
+USER_FRAME = 4
+
+
+def whole(n: int) -> int:
+    """The first ``n`` tokens rounded down to whole KV blocks (what a snapshot holds)."""
+    return n // BLOCK_SIZE * BLOCK_SIZE
+
+
+def system_prompt(seed: int, n: int) -> str:
+    """``n`` ASCII characters (tokens) of text, different for each seed."""
+    words = ["river", "stone", "cloud", "amber", "delta", "orbit", "maple", "quartz"]
+    out, i = [], seed
+    while sum(len(w) + 1 for w in out) < n:
+        out.append(words[(i * 7 + len(out) * 3) % len(words)] + str(i % 10))
+        i += 1
+    return " ".join(out)[:n]
 
 
 def free_port() -> int:
@@ -36,10 +66,12 @@ def free_port() -> int:
 
 
 class Server:
-    """One ``sparkcache serve`` process (a context manager)."""
+    """One ``sparkcache serve`` process (a context manager); ``cache_blocks`` is
+    vLLM's ``--num-gpu-blocks-override``, ``extra`` more vLLM options."""
 
     def __init__(self, model_dir: Path, folder: Path, log: Path, *extra: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 cache_blocks: int = SMALL_CACHE_BLOCKS) -> None:
         self.port = free_port()
         self.folder = folder
         self.log_path = log
@@ -49,7 +81,7 @@ class Server:
             "--folder", str(folder), "--port", str(self.port),
             "--served-model-name", MODEL_NAME, "--dtype", "float32",
             "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-            "--num-gpu-blocks-override", str(SMALL_CACHE_BLOCKS), "--max-num-seqs", "8",
+            "--num-gpu-blocks-override", str(cache_blocks), "--max-num-seqs", "8",
             "--seed", "0", *extra,
         ]
         self.env = apply_cpu_env({**os.environ, **(env or {})})
@@ -113,3 +145,31 @@ class Server:
                 return answer.status, json.loads(answer.read())
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read() or b"null")
+
+
+def ask(client: Any, system: str, user: str, *, ttl: str | None = None,
+        max_tokens: int = 8) -> Any:
+    mark: dict[str, str] = {"type": "ephemeral"}
+    if ttl:
+        mark["ttl"] = ttl
+    return client.messages.create(
+        model=MODEL_NAME, max_tokens=max_tokens, extra_body={"temperature": 0},
+        system=[{"type": "text", "text": system, "cache_control": mark}],
+        messages=[{"role": "user", "content": user}])
+
+
+def usage(message: Any) -> tuple[int, int, int]:
+    u = message.usage
+    return u.input_tokens, u.cache_read_input_tokens, u.cache_creation_input_tokens
+
+
+def log_rows(folder: Path, until: Any = None, timeout: float = 10.0) -> list[Any]:
+    """The request log, newest first; with ``until``, polled until it holds for
+    the rows (the server writes its part just after the answer is sent)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with SnapshotStore(folder) as store:
+            rows = store.requests(limit=1000)
+        if until is None or until(rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)

@@ -46,19 +46,13 @@ from typing import Any
 
 import pytest
 from conftest import CHUNK
-from random_models import build_model
+from random_models import GEMMA3, build_model
 from tiny_model import BLOCK_SIZE, MISSING, NEEDS_VLLM, run_engine_script, same_answer, token_prompt
 
 from tests.s3server import s3_server, stop_s3_servers
 
 pytestmark = NEEDS_VLLM
 
-#: The sliding-window model: Gemma-3's text architecture, head size 32.
-WINDOW = 64
-GEMMA3: dict[str, Any] = {
-    "hidden": 128, "heads": 4, "kv_heads": 2, "layers": 4, "sliding_window": WINDOW,
-    "layer_types": ["sliding_attention", "full_attention"] * 2,
-}
 #: A window of 64 tokens reaches 63 back: 2 blocks of 32 below a block boundary.
 WINDOW_BLOCKS = 2
 #: A Granite-4 hybrid (granitemoehybrid): a Mamba-2 layer and an attention layer.

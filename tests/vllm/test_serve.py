@@ -10,23 +10,30 @@ started on the same store (a restart) reads a breakpoint's prefix from disk
 and answers as the first one did; and the page, in a real headless Chromium,
 clears the model's snapshots and their files.
 
-The tiny model's tokenizer is byte-level (one token per ASCII character, one
-per special token) and its chat template is
-``<bos><|role|>\\n{content}<|end|>\\n ... <|assistant|>\\n``: so the token
-positions below are counted by hand from the texts, not by the code under test.
+The token positions below are counted by hand from the texts, not by the code
+under test (:data:`serve_helpers.SYSTEM_FRAME`).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_helpers import MODEL_NAME, Server
-from tiny_model import BLOCK_SIZE, NEEDS_VLLM
+from serve_helpers import (
+    MODEL_NAME,
+    SYSTEM_FRAME,
+    USER_FRAME,
+    Server,
+    ask,
+    log_rows,
+    system_prompt,
+    usage,
+    whole,
+)
+from tiny_model import NEEDS_VLLM
 
 from sparkcache.store import SnapshotStore
 from tests.browser import Browser, find_chromium, skip_reason
@@ -37,27 +44,6 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Tokens the template puts around a system prompt up to the next message's
-#: text: <bos> <|system|> \n ... <|end|> \n <|user|> \n
-SYSTEM_FRAME = 7
-#: ... and around one user message: <|end|> \n <|assistant|> \n after it.
-USER_FRAME = 4
-
-
-def whole(n: int) -> int:
-    return n // BLOCK_SIZE * BLOCK_SIZE
-
-
-def system_prompt(seed: int, n: int) -> str:
-    """``n`` ASCII characters (tokens) of text, different for each seed."""
-    words = ["river", "stone", "cloud", "amber", "delta", "orbit", "maple", "quartz"]
-    out, i = [], seed
-    while sum(len(w) + 1 for w in out) < n:
-        out.append(words[(i * 7 + len(out) * 3) % len(words)] + str(i % 10))
-        i += 1
-    return " ".join(out)[:n]
-
-
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("serve-store")
@@ -74,34 +60,6 @@ def served(tiny_model_dir: Path, store_dir: Path,
 def clients(server: Server) -> tuple[Any, Any]:
     return (anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0),
             openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0))
-
-
-def ask(client: Any, system: str, user: str, *, ttl: str | None = None,
-        max_tokens: int = 8) -> Any:
-    mark: dict[str, str] = {"type": "ephemeral"}
-    if ttl:
-        mark["ttl"] = ttl
-    return client.messages.create(
-        model=MODEL_NAME, max_tokens=max_tokens, extra_body={"temperature": 0},
-        system=[{"type": "text", "text": system, "cache_control": mark}],
-        messages=[{"role": "user", "content": user}])
-
-
-def usage(message: Any) -> tuple[int, int, int]:
-    u = message.usage
-    return u.input_tokens, u.cache_read_input_tokens, u.cache_creation_input_tokens
-
-
-def log_rows(folder: Path, until: Any = None, timeout: float = 10.0) -> list[Any]:
-    """The request log, newest first; with ``until``, polled until it holds for
-    the rows (the server writes its part just after the answer is sent)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with SnapshotStore(folder) as store:
-            rows = store.requests(limit=1000)
-        if until is None or until(rows) or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.05)
 
 
 def test_bad_cache_control_is_a_400_that_says_what_is_wrong(served: Server) -> None:
