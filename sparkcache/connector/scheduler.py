@@ -153,6 +153,9 @@ class _ReqState:
     hashes: list[bytes] = field(default_factory=list)  # of tokens [0, len * block_size)
     waited: bool = False
     marks: list[int] = field(default_factory=list)  # breakpoints not published yet
+    #: A windowed model's own save point, the prompt's last whole block (where
+    #: the same prompt sent again restores): a mark that is no breakpoint.
+    prompt_end: int | None = None
     mid_saves: int = 0  # breakpoint saves planned while the request ran
     # -- what the request log and the usage report (wall-clock times) --
     local: int | None = None  # vLLM's own prefix hit at the last admission
@@ -283,8 +286,13 @@ class SchedulerSide:
             state = _ReqState(scope, prefix_seed(self.identity, scope), request, params)
             if self.publish:
                 floor = max(self.min_tokens, self.bs)
-                state.marks = sorted(m for m in set(params.breakpoints)
-                                     if m // self.bs * self.bs >= floor)
+                marks = set(params.breakpoints)
+                if self.windowed and request.prompt_token_ids is not None:
+                    # Elsewhere the finished request's snapshot holds it (an
+                    # alias); a window is stored at a snapshot's end only.
+                    state.prompt_end = (int(request.num_prompt_tokens) - 1) // self.bs * self.bs
+                    marks.add(state.prompt_end)
+                state.marks = sorted(m for m in marks if m // self.bs * self.bs >= floor)
             self._reqs[request.request_id] = state
         return state
 
@@ -549,14 +557,15 @@ class SchedulerSide:
             return
         state.marks = [m for m in state.marks if m > done]
         # One snapshot up to the last breakpoint reached, the others its aliases;
-        # with a window, which is stored at a snapshot's end only, one each.
+        # with a window, which is stored at a snapshot's end only, one each
+        # (and one at the prompt's last whole block, which no request asked for).
         ends = sorted({m // self.bs * self.bs for m in reached}) if self.windowed \
             else [reached[-1] // self.bs * self.bs]
+        asked = set(state.params.breakpoints)
         for n in ends:
-            marks = tuple(m for m in reached if m // self.bs * self.bs <= n)
-            keep = max((state.params.keep.get(m, 0.0) for m in marks
-                        if not self.windowed or m // self.bs * self.bs == n),
-                       default=0.0) or None
+            marks = tuple(m for m in reached if m // self.bs * self.bs <= n and m in asked)
+            here = [m for m in marks if m // self.bs * self.bs == n] if self.windowed else marks
+            keep = max((state.params.keep.get(m, 0.0) for m in here), default=0.0) or None
             try:
                 job, known = self._save_job(request, n, block_ids_of(req_id), marks,
                                             mid_request=True, keep=keep)
@@ -566,9 +575,12 @@ class SchedulerSide:
             if job is not None:
                 self._saves.append(job)
                 state.mid_saves += 1
+                if not here:  # the prompt's end alone: no breakpoint wrote it
+                    self.counters.add("prompt_saves_planned")
+                    continue
                 state.new_prefixes.append((n, 0 if known is None else known.n_tokens))
                 self.counters.add("breakpoint_saves_planned")
-            elif known is not None and known.n_tokens == n:
+            elif known is not None and known.n_tokens == n and here:
                 state.new_prefixes.append((n, n))
                 if keep is not None:
                     self._keep(known.snapshot_id, keep)

@@ -231,24 +231,32 @@ def test_breakpoints_reached_in_one_step_are_saved_one_snapshot_each(
 ) -> None:
     """A window is stored at a snapshot's end only, so two breakpoints reached
     in one step (e.g. a whole prompt prefilled at once) are two snapshots -
-    where one model without windows makes one snapshot and an alias."""
+    where one model without windows makes one snapshot and an alias - and so
+    is the prompt's last whole block, where the same prompt sent again
+    restores (no breakpoint: nothing of it is reported written)."""
     store, sched, io, _pages, _counters = grouped
     marks = {"sparkcache": {"breakpoints": [40, {"at": 70, "ttl": 60}]}}
     req = Req("f", prompt(100, 7), kv_transfer_params=marks)
     assert sched.matched_tokens(req, 0) == (0, False)
     jobs = step(sched, req, 100, [_sliding(7, [10, 11, 12, 13, 14, 15, 16]),  # type: ignore[arg-type]
                                   list(range(1, 8))])
-    assert [j.token_ids.size for j in jobs] == [32, 64]
-    assert [j.group_blocks[0] for j in jobs] == [(0, (10, 11)), (2, (12, 13))]
-    assert [j.breakpoints for j in jobs] == [(40,), (40, 70)]
-    assert [j.keep for j in jobs] == [None, 60.0]
+    assert [j.token_ids.size for j in jobs] == [32, 64, 96]
+    assert [j.group_blocks[0] for j in jobs] == [(0, (10, 11)), (2, (12, 13)), (4, (14, 15))]
+    assert [j.breakpoints for j in jobs] == [(40,), (40, 70), (40, 70)]
+    assert [j.keep for j in jobs] == [None, 60.0, None]
     assert all(j.copy_in_step == (0,) for j in jobs)
     for job in jobs:
         io.submit_save(job)
     assert io.flush()
-    assert sorted(s.n_tokens for s in store.snapshots() if s.state == "ready") == [32, 64]
+    assert sorted(s.n_tokens for s in store.snapshots() if s.state == "ready") == [32, 64, 96]
     other = Req("g", req.prompt_token_ids[:50] + prompt(40, 8))
     assert sched.matched_tokens(other, 0) == (32, True)
+    again = Req("h", list(req.prompt_token_ids))  # the same prompt: 96 of its 99
+    assert sched.matched_tokens(again, 0) == (96, True)
+    req.num_computed_tokens = 100
+    _held, params = sched.finished(req, [_sliding(7, [10, 11, 12, 13, 14, 15, 16]),
+                                         list(range(1, 8))])
+    assert params is not None and params["sparkcache"]["written_tokens"] == 64
 
 
 def test_a_windowed_lookup_offers_the_longest_snapshot_end(grouped: Setup) -> None:

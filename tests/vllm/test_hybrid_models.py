@@ -32,9 +32,9 @@ block below it).  All engines run in one script process
    2's snapshots) is uploaded, and a byte of turn 2's segment flipped in the
    tier; host 2, an engine with an empty store, answers :data:`TIER_TAIL`
    after turn 1 and its answer (a next turn: no snapshot ends at its last
-   whole block, the tier's stride markers name turn 1's snapshot, which it
-   holds whole): it fetches that snapshot and restores it, answering as
-   plain vLLM; then turn 2, whose snapshot in the tier fails verification: a
+   whole block, the tier's stride markers name turn 1's prompt's snapshot,
+   which it holds whole): it fetches that snapshot and restores it,
+   answering as plain vLLM; then turn 2, whose snapshot in the tier fails verification: a
    refused fetch, recomputed, answering as plain vLLM.
 
 No engine may log vLLM's "Turning off hybrid kv cache manager".
@@ -72,6 +72,9 @@ SYSTEM_STORED = len(SYSTEM) // BLOCK_SIZE * BLOCK_SIZE  # 384: whole blocks
 #: After turn 1 and its 16 answer tokens (716), 60 more: the prompt's last
 #: whole block ends at 768, where no snapshot ends; turn 1's ends at 704.
 TIER_TAIL = token_prompt(60, seed=80)
+#: Turn 1's last whole block: a sliding-window model's request saves its
+#: prompt there too (the same prompt sent again restores it).
+TURN1_PROMPT_END = (len(TURN1) - 1) // BLOCK_SIZE * BLOCK_SIZE
 MAX_TOKENS = 16
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINE = {**CHUNK, "num_gpu_blocks_override": 96, "distributed_executor_backend": "uni"}
@@ -119,20 +122,20 @@ try:
         rec["plain_tier"] = gen(llm, store, tier_prompt)
     with engine() as llm:
         rec["publish"] = gen(llm, store, turn1)
-        settle(llm, store, 1)
+        settle(llm, store, 2)  # its prompt's last whole block, and prompt and answer
         snaps = ready(store)
         rec["published"] = [[s.id, s.n_tokens, s.nbytes, s.model_id] for s in snaps]
         ident = model_identity(store.core, snaps[0].model_id)
         rec["identity"] = {"extra": dict(ident.extra), "page_nbytes": ident.page_nbytes,
                            "window_blocks": list(ident.window_blocks)}
         rec["q0"] = gen(llm, store, args["questions"][0], args["marks"])
-        settle(llm, store, 3)
+        settle(llm, store, 5)  # the breakpoint, the prompt, prompt and answer
     rec["system"] = sorted(s.n_tokens for s in ready(store))
     with engine() as llm:
         rec["restore"] = gen(llm, store, turn2)
-        settle(llm, store, 4)
+        settle(llm, store, 6)  # (prompt and answer end in the prompt's last block)
         rec["q1"] = gen(llm, store, args["questions"][1], args["marks"])
-        settle(llm, store, 5)
+        settle(llm, store, 8)
     # Host 1 uploads turn 1's and turn 2's snapshots; turn 2's is then damaged
     # in the tier (a byte of its rows flipped).
     tier = args["tier"]
@@ -157,9 +160,9 @@ try:
         rec["tier_flipped"] = gen(llm, host2, turn2)
     with engine(fault="flip-restored") as llm:
         rec["fault"] = gen(llm, store, turn2)
-        settle(llm, store, 5)
+        settle(llm, store, 8)
         rec["q2"] = gen(llm, store, args["questions"][2], args["marks"])
-        settle(llm, store, 5)
+        settle(llm, store, 9)
     # A byte of the longest snapshot's payload flipped on disk (layer 0: sliding).
     newest = max(ready(store), key=lambda s: s.n_tokens)
     (path,) = Path(args["folder"]).rglob(f"objects/*/*/{newest.snap_key}-*.safetensors")
@@ -167,6 +170,7 @@ try:
     data[8 + struct.unpack_from("<Q", data)[0] + 100] ^= 0xFF
     path.write_bytes(bytes(data))
     with engine() as llm:
+        rec["again"] = gen(llm, store, turn1)  # the same prompt, in a new engine
         rec["corrupt"] = gen(llm, store, turn2)
         settle(llm, store, 1)
     with engine(disable_hybrid_kv_cache_manager=True) as llm:
@@ -223,7 +227,9 @@ def test_sliding_window_model_restores_every_group_with_the_hybrid_manager_on(
     assert len(set(plain["tokens"])) > 1, "a degenerate model: the same token throughout"
     # Turn 1 with sparkcache answers as plain vLLM and is published whole.
     assert same_answer(ref, runs["plain1"]) == ""
-    ((_sid, n_tokens, nbytes, _model),) = runs["published"]
+    # (and its prompt's last whole block, where the same prompt sent again restores)
+    (_, prompt_end, _, _), (_sid, n_tokens, nbytes, _model) = runs["published"]
+    assert prompt_end == TURN1_PROMPT_END
     assert n_tokens == (len(TURN1) + MAX_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE == 704
     ident = runs["identity"]
     assert ident["window_blocks"] == [WINDOW_BLOCKS, 0, WINDOW_BLOCKS, 0]
@@ -268,6 +274,18 @@ def test_a_system_prompts_breakpoint_is_saved_mid_request_and_restored(
     bad = runs["q2"]
     assert _external(bad) == SYSTEM_STORED and bad["stats"]["hits"] == 1
     assert same_answer(bad, runs["plain_q2"]) != ""
+
+
+def test_the_same_prompt_sent_again_restores_its_own_snapshot(runs: dict[str, Any]) -> None:
+    """A window is stored at a snapshot's end only, and turn 1's answer goes
+    past its prompt: the request also saved its prompt's last whole block,
+    which the same prompt sent to a new engine restores (vLLM computes the
+    rest of the last block)."""
+    assert "error" not in runs, runs.get("error", "") + runs["_log"]
+    out = runs["again"]
+    assert _external(out) == TURN1_PROMPT_END, runs["_log"]
+    assert out["metrics"].get("vllm:sparkcache_load_failures", 0) == 0
+    assert same_answer(out, runs["plain1"]) == ""
 
 
 def test_a_corrupt_window_is_recomputed_as_a_failed_request(runs: dict[str, Any]) -> None:
@@ -316,9 +334,11 @@ def test_host2_restores_a_sliding_window_snapshot_from_the_shared_tier(
     assert "error" not in runs, runs.get("error", "") + runs["_log"]
     sent, ready, error = runs["uploaded"]
     assert sent == ready >= 2 and error == "", runs["_log"]  # turn 1's and turn 2's, at least
-    n_tokens = runs["published"][0][1]  # turn 1's snapshot
+    # The tier's stride markers name the first snapshot uploaded through them:
+    # turn 1's prompt's (published in the request, before prompt and answer).
+    n_tokens = TURN1_PROMPT_END
     out = runs["tier"]
-    assert out["cached"] >= n_tokens == 704, runs["_log"]
+    assert out["cached"] >= n_tokens, runs["_log"]
     assert _external(out) == n_tokens
     assert out["metrics"].get("vllm:sparkcache_remote_hits") == 1, sorted(out["metrics"])
     assert out["metrics"].get("vllm:sparkcache_remote_hit_tokens") == n_tokens

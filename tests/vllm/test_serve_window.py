@@ -16,11 +16,13 @@ end.  Three server processes share one store, one after the other:
    empty), answers question 2 under the marked system prompt: it reads the
    breakpoint's blocks, restored from disk (the request log's
    ``restored_tokens``), and answers as A computed it.  Question 2 after the
-   unmarked system prompt restores nothing: A's snapshot of it ends after
-   A's answer, and a sliding-window snapshot restores only at its end.
+   unmarked system prompt restores nothing: A's snapshots of it end in
+   question 1 and after A's answer, and a sliding-window snapshot restores
+   only at its end.
 3. *C*, with restored pages scrambled after verification
-   (``SPARKCACHE_TEST_FAULT=flip-restored``), restores the same snapshot for
-   question 2 and must answer differently: the comparison in 2 can fail.
+   (``SPARKCACHE_TEST_FAULT=flip-restored``), answers question 2 again,
+   restoring the snapshot of its prompt that B saved, and must answer
+   differently: the comparison in 2 can fail.
 
 The tokenizer and chat template are the tests' own (see serve_helpers): the
 token counts are by hand, and checked against vLLM's ``/tokenize``.
@@ -68,7 +70,8 @@ BOUNDARY = len(SYSTEM) + SYSTEM_FRAME
 Q1 = "alpha: what is the plan?"
 #: 20 characters: question 2's prompt (631 tokens) and its answer end past the
 #: next block boundary, so the snapshot B saves when it finishes (640 tokens)
-#: is not a prefix of that prompt, and C restores the breakpoint as B did.
+#: is not a prefix of that prompt; B also saves the prompt's last whole block
+#: (608 tokens: a sliding-window request saves its prompt), which C restores.
 Q2 = "bravo: what is next?"
 #: Another system prompt, never marked.
 UNMARKED = system_prompt(12, 600)
@@ -193,12 +196,14 @@ def test_a_breakpoint_on_a_sliding_window_model_is_a_snapshot_ending_there(
     row = server_a["first_row"]
     assert (row.prompt_tokens, row.live_tokens, row.restored_tokens, row.written_tokens,
             row.breakpoints) == (prompt, 0, 0, whole(BOUNDARY), (BOUNDARY,)), row
-    # One snapshot per answer (prompt and answer, whole blocks: 640 tokens
-    # each) and the breakpoint's own, ending there.
+    # Two snapshots per answer (its prompt's last whole block, 608 tokens, and
+    # prompt and answer, 640) and the breakpoint's own, ending there.
     answered = whole(prompt_tokens(Q1) + MAX_TOKENS - 1)
     assert whole(prompt_tokens(Q2) + MAX_TOKENS - 1) == answered == 640
+    prompt_ends = whole(prompt_tokens(Q1) - 1)
+    assert whole(prompt_tokens(Q2) - 1) == prompt_ends == 608
     assert whole(BOUNDARY) == 576
-    assert server_a["ends"] == [whole(BOUNDARY), answered, answered, answered]
+    assert server_a["ends"] == [whole(BOUNDARY), *[prompt_ends] * 3, *[answered] * 3]
     with SnapshotStore(store_dir) as store:
         identity = model_identity(store.core, store.snapshots()[0].model_id)
     # The server ran the model with its sliding-window group: each sliding
@@ -228,9 +233,9 @@ def test_a_restarted_server_restores_the_breakpoint_and_answers_as_computed(
 def test_without_a_breakpoint_another_question_restores_nothing(
         server_b: dict[str, Any]) -> None:
     """A sliding-window snapshot restores only at its end: the unmarked
-    system prompt's only snapshot (A stored it, see the first test) ends after
-    A's answer to question 1, so question 2 after the same system prompt
-    shares no snapshot end."""
+    system prompt's snapshots (A stored them, see the first test) end in
+    question 1 and after A's answer to it, so question 2 after the same
+    system prompt shares no snapshot end."""
     assert usage(server_b["unmarked"]) == (prompt_tokens(Q2, UNMARKED), 0, 0)
     row = server_b["unmarked_row"]
     assert (row.live_tokens, row.restored_tokens) == (0, 0), row
@@ -239,13 +244,15 @@ def test_without_a_breakpoint_another_question_restores_nothing(
 def test_the_restart_comparison_catches_a_corrupted_restore(
         server_a: dict[str, Any], server_b: dict[str, Any], gemma_dir: Path,
         store_dir: Path, logs: Path) -> None:
-    """The negative control: the same restore, its pages scrambled after
-    verification (a test-only fault), answers question 2 differently."""
+    """The negative control: question 2 again, restoring what B stored of its
+    prompt, its pages scrambled after verification (a test-only fault),
+    answers differently."""
     seq = last_seq(store_dir)
     with start(gemma_dir, store_dir, logs / "c.log", **{FAULT_ENV: "flip-restored"}) as server:
         wrong = ask(client(server), SYSTEM, Q2, max_tokens=MAX_TOKENS)
         row = new_row(store_dir, seq)
     assert_hybrid_manager_on(logs / "c.log")
-    assert usage(wrong)[1] == whole(BOUNDARY)
-    assert (row.live_tokens, row.restored_tokens) == (0, whole(BOUNDARY)), row
+    stored = whole(prompt_tokens(Q2) - 1)
+    assert usage(wrong)[1] == stored
+    assert (row.live_tokens, row.restored_tokens) == (0, stored), row
     assert text(wrong) != text(server_a["reference"]), text(wrong)
