@@ -37,7 +37,10 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
   blocks as the request moves past them - on the next step, to be written by
   the next forward - so a breakpoint save's window blocks are copied before
   the step that reached the breakpoint ends (``SaveJob.copy_in_step``); the
-  full-attention blocks are held by the request and copied afterwards.
+  full-attention blocks are held by the request and copied afterwards.  The
+  prompt's last whole block is saved the same way (``prompt_end``), where
+  the same prompt sent again restores (no breakpoint: nothing reported
+  written).
 """
 
 from __future__ import annotations
