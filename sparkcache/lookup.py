@@ -79,7 +79,7 @@ def lookup(
         unrestorable = False
         for blocks, query in passes:
             found = _find(conn, model_id, hashes, blocks, bs, query)
-            if whole_first:  # at the same length, a snapshot that ends there first
+            if whole_first and not ends_only:  # at the same length, one ending there first
                 ends = {sid: info.n_tokens for sid, _ in found
                         if (info := core.snapshot(conn, sid)) is not None}
                 found.sort(key=lambda c: (-c[1], ends.get(c[0]) != c[1], -c[0]))

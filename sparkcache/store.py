@@ -534,10 +534,11 @@ class SnapshotStore:
         ids, key) before it is published here through :meth:`publish`'s path
         (this store's retention applies).  ``breakpoints`` (the request's token
         positions) are probed too.  For a sliding-window identity only the
-        manifests of snapshots ending at the prompt's last whole block or at a
-        breakpoint are asked for (a window is stored at its snapshot's end
-        only).  Returns a :class:`FetchResult`: a miss, a
-        prefix fetched or already local, or ``refused`` (an object failed
+        manifests of snapshots ending inside the prompt are asked for - at its
+        last whole block, at the end its best stride marker names, at a
+        breakpoint - (a window is stored at its snapshot's end only).  Returns
+        a :class:`FetchResult`: a miss, a prefix fetched or already local, or
+        ``refused`` (an object failed
         verification: nothing of it is published).  Raises a SparkCacheError
         when the tier is unreachable or refuses access.  Needs ``shared``.
         """

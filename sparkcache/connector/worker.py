@@ -331,10 +331,7 @@ class WorkerIO:
         blocks from its group's first needed block (a sliding window: only the
         window below the match's end), straight into the cache on CPU, else
         through each group's staging slots, uploaded while the read goes on."""
-        groups = self.groups
-        if groups is None or len(job.group_blocks) != len(groups.pages):
-            raise SparkCacheError("a load planned for other KV cache groups than this "
-                                  "worker's")
+        groups = self._groups_of(job)
         for first, ids in job.group_blocks:
             if not ids or 0 in ids or first * self.bs >= job.n_tokens:
                 raise SparkCacheError(f"no blocks to restore in a group (first {first}, "
@@ -367,6 +364,15 @@ class WorkerIO:
         if self.fault == "flip-restored":
             for p, (_f, ids) in zip(groups.pages, job.group_blocks, strict=True):
                 p.scatter(ids, self._scramble(p.gather(ids)))
+
+    def _groups_of(self, job: LoadJob | SaveJob) -> LayerGroups:
+        """This worker's KV cache groups, which the job's per-group blocks must match."""
+        groups = self.groups
+        if groups is None or len(job.group_blocks) != len(groups.pages):
+            kind = "load" if isinstance(job, LoadJob) else "save"
+            raise SparkCacheError(f"a {kind} planned for other KV cache groups than this "
+                                  "worker's")
+        return groups
 
     def _nbytes(self, job: LoadJob | SaveJob) -> int:
         """The KV bytes a job moves: every layer's blocks, or with several KV
@@ -445,9 +451,7 @@ class WorkerIO:
         another request on the next step), by group index."""
         if not job.copy_in_step:
             return {}
-        groups = self.groups
-        if groups is None or len(job.group_blocks) != len(groups.pages):
-            raise SparkCacheError("a save planned for other KV cache groups than this worker's")
+        groups = self._groups_of(job)
         started = time.perf_counter()
         early = {g: groups.pages[g].gather(job.group_blocks[g][1], after=fence)
                  for g in job.copy_in_step}
@@ -545,9 +549,7 @@ class WorkerIO:
         """Copies of a save's blocks with several KV cache groups: one array per
         layer of the identity, each from its group's blocks (a window: fewer);
         ``early``: the groups copied in the step already."""
-        groups = self.groups
-        if groups is None or len(job.group_blocks) != len(groups.pages):
-            raise SparkCacheError("a save planned for other KV cache groups than this worker's")
+        groups = self._groups_of(job)
         copied = [early[g] if g in early else p.gather(ids, after=fence)
                   for g, (p, (_f, ids)) in enumerate(zip(groups.pages, job.group_blocks,
                                                          strict=True))]

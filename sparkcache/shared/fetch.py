@@ -689,8 +689,9 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     (see the module doc); then :func:`sparkcache.lookup.lookup` finds it.
 
     ``min_tokens``: a marker for fewer tokens is not worth a fetch (a miss).
-    For a windowed identity only a snapshot ending at the prompt's last whole
-    block or at one of ``breakpoints`` is fetched (:func:`probe_ends`).
+    For a windowed identity only a snapshot ending inside the prompt is
+    fetched: at its last whole block, at the end its best stride marker names,
+    or at one of ``breakpoints`` (:func:`probe_ends`, :func:`marked_end`).
     Raises SparkCacheError when the tier or the index fails.
     """
     started = time.perf_counter()
