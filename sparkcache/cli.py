@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="show the newest N requests (default 50)")
     sub["log"].add_argument("--follow", action="store_true",
                             help="then print new requests as they are logged (every 0.5 s) "
-                                 "until Ctrl-C; with --json, one JSON object per line "
+                                 "until Ctrl-C or SIGTERM; with --json, one JSON object per line "
                                  "throughout")
     for name in ("show", "pin", "unpin"):
         sub[name].add_argument("id", type=_ids, help="snapshot id (see `sparkcache ls`)")

@@ -10,11 +10,14 @@ printed: :func:`sparkcache.cli.main` reports them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import math
+import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from sparkcache import admin
@@ -205,17 +208,49 @@ def cmd_log(ctx: Context) -> int:
             return EXIT_OK
         last = rows[-1].seq if rows else 0
         try:
-            while True:
-                time.sleep(FOLLOW_INTERVAL)
-                while True:
-                    rows = admin.request_log(store, model=a.model, limit=FOLLOW_BATCH,
-                                             after=last)
-                    out.print(rows)
-                    last = rows[-1].seq if rows else last
-                    if len(rows) < FOLLOW_BATCH:
-                        break
-        except KeyboardInterrupt:  # how a follow ends
+            with _stopped_by_sigterm():
+                _follow(ctx, store, out, last)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: how a follow ends
             return EXIT_OK
+    return EXIT_OK
+
+
+class _Stop(KeyboardInterrupt):
+    """SIGTERM during ``log --follow``: ends it as Ctrl-C does."""
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`_Stop` inside the block (main thread only).
+
+    SIGINT needs no handler: Python raises KeyboardInterrupt for it, unless
+    the process started with SIGINT ignored (a background job of a
+    non-interactive shell inherits that), which is then kept, as every
+    program keeps it; SIGTERM still ends the follow with status 0."""
+    def stop(signum: int, frame: object) -> None:
+        raise _Stop
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signals reach the main thread only)
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _follow(ctx: Context, store: admin.SnapshotStore, out: _LogTable, last: int) -> None:
+    """Print the requests logged after ``last``, every FOLLOW_INTERVAL, forever."""
+    a = ctx.args
+    while True:
+        time.sleep(FOLLOW_INTERVAL)
+        while True:
+            rows = admin.request_log(store, model=a.model, limit=FOLLOW_BATCH, after=last)
+            out.print(rows)
+            last = rows[-1].seq if rows else last
+            if len(rows) < FOLLOW_BATCH:
+                break
 
 
 def cmd_verify(ctx: Context) -> int:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -424,14 +424,26 @@ def test_log_follow_reads_every_row_of_a_burst(run: Run, folder: Path,
     assert len(ticks.slept) == 2  # all five in one look
 
 
-def test_log_follow_as_a_real_process(folder: Path) -> None:
+def _sigint(disposition: Any) -> Callable[[], None]:
+    """A ``preexec_fn`` starting the child with SIGINT at ``disposition``."""
+    return lambda: signal.signal(signal.SIGINT, disposition) and None
+
+
+@pytest.mark.parametrize(("sigint", "stop"), [
+    (signal.SIG_DFL, signal.SIGINT),  # a terminal's Ctrl-C
+    # A background job of a non-interactive shell starts with SIGINT ignored
+    # and keeps ignoring it (as every program does): SIGTERM ends it.
+    (signal.SIG_IGN, signal.SIGTERM),
+], ids=["sigint", "sigterm-with-sigint-ignored"])
+def test_log_follow_as_a_real_process(folder: Path, sigint: Any, stop: int) -> None:
     """``sparkcache log --follow`` in its own process sees what another process
-    logs, and a SIGINT (Ctrl-C) ends it with exit status 0."""
+    logs, and a SIGINT (Ctrl-C) or a SIGTERM ends it with exit status 0."""
     log(folder, "a")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparkcache", "--folder", str(folder), "log", "--follow",
-         "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+         "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=_sigint(sigint))
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout],
@@ -442,7 +454,7 @@ def test_log_follow_as_a_real_process(folder: Path) -> None:
         log(folder, "b", prompt_tokens=7)
         row = json.loads(lines.get(timeout=30))
         assert (row["request_id"], row["prompt_tokens"]) == ("b", 7)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
