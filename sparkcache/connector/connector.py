@@ -43,9 +43,11 @@ from typing import Any
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.layout import (
+    check_isa,
     check_tensors,
     kv_groups,
     layer_order,
+    lone_token_differs,
     model_identity,
     rank_of,
 )
@@ -259,6 +261,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             self.store, self.identity, self.counters,
             restore=self.settings.restore, publish=self.settings.publish,
             load_async=self.settings.load_async, tail_block=self.settings.tail_block,
+            compute_tokens=self.settings.compute_tokens or (2 if lone_token_differs() else 1),
             min_tokens=self.retention.settings.min_tokens if min_tokens is None else min_tokens,
             on_facts=None if self.log_writer is None else self.log_writer.put,
             group_windows=self.group_windows,
@@ -475,6 +478,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             else:
                 pages = self._pages(kv_caches)
                 check_tensors(self.identity, pages.tensors)
+            check_isa(self.identity, self._attention_layers(kv_caches))
             rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
                            parallel.get_pipeline_model_parallel_rank())
         except SparkCacheError as exc:
@@ -504,6 +508,15 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             logger.info("sparkcache worker rank %d: %d layers of %d blocks, %d-byte pages %s "
                         "on %s", rank, len(pages), pages.num_blocks, pages.page_nbytes,
                         self.identity.page_shape, pages.where)
+
+    def _attention_layers(self, kv_caches: dict[str, Any]) -> list[Any]:
+        """vLLM's attention layers of these KV caches (its forward context)."""
+        context = self._vllm_config.compilation_config.static_forward_context
+        layers = [context[name] for name in kv_caches if name in context]
+        if len(layers) != len(kv_caches):
+            raise InvalidArgument(f"vLLM's forward context holds {len(layers)} of the "
+                                  f"{len(kv_caches)} layers with a KV cache")
+        return layers
 
     def _pages(self, kv_caches: dict[str, Any], groups: int = 1) -> KVPages:
         """The page mover of these layers; several groups share ``staging_mb``."""

@@ -35,8 +35,9 @@ from sparkcache.identity import (
 )
 
 __all__ = [
-    "KVGroup", "check_tensors", "config_fingerprint", "hub_revision", "kv_groups",
-    "layer_order", "model_identity", "rank_of", "weights_fingerprint",
+    "CPU_ATTN_KEY", "KVGroup", "check_isa", "check_tensors", "config_fingerprint",
+    "cpu_attn_isa", "hub_revision", "kv_groups", "layer_order", "lone_token_differs",
+    "model_identity", "rank_of", "weights_fingerprint",
 ]
 
 logger = logging.getLogger("vllm.sparkcache")
@@ -231,6 +232,56 @@ def page_shape_of(spec: Any) -> tuple[int, ...]:
     return (int(heads), int(tokens), int(content_bytes) // itemsize)
 
 
+#: The identity's key for the page format of vLLM's CPU attention backend.
+CPU_ATTN_KEY = "cpu_attn"
+
+
+def cpu_attn_isa(vllm_config: Any, spec: Any) -> str | None:
+    """The kernel family ("amx", "vec", "vec16", "neon", ...) vLLM's CPU
+    attention backend picks for this engine, which decides how a KV page is
+    laid out inside (docs/connector-notes.md, "KV pages on CPU"); None off the
+    CPU platform.  Asked of vLLM's own chooser with the inputs its attention
+    builder gives it, so the scheduler and the workers name the same format;
+    each worker then checks it against its layers (:func:`check_isa`)."""
+    platforms = importlib.import_module("vllm.platforms")
+    if not platforms.current_platform.is_cpu():
+        return None
+    try:
+        cpu_attn = importlib.import_module("vllm.v1.attention.backends.cpu_attn")
+        return str(cpu_attn._get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size),
+                                          int(spec.head_size),
+                                          vllm_config.cache_config.cache_dtype))
+    except Exception as exc:  # vLLM refuses the configuration: it will say so itself
+        return f"unknown ({type(exc).__name__})"
+
+
+def check_isa(identity: ModelIdentity, layers: list[Any]) -> None:
+    """Raise InvalidArgument unless every attention layer runs the CPU kernel
+    family the identity names (vLLM sets ``layer.isa`` when it builds the
+    attention backend, before the KV cache is registered)."""
+    want = dict(identity.extra).get(CPU_ATTN_KEY)
+    if want is None:
+        return
+    found = sorted({str(getattr(layer, "isa", None)) for layer in layers})
+    if found != [want]:
+        raise InvalidArgument(
+            f"the attention layers run vLLM's CPU kernels {found}, the identity says "
+            f"{want!r}: pages of another layout would be stored under its name")
+
+
+def lone_token_differs() -> bool:
+    """Whether this engine computes a prompt's last token alone by another
+    kernel path than a prefill (vLLM's CPU backend with split-KV decoding,
+    VLLM_CPU_ATTN_SPLIT_KV on: its answer may then differ from the engine's
+    that prefilled the snapshot).  The connector's ``compute_tokens`` auto
+    leaves two tokens to compute there."""
+    platforms = importlib.import_module("vllm.platforms")
+    if not platforms.current_platform.is_cpu():
+        return False
+    envs = importlib.import_module("vllm.envs")
+    return bool(getattr(envs, "VLLM_CPU_ATTN_SPLIT_KV", True))
+
+
 def _engine_revision(vllm_config: Any, model: str) -> str:
     """What names the weights this engine loaded: vLLM's revision of a local
     folder, else the folder's :func:`weights_fingerprint`; for a hub model the
@@ -279,6 +330,9 @@ def model_identity(
         "hf_overrides": canonical_json(getattr(model_config, "hf_overrides", None) or {}),
         "config": config_fingerprint(model_config),
     }
+    isa = cpu_attn_isa(vllm_config, spec)
+    if isa is not None:  # another kernel family lays pages out otherwise: a clean miss
+        extra[CPU_ATTN_KEY] = isa
     num_layers = int(hf_text.num_hidden_layers)
     if len(groups) > 1 or groups[0].kind != "full":
         # The group structure is part of the identity: another grouping, window

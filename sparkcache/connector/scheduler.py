@@ -8,7 +8,8 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
 * **restore**: the prompt's block-boundary hashes are computed once per
   request; the index returns the longest snapshot every rank of this topology
   can restore; the tokens beyond vLLM's own prefix hit are offered, never the
-  last prompt token (vLLM must compute one to sample).  When the snapshot goes
+  prompt's last ``compute_tokens`` (vLLM computes one to sample from; two
+  where a lone token takes another kernel path than a prefill).  When the snapshot goes
   on past the match (the same prompt was answered and stored before), the
   block holding the prompt's last tokens is restored too (``tail_block``):
   vLLM then computes that one token, where its own prefix cache recomputes up
@@ -239,6 +240,7 @@ class SchedulerSide:
         load_async: bool | None = True,
         min_tokens: int = 64,
         tail_block: bool = True,
+        compute_tokens: int = 1,
         on_facts: Callable[[dict[str, Any]], None] | None = None,
         fetcher: Fetcher | None = None,
         group_windows: tuple[int, ...] = (),
@@ -267,6 +269,9 @@ class SchedulerSide:
         self.load_async = True if group_windows else load_async
         self.min_tokens = min_tokens
         self.tail_block = tail_block
+        #: The prompt's last tokens vLLM computes after a restore (at least the
+        #: one it samples from; two where a lone token takes another kernel path).
+        self.compute_tokens = max(1, int(compute_tokens))
         self.bs = identity.block_size
         self._reqs: dict[str, _ReqState] = {}
         # match, local hit, async, tokens offered (up to the match, or into its last block)
@@ -293,7 +298,8 @@ class SchedulerSide:
                 if self.windowed and request.prompt_token_ids is not None:
                     # Elsewhere the finished request's snapshot holds it (an
                     # alias); a window is stored at a snapshot's end only.
-                    state.prompt_end = (int(request.num_prompt_tokens) - 1) // self.bs * self.bs
+                    state.prompt_end = self._restorable(int(request.num_prompt_tokens)) \
+                        // self.bs * self.bs
                     marks.add(state.prompt_end)
                 state.marks = sorted(m for m in marks if m // self.bs * self.bs >= floor)
             self._reqs[request.request_id] = state
@@ -318,7 +324,7 @@ class SchedulerSide:
 
         ``(0, False)``: nothing to offer; ``(None, False)``: ask again on a later
         step (another request's asynchronous restore of a shared prefix is in
-        flight).  Never the prompt's last token (vLLM computes one to sample).
+        flight).  Never the prompt's last ``compute_tokens`` (vLLM computes them).
 
         vLLM may ask several times for one request before :meth:`after_alloc`
         (its blocks did not fit this step, or the answer was None).  Each call
@@ -350,7 +356,7 @@ class SchedulerSide:
         if not self.restore:
             return 0, False
         tokens = request.all_token_ids
-        want = len(tokens) - 1  # vLLM computes the last token itself, to sample
+        want = self._restorable(len(tokens))  # vLLM computes the rest itself
         limit = want // self.bs * self.bs  # whole blocks: what the index can match
         # Past vLLM's own hit, or only the block holding the prompt's end.
         tail = self.tail_block and want > limit
@@ -411,6 +417,11 @@ class SchedulerSide:
             load_async = len(self._live) > 1
         self._offers[request.request_id] = (match, num_computed, load_async, claim)
         return claim - num_computed, load_async
+
+    def _restorable(self, n_tokens: int) -> int:
+        """Of a prompt of ``n_tokens``, the most a restore may supply: vLLM
+        computes the last ``compute_tokens`` itself (one to sample from)."""
+        return max(0, n_tokens - self.compute_tokens)
 
     def _ask_tier(self, request: Any, state: _ReqState, limit: int, have: int,
                   hashes: list[bytes]) -> bool:
@@ -733,7 +744,7 @@ class SchedulerSide:
         held = max((len(ids) for ids in block_ids), default=0) if self.group_windows \
             else len(block_ids)
         n = min(request.num_computed_tokens, len(tokens), held * self.bs)
-        marks = (int(request.num_prompt_tokens) - 1, *breakpoints_of(request))
+        marks = (self._restorable(int(request.num_prompt_tokens)), *breakpoints_of(request))
         job, _known = self._save_job(request, n // self.bs * self.bs, block_ids, marks)
         if job is None:
             return False

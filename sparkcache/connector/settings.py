@@ -106,6 +106,16 @@ def _as_seconds(key: str, value: Any) -> float:
     return number
 
 
+def _compute_tokens(value: Any) -> int | None:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        return _as_int("compute_tokens", value, 1)
+    except InvalidArgument:
+        raise InvalidArgument("kv_connector_extra_config['compute_tokens'] must be 'auto' or "
+                              f"an integer >= 1, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     """What the connector does; every field is a ``kv_connector_extra_config`` key.
@@ -136,6 +146,10 @@ class ConnectorSettings:
     prompt's last tokens when the snapshot holds it too, so vLLM
     computes only the last token; ``false`` stops at the prompt's last whole
     block, as vLLM's own prefix cache does (up to a block is recomputed).
+    ``compute_tokens``: how many of the prompt's last tokens vLLM computes
+    after a restore (default auto: 2 on vLLM's CPU backend with split-KV
+    decoding on, where one token computed alone takes another kernel path than
+    the prefill that stored the snapshot and may answer differently; else 1).
     ``log_rows``: the request log keeps this many newest rows in the index
     (default SPARK_KV_CACHE_LOG_ROWS, else 10000); 0 writes no log.
     ``shared``: the shared tier's URL (default SPARK_KV_CACHE_SHARED; none when
@@ -167,6 +181,7 @@ class ConnectorSettings:
     max_queued_saves: int = DEFAULT_MAX_QUEUED
     sweep: bool = True
     tail_block: bool = True
+    compute_tokens: int | None = None  # None: auto
     log_rows: int | None = None  # None: SPARK_KV_CACHE_LOG_ROWS, else the default
     shared: str | None = None
     shared_options: dict[str, Any] = field(default_factory=dict)
@@ -242,6 +257,7 @@ class ConnectorSettings:
             ),
             sweep=_as_bool("sweep", extra.get("sweep", True)),
             tail_block=_as_bool("tail_block", extra.get("tail_block", True)),
+            compute_tokens=_compute_tokens(extra.get("compute_tokens", "auto")),
             log_rows=None if log_rows is None else _as_int("log_rows", log_rows, 0),
             shared=shared,
             shared_sweep=shared_sweep,

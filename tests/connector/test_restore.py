@@ -73,6 +73,32 @@ def test_the_block_holding_the_prompts_end_is_restored(one_rank: Any) -> None:
     assert [(s.state, s.reason) for s in store.snapshots()] == [("quarantined", "missing")]
 
 
+def test_compute_tokens_leaves_the_prompts_last_tokens_to_vllm(one_rank: Any) -> None:
+    """``compute_tokens=2`` (the CPU backend's default, where a lone token
+    takes vLLM's split-KV path): a restore supplies all but the prompt's last
+    two tokens, through the stored block holding them, and a prompt one token
+    past a block boundary restores into the block before it."""
+    store, sched, io, _counters = one_rank
+    p = prompt(100, 32)
+    save(sched, io, Req("a", p))  # 112 tokens stored: p and 12 answer tokens
+    two = SchedulerSide(store, identity(), Counters(), min_tokens=BS, publish=False,
+                        compute_tokens=2)
+    assert two.matched_tokens(Req("b", p), 0) == (98, True)  # vLLM computes 98 and 99
+    assert two.matched_tokens(Req("c", p), 96) == (2, True)
+    assert sched.matched_tokens(Req("d", p), 0) == (99, True)  # the default: one token
+    # A prompt one token past a block boundary (97): saved under the same rule,
+    # its prompt-end alias is at 80, and a resend restores 95 tokens through the
+    # stored block 80..95 (the default restores the 96 whole ones, computes one).
+    saver = SchedulerSide(store, identity(), Counters(), min_tokens=BS, compute_tokens=2)
+    q = prompt(97, 33)
+    save(saver, io, Req("q", q))  # its whole blocks: q and answer tokens
+    assert two.matched_tokens(Req("e", q), 0) == (95, True)
+    assert two.matched_tokens(Req("f", q), 80) == (15, True)
+    whole = SchedulerSide(store, identity(), Counters(), min_tokens=BS, publish=False,
+                          tail_block=False, compute_tokens=2)
+    assert whole.matched_tokens(Req("g", q), 0) == (80, True)
+
+
 def test_concurrent_requests_wait_for_one_load(one_rank: Any) -> None:
     _store, sched, io, counters = one_rank
     p = prompt(100, 4)

@@ -59,6 +59,19 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
         ConnectorSettings.from_extra_config({"folder": 7})
 
 
+def test_compute_tokens() -> None:
+    """``compute_tokens``: auto (None: the connector decides from the backend)
+    or at least one token; anything else is refused, naming the setting."""
+    def get(value: object) -> int | None:
+        return ConnectorSettings.from_extra_config({"folder": "/x", "compute_tokens": value}
+                                                   ).compute_tokens
+    assert ConnectorSettings.from_extra_config({"folder": "/x"}).compute_tokens is None
+    assert (get("auto"), get("AUTO"), get(1), get("2")) == (None, None, 1, 2)
+    for bad in (0, -1, "two", True, 1.5):
+        with pytest.raises(InvalidArgument, match="compute_tokens.*'auto' or an integer"):
+            get(bad)
+
+
 def test_shared_tier_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPARK_KV_CACHE_SHARED", raising=False)
     default = ConnectorSettings.from_extra_config({"folder": "/x"})

@@ -85,6 +85,40 @@ def test_the_group_structure_is_part_of_the_identity() -> None:
     assert single.window_blocks == () and "groups" not in dict(single.extra)
 
 
+def test_the_cpu_page_format_is_part_of_the_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On vLLM's CPU platform the identity names the kernel family vLLM picks
+    (it decides how a page is laid out inside): bf16 on a CPU with AMX is
+    "amx", fp32 anywhere "vec"; another family is another model (a clean miss
+    between CPUs that lay pages out otherwise), and a worker whose layers run
+    another family than the identity says is refused."""
+    import torch
+    from vllm.v1.attention.backends import cpu_attn
+
+    from sparkcache.connector.layout import CPU_ATTN_KEY, check_isa, model_identity
+    from sparkcache.errors import InvalidArgument
+
+    full, _ = _specs(64)
+    fp32 = model_identity(_engine(), _config((LAYERS, full)))
+    assert dict(fp32.extra)[CPU_ATTN_KEY] == "vec"
+    engine = _engine()
+    engine.model_config.dtype = torch.bfloat16  # type: ignore[attr-defined]
+    bf16_spec = type(full)(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    bf16 = model_identity(engine, _config((LAYERS, bf16_spec)))
+    amx = torch.cpu._is_amx_tile_supported()
+    assert dict(bf16.extra)[CPU_ATTN_KEY] == ("amx" if amx else "vec")
+    # The same engine where vLLM picks another family (a CPU without AMX, or
+    # with): another identity.
+    other = "vec" if amx else "amx"
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: other)
+    moved = model_identity(engine, _config((LAYERS, bf16_spec)))
+    assert dict(moved.extra)[CPU_ATTN_KEY] == other and moved.digest() != bf16.digest()
+    # Each worker checks its layers' family (vLLM sets layer.isa) against it.
+    layers = [type("Layer", (), {"isa": dict(bf16.extra)[CPU_ATTN_KEY]})() for _ in LAYERS]
+    check_isa(bf16, layers)
+    with pytest.raises(InvalidArgument, match="CPU kernels"):
+        check_isa(moved, layers)
+
+
 def test_a_mamba_group_is_refused_naming_the_layer_types() -> None:
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
