@@ -68,7 +68,7 @@ def test_compute_tokens() -> None:
     assert ConnectorSettings.from_extra_config({"folder": "/x"}).compute_tokens is None
     assert (get("auto"), get("AUTO"), get(1), get("2")) == (None, None, 1, 2)
     for bad in (0, -1, "two", True, 1.5):
-        with pytest.raises(InvalidArgument, match="compute_tokens.*'auto' or an integer"):
+        with pytest.raises(InvalidArgument, match=r"compute_tokens.*'auto' or an integer"):
             get(bad)
 
 
