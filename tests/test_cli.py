@@ -282,7 +282,7 @@ def test_store_errors_exit_3(run: Run, folder: Path) -> None:
     conn.execute("UPDATE alembic_version SET version_num = '9999'")
     conn.close()
     run("models", code=3)
-    assert "newer sparkcache" in run.err and "pip install -U sparkcache" in run.err
+    assert "newer sparkcache" in run.err and "pip install -U . in a newer checkout" in run.err
     run("db", "upgrade", code=3)
 
 

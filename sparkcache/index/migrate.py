@@ -129,7 +129,8 @@ def _mismatch(found: str, path: str) -> SchemaMismatch:
     return SchemaMismatch(
         f"the index {path} has schema revision {found!r}, which this version of sparkcache "
         f"does not know (the newest it knows is {head_revision()!r}): it was written by a "
-        "newer sparkcache. Upgrade sparkcache (pip install -U sparkcache) or point the "
+        "newer sparkcache. Upgrade sparkcache (pip install -U . in a newer checkout of its "
+        "source tree; the package named sparkcache on PyPI is another project) or point the "
         "store at another folder. The index was left untouched."
     )
 

@@ -259,7 +259,7 @@ def test_newer_schema_is_refused_and_left_alone(db_path: Path) -> None:
     message = str(info.value)
     assert "'ffff_future'" in message
     assert repr(head_revision()) in message
-    assert "pip install -U sparkcache" in message
+    assert "pip install -U . in a newer checkout" in message
     assert "another folder" in message
     assert str(db_path) in message
     with pytest.raises(SchemaMismatch, match="ffff_future"):

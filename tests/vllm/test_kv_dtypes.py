@@ -192,6 +192,28 @@ for name, spec in args["dtypes"].items():
         pages(new, longer, name + "-restored.npy")
     except Exception:
         rec["error"] = traceback.format_exc()
+# A bf16 engine whose vLLM picks another CPU kernel family (as on a CPU of the
+# other kind: "vec" where this one has AMX, else "vec16", both of which run on
+# any x86), over a store holding bf16 snapshots of its prompt: a clean miss.
+bf16 = results.get("bf16", {})
+if "identity" in bf16 and "error" not in bf16:
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+    mine = bf16["identity"]["cpu_attn"]
+    other = results["other_family"] = {"family": "vec" if mine == "amx" else "vec16",
+                                       "models": sorted({s.model_id for s in ready()})}
+    chooser = cpu_attn._get_attn_isa
+    cpu_attn._get_attn_isa = lambda *a, **k: other["family"]
+    try:
+        with engine(**args["dtypes"]["bf16"]["engine"]) as llm:
+            other["out"] = gen(llm, prompt)
+            settle(llm, len(ready()) + 1)
+        snap = ready()[-1]
+        other["model_id"] = snap.model_id
+        other["cpu_attn"] = dict(model_identity(store.core, snap.model_id).extra)["cpu_attn"]
+    except Exception:
+        other["error"] = traceback.format_exc()
+    finally:
+        cpu_attn._get_attn_isa = chooser
 report(results)
 """
 
@@ -297,3 +319,18 @@ def test_a_snapshot_in_one_kv_dtype_is_never_offered_to_another(
     assert out["cached"] == 0 and _external(out) == 0, runs["_log"]
     assert "hits" not in out["stats"], out["stats"]
     assert out["metrics"].get("vllm:sparkcache_lookups", 0) >= 1
+
+
+def test_a_snapshot_of_another_cpu_kernel_family_is_never_offered(runs: dict[str, Any]) -> None:
+    """A bf16 engine whose vLLM lays pages out with another kernel family (as
+    one on the other kind of CPU would) finds the bf16 snapshots of its prompt
+    under another identity: nothing restored, its own snapshot published."""
+    if "other_family" not in runs:
+        _run(runs, "bf16")  # skips with vLLM's reason when it refuses bf16
+    rec = runs["other_family"]
+    assert "error" not in rec, rec.get("error", "") + runs["_log"]
+    assert rec["cpu_attn"] == rec["family"] != runs["bf16"]["identity"]["cpu_attn"]
+    assert rec["model_id"] not in rec["models"]
+    out = rec["out"]
+    assert out["cached"] == 0 and _external(out) == 0, runs["_log"]
+    assert "hits" not in out["stats"], out["stats"]
