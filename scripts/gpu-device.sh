@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# The one command a session with a lent GPU machine runs (through the device
-# tool, from the repository root there): sparkcache's GPU tests and
-# bench/gpu_check.py, the table and logs written to $OUT.
+# sparkcache's GPU checks on a CUDA machine, in one command, from the
+# repository root: the tests of tests/cuda (the `gpu`-marked ones included)
+# and tests/vllm/test_connector_gpu.py, then bench/gpu_check.py (every KV
+# layout byte-equal to the CPU path, then GB/s against plain pinned copies;
+# docs/benchmarks.md).  The machine's description, the test output and the
+# benchmark's table and log are written to $OUT (default: ./gpu-out).
 #
-#   run(command="bash scripts/gpu-device.sh", carry=[".whl"], timeout_s=540)
+#   bash scripts/gpu-device.sh                 # with the default python3
+#   PY=/path/to/python OUT=/tmp/gpu bash scripts/gpu-device.sh
 #
-# The machine (docs: /work/.library/device/KINDS.md) has Python 3.12 at
-# /opt/torch/.venv with torch 2.11+cu130, numpy, xxhash, fsspec, safetensors,
-# pytest and hypothesis, but not apsw, SQLAlchemy, alembic or Mako, and it
-# reaches no registry.  Those four travel as wheels in .whl/ (ignored by git,
-# carried by the call).  Prepare them once, on a machine with pip and network,
-# in the repository root:
+# What it needs: an NVIDIA GPU with its driver (nvidia-smi), and a Python
+# 3.11+ ($PY, default python3) with torch built for CUDA, numpy, xxhash,
+# fsspec, safetensors, pytest and hypothesis.  sparkcache is installed from
+# this tree (editable, without dependencies).  apsw, SQLAlchemy, alembic and
+# Mako, if that Python lacks them, come as wheels in .whl/: the script
+# installs whatever .whl/ holds into /tmp/site (never from the network), so it
+# also runs on a machine without network access.  Prepare .whl/ once, on any machine with pip and network, in the
+# repository root (the wheels below are for CPython 3.12 on x86-64 Linux;
+# change --python-version to the CUDA machine's Python), then copy the tree
+# with .whl/ to the CUDA machine:
 #
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -19,14 +27,14 @@
 #       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
 #       apsw==3.54.1.0 SQLAlchemy==2.1.9 alembic==1.20.1 Mako==1.4.3
 #
-# (checked 2026-12-01: four wheels, 8.8 MB; SQLAlchemy 2.1 and alembic need
-# typing-extensions >= 4.12, Mako needs MarkupSafe: both are on the machine.)
-# vLLM for CUDA (hundreds of MB with its dependencies) cannot travel under the
-# 64 MiB carry limit, so tests/vllm/test_connector_gpu.py's GPU test skips there
-# and runs where vLLM for CUDA is installed.
+# (four wheels, 8.8 MB; SQLAlchemy 2.1 and alembic also need
+# typing-extensions >= 4.12, Mako needs MarkupSafe: install them too if that
+# Python lacks them.)  tests/vllm/test_connector_gpu.py needs vLLM for CUDA
+# (`pip install vllm==0.32.0`) in that Python and skips without it; the
+# script does not install it.
 #
-# Device time is short (15 minutes per task, a machine start takes minutes):
-# everything here is sized to end in about 5 minutes.
+# Everything here is sized to end in about 5 minutes on one GPU (the
+# benchmark is stopped after 300 s).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -44,8 +52,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=/tmp/site
 fi
 # sparkcache itself, editable (its alembic revisions are mapped from migrations/
-# to sparkcache._migrations); if the machine's setuptools cannot, a link in this
-# throwaway copy of the tree does the same.
+# to sparkcache._migrations); if the machine's setuptools cannot, a link
+# sparkcache/_migrations -> ../migrations in the tree does the same.
 check='import sparkcache, apsw, sqlalchemy, alembic
 from sparkcache.index.migrate import known_revisions
 print("sparkcache", sparkcache.__file__, "schema", known_revisions()[-1])'
