@@ -22,7 +22,10 @@ DOC = ROOT / "docs" / "architecture.md"
 #: Third-party packages only some layers may import.
 HEAVY = {"torch": ("cuda", "connector", "demo"), "vllm": ("connector", "demo", "serve")}
 #: Private members of third-party objects that their libraries document for use.
-THIRD_PARTY_PRIVATE = {"_strip_protocol"}  # fsspec's AbstractFileSystem
+#: Other projects' private members used for want of a public one: fsspec's
+#: AbstractFileSystem._strip_protocol; vLLM's CPU attention kernel chooser
+#: (the page format of a CPU engine's KV cache, which vLLM names nowhere else).
+THIRD_PARTY_PRIVATE = {"_strip_protocol", "_get_attn_isa"}
 
 
 def layer_order(text: str) -> dict[str, int]:

@@ -90,10 +90,10 @@ SHARED_PREFIX_PROMPT = LONG_PROMPT[:300] + token_prompt(200, seed=8)
 #: Three prompts sharing LONG_PROMPT's first 480 tokens (its stored prompt-end
 #: boundary), sent at once: the base must be read from disk once.
 CONCURRENT_PROMPTS = [LONG_PROMPT[:480] + token_prompt(40, seed=20 + i) for i in range(3)]
-#: Ends one token past LONG_PROMPT's 480-token alias: its whole blocks end there,
-#: so admission reads nothing of the snapshot (no growth past the alias, no tail
-#: block) and a missing file is found on the worker.
-ALIAS_END_PROMPT = LONG_PROMPT[:481]
+#: Ends COMPUTED tokens past LONG_PROMPT's 480-token alias: what a restore may
+#: supply ends there, so admission reads nothing of the snapshot (no growth past
+#: the alias, no tail block) and a missing file is found on the worker.
+ALIAS_END_PROMPT = LONG_PROMPT[:480 + COMPUTED]
 #: A chat as token ids: turn i's prompt is turn i-1's prompt + its answer + these
 #: tokens.  Lengths make every turn's prompt + answer end on a block boundary
 #: (305 + 15 computed = 320; + 1 + 48 + 15 = 384; + 1 + 48 + 15 = 448).
