@@ -56,7 +56,7 @@ from sparkcache.maintenance import CheckReport
 from sparkcache.publish import PublishResult
 from sparkcache.publish import publish as publish_segment
 from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
-from sparkcache.retention import Retention, SweepReport
+from sparkcache.retention import Retention, Sweeper, SweepReport
 from sparkcache.shared import (
     DEFAULT_POLL_SECONDS,
     FetchResult,
@@ -224,6 +224,7 @@ class SnapshotStore:
         #: The shared tier this process uploads to, or None.
         self.shared: SharedTier | None = None
         self._uploader: Uploader | None = None
+        self._sweeper: Sweeper | None = None
         self._upload_wait = DEFAULT_UPLOAD_WAIT_SECONDS
         if shared is not None:
             try:
@@ -266,10 +267,14 @@ class SnapshotStore:
         return stored
 
     def close(self) -> None:
-        """Stop the uploader (waiting for its queue up to the ``wait_seconds`` it
-        was started with), save pending counters and close the index.  Idempotent."""
+        """Stop the sweeper, then the uploader (waiting for its queue up to the
+        ``wait_seconds`` it was started with), save pending counters and close
+        the index.  Idempotent."""
+        sweeper, self._sweeper = self._sweeper, None
         uploader, self._uploader = self._uploader, None
         try:
+            if sweeper is not None:
+                sweeper.stop()
             if uploader is not None:
                 uploader.close(self._upload_wait)
         finally:
@@ -499,6 +504,18 @@ class SnapshotStore:
         if retention is None:
             raise InvalidArgument("this store has no retention limits; pass retention=")
         return retention.sweep(self.core)
+
+    def start_sweeper(self) -> Sweeper:
+        """Start :meth:`sweep` with the store's retention every ``sweep_seconds``
+        in the background (:class:`~sparkcache.retention.Sweeper`), once per host:
+        the connector does it in its scheduler process, on a store of its own (a
+        long sweep never holds the lock its lookups take).  ``close`` stops it.
+        Needs ``retention``; a second call returns the running sweeper."""
+        if self.retention is None:
+            raise InvalidArgument("this store has no retention limits: open it with retention=")
+        if self._sweeper is None:
+            self._sweeper = Sweeper(self.core, self.retention).start()
+        return self._sweeper
 
     # -- the shared tier (sparkcache.shared) ---------------------------------------------
 
