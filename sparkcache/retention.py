@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -33,10 +32,10 @@ from typing import Any
 
 from sparkcache.backends import Backend, DiskUsage
 from sparkcache.core import Core
-from sparkcache.cpus import widen_affinity
 from sparkcache.errors import InvalidArgument
 from sparkcache.folder import resolve_folder
 from sparkcache.maintenance import evict_lru, reclaim_publishes, remove_deleted_models
+from sparkcache.periodic import Periodic
 
 __all__ = [
     "DiskUsage",
@@ -320,63 +319,53 @@ def _in_chunks(core: Core, reason: str,
 
 
 class Sweeper:
-    """Runs :meth:`Retention.sweep` every ``sweep_seconds`` on a daemon thread.
+    """Runs :meth:`Retention.sweep` every ``sweep_seconds`` on a daemon thread
+    (a :class:`~sparkcache.periodic.Periodic`), the first pass at once.
 
-    The connector and the server start one in the scheduler process, on the
-    store's core (``SnapshotStore.core``).  Errors are logged, never raised
-    into the serving process; ``stop`` returns once the thread has finished its
-    current pass.
+    The connector and the server start one in the scheduler process, through
+    :meth:`SnapshotStore.start_sweeper <sparkcache.store.SnapshotStore.start_sweeper>`.
+    Errors are logged, never raised into the serving process; ``stop`` returns
+    once the thread has finished its current pass (or ``timeout`` ran out).
     """
 
     def __init__(self, core: Core, retention: Retention) -> None:
         self.core = core
         self.retention = retention
-        self._stop = threading.Event()
-        self._passed = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self.passes = 0
         self.last_report: SweepReport | None = None
-        self.last_error: BaseException | None = None
+        self._periodic = Periodic(self._pass, lambda: self.retention.settings.sweep_seconds,
+                                  name="sparkcache-sweeper", on_error=self._failed)
+
+    def _pass(self) -> None:
+        self.last_report = self.retention.sweep(self.core)
+
+    def _failed(self, exc: Exception) -> None:
+        log.warning("sparkcache sweep failed: %s", exc)
 
     def start(self) -> Sweeper:
-        if self._thread is not None:
-            return self
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="sparkcache-sweeper", daemon=True)
-        self._thread.start()
+        self._periodic.start()
         return self
 
-    def _run(self) -> None:
-        widen_affinity()  # not the one core of the thread that started it
-        while not self._stop.is_set():
-            try:
-                self.last_report = self.retention.sweep(self.core)
-            except Exception as exc:  # a bad pass must not kill the thread
-                self.last_error = exc
-                log.warning("sparkcache sweep failed: %s", exc)
-            with self._passed:
-                self.passes += 1
-                self._passed.notify_all()
-            self._stop.wait(self.retention.settings.sweep_seconds)
-
     def stop(self, timeout: float | None = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self._periodic.stop(timeout)
 
     def wait(self, passes: int, timeout: float | None = None) -> bool:
         """Block until ``passes`` sweeps have finished (True) or ``timeout`` ran out."""
-        with self._passed:
-            return self._passed.wait_for(lambda: self.passes >= passes, timeout)
+        return self._periodic.wait(passes, timeout)
+
+    @property
+    def passes(self) -> int:
+        return self._periodic.passes
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._periodic.last_error
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._periodic.running
 
     def __enter__(self) -> Sweeper:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-

@@ -36,7 +36,7 @@ import numpy as np
 
 from sparkcache import lookup as lookups
 from sparkcache import maintenance, reader, requestlog
-from sparkcache.backends import Backend, canonical_url, open_backend
+from sparkcache.backends import Backend
 from sparkcache.core import (
     DEFAULT_INDEX_RESERVE,
     INDEX_FILE,
@@ -47,7 +47,7 @@ from sparkcache.core import (
     ids,
     scalar,
 )
-from sparkcache.errors import InvalidArgument, NotFound, StorageMismatch
+from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.holders import this_holder
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
@@ -55,8 +55,9 @@ from sparkcache.index.db import Database
 from sparkcache.maintenance import CheckReport
 from sparkcache.publish import PublishResult
 from sparkcache.publish import publish as publish_segment
+from sparkcache.recorded import open_shared, recorded_storage
 from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
-from sparkcache.retention import Retention, SweepReport
+from sparkcache.retention import Retention, Sweeper, SweepReport
 from sparkcache.shared import (
     DEFAULT_POLL_SECONDS,
     FetchResult,
@@ -64,7 +65,6 @@ from sparkcache.shared import (
     Uploader,
     UploadReport,
     fetch_prefix,
-    shared_url,
     upload_pending,
 )
 
@@ -74,83 +74,8 @@ __all__ = ["Match", "PublishResult", "SnapshotInfo", "SnapshotStore"]
 DEFAULT_ALIAS_STRIDE = 256
 #: Default bound on copy-on-write chain length; longer chains are compacted.
 DEFAULT_MAX_CHAIN = 8
-
-
-#: The settings key recording the store's storage ("" for the root folder itself).
-STORAGE_SETTING = "storage"
-#: The settings key recording the store's shared tier (:func:`shared_url`).
-SHARED_SETTING = "shared"
 #: How long ``close`` waits by default for the uploader's queue.
 DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
-
-
-def _recorded_storage(
-    db: Database, root: Path, storage: str | os.PathLike[str] | Backend | None, *,
-    relocate: bool, record: bool, clock: Callable[[], float],
-) -> Backend:
-    """The backend the store keeps its payloads in: the one it recorded when it
-    was created, checked against ``storage`` when one is given (see the class)."""
-    if storage is None:
-        given = None
-    else:
-        url = storage.url if isinstance(storage, Backend) else storage
-        given = canonical_url(url)
-        if given == canonical_url(root):
-            given = ""
-    with db.read() as conn:
-        row = conn.execute(q.GET_SETTING, (STORAGE_SETTING,)).fetchone()
-    recorded = None if row is None else str(row[0])
-    if recorded is not None and given is not None and given != recorded:
-        if not relocate:
-            raise StorageMismatch(
-                f"this store ({root}) keeps its payloads in {recorded or 'its own folder'}, "
-                f"not in {given or 'its own folder'}: open it without a storage (or with the "
-                "one it was created with); after moving the payloads, open it with the new "
-                "storage and relocate=True (`--relocate`) to record it"
-            )
-        recorded = None
-    if recorded is None and record:
-        with db.write() as conn:
-            conn.execute(q.PUT_SETTING, (STORAGE_SETTING, given or "", clock()))
-    if isinstance(storage, Backend):
-        return storage
-    if storage is not None and given:
-        return open_backend(storage)  # as given: its credentials are not recorded
-    chosen = given if given is not None else (recorded or "")
-    return open_backend(chosen or str(root))
-
-
-def _recorded_shared(db: Database) -> str | None:
-    """The shared tier this store recorded (None: none yet)."""
-    with db.read() as conn:
-        row = conn.execute(q.GET_SETTING, (SHARED_SETTING,)).fetchone()
-    return None if row is None else str(row[0])
-
-
-def _open_shared(core: Core, shared: str | os.PathLike[str],
-                 options: Mapping[str, Any] | None, *, alias_stride: int, relocate: bool,
-                 record: bool) -> SharedTier:
-    """The shared tier, checked against the one the store recorded, then opened
-    and checked (reachable, bucket or folder there); recorded when it is new to
-    the store.  Recording another tier (``relocate``) forgets every upload."""
-    given = shared_url(shared)
-    recorded = _recorded_shared(core.db)
-    if recorded is not None and recorded != given and not relocate:
-        raise StorageMismatch(
-            f"this store ({core.root}) uploads to the shared tier {recorded}, not {given}: "
-            f"open it with that shared tier (or with none); to use {given} from now on, "
-            "open it with relocate=True (`--relocate`), and every snapshot is uploaded there")
-    tier = SharedTier(shared, options, alias_stride=alias_stride)
-    if recorded != given and record:
-        try:
-            with core.write() as conn:
-                conn.execute(q.PUT_SETTING, (SHARED_SETTING, given, core.clock()))
-                if recorded is not None:
-                    conn.execute(q.FORGET_UPLOADS)
-        except BaseException:
-            tier.close()
-            raise
-    return tier
 
 
 class SnapshotStore:
@@ -212,7 +137,7 @@ class SnapshotStore:
         self.retention = retention
         db = Database(root / INDEX_FILE, busy_timeout_ms=busy_timeout_ms, upgrade=upgrade)
         try:
-            backend = _recorded_storage(db, root, storage, relocate=relocate, record=upgrade,
+            backend = recorded_storage(db, root, storage, relocate=relocate, record=upgrade,
                                         clock=clock)
         except BaseException:
             db.close()
@@ -224,10 +149,11 @@ class SnapshotStore:
         #: The shared tier this process uploads to, or None.
         self.shared: SharedTier | None = None
         self._uploader: Uploader | None = None
+        self._sweeper: Sweeper | None = None
         self._upload_wait = DEFAULT_UPLOAD_WAIT_SECONDS
         if shared is not None:
             try:
-                self.shared = _open_shared(self.core, shared, shared_options,
+                self.shared = open_shared(self.core, shared, shared_options,
                                            alias_stride=self.alias_stride, relocate=relocate,
                                            record=upgrade)
             except BaseException:
@@ -266,10 +192,14 @@ class SnapshotStore:
         return stored
 
     def close(self) -> None:
-        """Stop the uploader (waiting for its queue up to the ``wait_seconds`` it
-        was started with), save pending counters and close the index.  Idempotent."""
+        """Stop the sweeper, then the uploader (waiting for its queue up to the
+        ``wait_seconds`` it was started with), save pending counters and close
+        the index.  Idempotent."""
+        sweeper, self._sweeper = self._sweeper, None
         uploader, self._uploader = self._uploader, None
         try:
+            if sweeper is not None:
+                sweeper.stop()
             if uploader is not None:
                 uploader.close(self._upload_wait)
         finally:
@@ -499,6 +429,18 @@ class SnapshotStore:
         if retention is None:
             raise InvalidArgument("this store has no retention limits; pass retention=")
         return retention.sweep(self.core)
+
+    def start_sweeper(self) -> Sweeper:
+        """Start :meth:`sweep` with the store's retention every ``sweep_seconds``
+        in the background (:class:`~sparkcache.retention.Sweeper`), once per host:
+        the connector does it in its scheduler process, on a store of its own (a
+        long sweep never holds the lock its lookups take).  ``close`` stops it.
+        Needs ``retention``; a second call returns the running sweeper."""
+        if self.retention is None:
+            raise InvalidArgument("this store has no retention limits: open it with retention=")
+        if self._sweeper is None:
+            self._sweeper = Sweeper(self.core, self.retention).start()
+        return self._sweeper
 
     # -- the shared tier (sparkcache.shared) ---------------------------------------------
 

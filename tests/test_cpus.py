@@ -25,7 +25,7 @@ from sparkcache import segment as seg
 from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.connector.worker import WorkerIO
 from sparkcache.cpus import pinned_to, process_cpus, read_cpus, widen_affinity
-from sparkcache.retention import Retention, RetentionSettings, Sweeper
+from sparkcache.retention import Retention, RetentionSettings
 
 from .store.helpers import LAYERS, identity, pages_for, tokens
 
@@ -81,15 +81,14 @@ def test_worker_and_sweeper_threads_run_on_every_cpu(pinned: int, tmp_path: Path
     store = SnapshotStore(tmp_path / "store",
                           retention=Retention(RetentionSettings(sweep_seconds=3600)))
     io = WorkerIO(store, identity(), 0, None, Counters())
-    assert store.retention is not None
-    sweeper = Sweeper(store.core, store.retention).start()
+    store.start_sweeper()
     try:
-        threads = [*io._threads, sweeper._thread]
+        sweeper = [t for t in threading.enumerate() if t.name == "sparkcache-sweeper"]
+        threads = [*io._threads, *sweeper]
         masks = {t.name: _wait_for_mask(t, ALL) for t in threads if t is not None}
         assert len(masks) == 4
         assert all(mask == ALL for mask in masks.values()), masks
     finally:
-        sweeper.stop()
         io.close()
         store.close()
 

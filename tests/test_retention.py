@@ -294,6 +294,23 @@ def test_sweeper_thread_starts_and_stops(tmp_path: Path, clock: Clock, disk: Fak
         assert sweeper.passes == passes
 
 
+def test_the_store_starts_its_sweeper_and_close_stops_it(tmp_path: Path, clock: Clock,
+                                                        disk: FakeDisk) -> None:
+    store = make_store(tmp_path, clock, disk, max_age_hours=1, sweep_seconds=0.05)
+    old = publish(store, 1)
+    clock.now += 7200
+    sweeper = store.start_sweeper()
+    assert store.start_sweeper() is sweeper  # once per store
+    assert sweeper.running and sweeper.wait(2, timeout=10)
+    assert all(s.id != old for s in store.snapshots())
+    store.close()
+    assert not sweeper.running
+    assert sweeper.last_error is None
+    with SnapshotStore(tmp_path / "plain") as plain, \
+            pytest.raises(InvalidArgument, match="retention="):
+        plain.start_sweeper()
+
+
 def test_changing_the_folder_leaves_the_old_one_alone(tmp_path: Path, clock: Clock,
                                                       disk: FakeDisk) -> None:
     with make_store(tmp_path / "old", clock, disk) as old_store:

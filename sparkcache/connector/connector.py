@@ -59,7 +59,7 @@ from sparkcache.cuda import KVPages
 from sparkcache.errors import InvalidArgument, SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.requestlog import log_rows_setting
-from sparkcache.retention import Retention, RetentionSettings, Sweeper
+from sparkcache.retention import Retention, RetentionSettings
 from sparkcache.shared import SharedSweeper, TierLimits
 from sparkcache.store import SnapshotStore
 
@@ -234,7 +234,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     # ==============================================================================
 
     def _init_scheduler(self) -> None:
-        self.sweeper: Sweeper | None = None
+        self.sweep_store: SnapshotStore | None = None
         self.upload_store: SnapshotStore | None = None
         self.shared_sweeper: SharedSweeper | None = None
         self.fetcher: Fetcher | None = None
@@ -269,8 +269,8 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         if self.settings.sweep:
             # Its own store (own index connection): a long sweep never holds the
             # lock that the scheduler's lookups take.
-            sweep_store = SnapshotStore(self.settings.folder, retention=self.retention)
-            self.sweeper = Sweeper(sweep_store.core, self.retention).start()
+            self.sweep_store = SnapshotStore(self.settings.folder, retention=self.retention)
+            self.sweep_store.start_sweeper()
         if self.settings.shared is not None:
             # Its own store too; opening it checks the tier (endpoint, credentials,
             # bucket): a mistake is an error now, not failed uploads later.
@@ -704,9 +704,8 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         a clean exit reaches the shared tier).  Worker: finish queued loads and
         saves (up to 60 s), stop the threads.  Both close the store."""
         if self.is_scheduler:
-            if self.sweeper is not None:
-                self.sweeper.stop()
-                self.sweeper.core.close()
+            if self.sweep_store is not None:
+                self.sweep_store.close()  # stops its sweeper
             if self.log_writer is not None:
                 self.log_writer.close()
             if self.shared_sweeper is not None:

@@ -184,7 +184,6 @@ LENGTHS_SHARING = (
 HAS_BOUNDARY = (
     "SELECT 1 FROM boundaries WHERE prefix_hash = ? AND model_id = ? AND n_tokens = ? LIMIT 1"
 )
-DELETE_BOUNDARIES = "DELETE FROM boundaries WHERE snapshot_id = ?"
 # Quarantine keeps a snapshot's breakpoint rows (never at a stride position, so
 # the lookup's binary search never probes them, and every candidate is checked
 # for restorability): a requeue needs them, and no token ids can rebuild them.

@@ -50,7 +50,6 @@ import heapq
 import logging
 import os
 import re
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -59,8 +58,8 @@ from typing import Any
 
 from sparkcache.backends.fsspec_backend import ObjectStat
 from sparkcache.backends.keys import is_temp_key
-from sparkcache.cpus import widen_affinity
 from sparkcache.errors import InvalidArgument
+from sparkcache.periodic import Periodic
 from sparkcache.shared.layout import (
     Alias,
     Manifest,
@@ -489,7 +488,8 @@ def _apply(tier: SharedTier, plan: ModelPlan, lease: SweepLease,
 
 
 class SharedSweeper:
-    """Sweeps the tier every ``limits.sweep_seconds`` on a daemon thread.
+    """Sweeps the tier every ``limits.sweep_seconds`` on a daemon thread (a
+    :class:`~sparkcache.periodic.Periodic`), the first pass at once.
 
     Every host of a fleet may run one (the connector's scheduler does with
     ``shared_sweep``): each pass takes the lease only when no host holds it and
@@ -502,58 +502,49 @@ class SharedSweeper:
     def __init__(self, tier: SharedTier, limits: TierLimits | None = None) -> None:
         self.tier = tier
         self.limits = limits or TierLimits.from_env()
-        self._stop = threading.Event()
-        self._passed = threading.Condition()
-        self._thread: threading.Thread | None = None
         self._cache: ManifestCache = {}
-        self.passes = 0
-        self.failures = 0
+        self._burst = 0  # failures since the last pass that worked
         self.last_report: TierSweepReport | None = None
-        self.last_error: BaseException | None = None
+        self._periodic = Periodic(self._pass, lambda: self.limits.sweep_seconds,
+                                  name="sparkcache-shared-sweeper", on_error=self._failed)
 
     def start(self) -> SharedSweeper:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="sparkcache-shared-sweeper",
-                                            daemon=True)
-            self._thread.start()
+        self._periodic.start()
         return self
 
-    def _run(self) -> None:
-        widen_affinity()
-        burst = 0
-        while not self._stop.is_set():
-            try:
-                self.last_report = sweep_tier(self.tier, self.limits, cache=self._cache,
-                                              min_interval=self.limits.sweep_seconds)
-                if burst:
-                    log.info("sparkcache: sweeping the shared tier %s works again",
-                             self.tier.url)
-                burst = 0
-            except Exception as exc:  # a bad pass must not kill the thread
-                self.failures += 1
-                self.last_error = exc
-                burst += 1
-                if burst == 1:
-                    log.warning("sparkcache: sweeping the shared tier %s failed: %s (retried "
-                                "every %.0f s; not logged again until it works)",
-                                self.tier.url, describe_error(exc), self.limits.sweep_seconds)
-            with self._passed:
-                self.passes += 1
-                self._passed.notify_all()
-            self._stop.wait(self.limits.sweep_seconds)
+    def _pass(self) -> None:
+        self.last_report = sweep_tier(self.tier, self.limits, cache=self._cache,
+                                      min_interval=self.limits.sweep_seconds)
+        if self._burst:
+            log.info("sparkcache: sweeping the shared tier %s works again", self.tier.url)
+        self._burst = 0
+
+    def _failed(self, exc: Exception) -> None:
+        self._burst += 1
+        if self._burst == 1:
+            log.warning("sparkcache: sweeping the shared tier %s failed: %s (retried "
+                        "every %.0f s; not logged again until it works)",
+                        self.tier.url, describe_error(exc), self.limits.sweep_seconds)
 
     def wait(self, passes: int, timeout: float | None = None) -> bool:
         """Block until ``passes`` passes have finished (True) or ``timeout`` ran out."""
-        with self._passed:
-            return self._passed.wait_for(lambda: self.passes >= passes, timeout)
+        return self._periodic.wait(passes, timeout)
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self._periodic.stop(timeout)
+
+    @property
+    def passes(self) -> int:
+        return self._periodic.passes
+
+    @property
+    def failures(self) -> int:
+        return self._periodic.failures
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._periodic.last_error
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._periodic.running

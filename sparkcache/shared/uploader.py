@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 
 from sparkcache import segment as seg
 from sparkcache.core import Core, SegmentInfo, SnapshotInfo, ids, scalar
-from sparkcache.cpus import widen_affinity
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, SparkCacheError, StoreClosed
 from sparkcache.holders import this_holder
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 from sparkcache.maintenance import quarantine
+from sparkcache.periodic import Periodic
 from sparkcache.shared.layout import (
     Alias,
     Manifest,
@@ -349,7 +349,8 @@ def upload_pending(core: Core, tier: SharedTier, *, limit: int | None = None) ->
 
 
 class Uploader:
-    """Uploads the queue (see the module doc) on a daemon thread.
+    """Uploads the queue (see the module doc) on a daemon thread (a
+    :class:`~sparkcache.periodic.Periodic`).
 
     Started in the one process per host that runs it (the connector's
     scheduler), on its own store's core.  Polls every ``poll_seconds`` and
@@ -371,9 +372,6 @@ class Uploader:
         self.poll_seconds = poll_seconds
         self.batch = batch
         self.backoff = backoff
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._wake = threading.Event()
         self._deadline: float | None = None
         self._passed = threading.Condition()
         self._skip: set[int] = set()
@@ -381,71 +379,70 @@ class Uploader:
         self._started = 0  # passes begun
         self._idle_through = 0  # the last pass that found the queue empty
         self._close_after = 0  # closing: a pass from this one on must find it empty
+        self._quit = False  # closing: the store closed under a pass, end now
         self.passes = 0  # passes finished
         self.failures = 0
         self.uploaded = 0
         self.last_error: BaseException | None = None
+        self._periodic = Periodic(self._tick, poll_seconds, name="sparkcache-uploader",
+                                  on_error=self._on_error, until=self._drained)
 
     def start(self) -> Uploader:
-        if self._thread is None:
-            self._stop.clear()
+        if not self._periodic.started:
             self._deadline = None
-            self._thread = threading.Thread(target=self._run, name="sparkcache-uploader",
-                                            daemon=True)
-            self._thread.start()
+            self._quit = False
+        self._periodic.start()
         return self
 
     def wake(self) -> None:
         """Look at the queue now (a snapshot was published)."""
-        self._wake.set()
+        self._periodic.wake()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._periodic.running
 
     @property
     def idle(self) -> bool:
         """The last finished pass found nothing to upload."""
         return self.passes > 0 and self._idle_through == self.passes
 
-    def _finishing(self) -> bool:
-        """Stop now: closed, and a pass begun after the close found the queue
-        empty, or the deadline passed."""
-        if not self._stop.is_set():
-            return False
-        return (self._idle_through >= self._close_after or self._deadline is None
+    def _drained(self) -> bool:
+        """Once closed, whether to stop now: a pass begun after the close found
+        the queue empty, or the deadline passed."""
+        return (self._quit or self._idle_through >= self._close_after or self._deadline is None
                 or time.monotonic() >= self._deadline)
 
-    def _run(self) -> None:
-        widen_affinity()  # not the one core of the thread that started it
-        while not self._finishing():
-            error: BaseException | None = None
-            with self._passed:
-                self._started += 1
-                number = self._started
-            try:
-                busy, empty = self._pass()
-            except Exception as exc:  # the tier or the index failed: back off
-                busy, empty, error = False, False, exc
+    def _until_deadline(self, delay: float) -> float:
+        """``delay``, cut to what is left of the closing deadline."""
+        if self._deadline is None:
+            return delay
+        return min(delay, max(0.0, self._deadline - time.monotonic()))
+
+    def _tick(self) -> float:
+        """One pass, its bookkeeping, and the wait after it: none while busy."""
+        with self._passed:
+            self._started += 1
+            number = self._started
+        busy = empty = False
+        try:
+            busy, empty = self._pass()
+        finally:
             with self._passed:
                 self.passes = number
                 if empty:
                     self._idle_through = number
                 self._passed.notify_all()
-            if error is not None:
-                if self._stop.is_set() and (isinstance(error, StoreClosed) or self._finishing()):
-                    break  # closed under an upload that ran past the deadline: quietly
-                self._failed(error)
-                delay = min(self.backoff[1], self.backoff[0] * 2 ** (self._burst - 1))
-            else:
-                delay = 0.0 if busy else self.poll_seconds
-            if self._finishing():
-                break
-            if self._deadline is not None:
-                delay = min(delay, max(0.0, self._deadline - time.monotonic()))
-            if delay > 0:
-                self._wake.wait(delay)
-            self._wake.clear()
+        return self._until_deadline(0.0 if busy else self.poll_seconds)
+
+    def _on_error(self, error: Exception) -> float:
+        """The tier or the index failed: count, log once per burst, back off."""
+        if self._periodic.stopping and (isinstance(error, StoreClosed) or self._drained()):
+            self._quit = True  # closed under an upload that ran past the deadline: quietly
+            return 0.0
+        self._failed(error)
+        return self._until_deadline(
+            min(self.backoff[1], self.backoff[0] * 2 ** (self._burst - 1)))
 
     def _pass(self) -> tuple[bool, bool]:
         """Upload one batch of the queue: (whether to look again at once, whether
@@ -455,7 +452,7 @@ class Uploader:
                      if s not in self._skip]
         progressed = False
         for sid in queue[:self.batch]:
-            if self._stop.is_set() and self._deadline is not None \
+            if self._periodic.stopping and self._deadline is not None \
                     and time.monotonic() >= self._deadline:
                 return False, False
             result = upload_snapshot(self.core, self.tier, sid)
@@ -503,17 +500,12 @@ class Uploader:
         """Stop, after uploading what is queued for up to ``wait`` seconds; True
         when the queue was empty at the end.  An upload in flight at the deadline
         gets ``JOIN_GRACE_SECONDS`` more; what is left goes at the next start."""
-        thread = self._thread
-        if thread is None:
+        if not self._periodic.started:
             return self.idle
         with self._passed:
             self._close_after = self._started + 1
             self._deadline = time.monotonic() + max(0.0, wait)
-            self._stop.set()
-            self._wake.set()
-        thread.join(max(0.0, wait) + JOIN_GRACE_SECONDS)
-        self._thread = None
-        if thread.is_alive():
+        if not self._periodic.stop(max(0.0, wait) + JOIN_GRACE_SECONDS):
             log.warning("sparkcache: an upload to %s was still running at shutdown; it is "
                         "retried at the next start", self.tier.url)
             return False
