@@ -164,6 +164,12 @@ class ModelIdentity:
             raise InvalidArgument(f"extra {WINDOW_BLOCKS_KEY} has a negative count: {text!r}")
         return windows
 
+    @property
+    def ends_only(self) -> bool:
+        """Some layer keeps only a window: a snapshot restores only at its end,
+        where its window is stored (lookups and fetches ask for ends only)."""
+        return any(self.window_blocks)
+
     def first_stored_block(self, layer: int, start_block: int, end_block: int) -> int:
         """The first block that ``layer`` stores of a segment holding blocks
         ``[start_block, end_block)``: ``start_block`` unless the layer keeps only

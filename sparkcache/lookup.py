@@ -8,11 +8,12 @@ are a prefix of all of them and a binary search finds the longest (one
 primary-key probe each).  The rows at that stride and in the window above it
 are read in one query; candidates are checked for restorability (state,
 chain, every expected rank) and the longest wins.  docs/architecture.md
-("Lookup") has the cost.  A sliding-window model's snapshots restore only at
-their ends (``ends_only``): those rows are not prefix-closed; the blocks where
-they may lie are the first stride's and the ends of the snapshots sharing the
-first stride (:func:`_end_blocks`), read in one query.  :func:`extend` grows a match by the prompt's
-partial last block.
+("Lookup") has the cost.  A sliding-window model's snapshots restore only
+at their ends (``ends_only``; callers pass the identity's ``ends_only``):
+those rows are not prefix-closed; the blocks where they may lie are the
+first stride's and the ends of the snapshots sharing the first stride
+(:func:`_end_blocks`), read in one query.  :func:`extend` grows a match by
+the prompt's partial last block.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache.connector.fetcher import Fetcher
+from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.layout import (
     check_isa,
@@ -206,9 +207,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         )
         self.block_size = self.identity.block_size
         self.kv_groups = kv_groups(kv_cache_config)
-        #: Per group, the blocks a snapshot keeps (0: all); () with one full group.
-        self.group_windows = tuple(g.window_blocks for g in self.kv_groups) \
-            if len(self.kv_groups) > 1 or self.identity.window_blocks else ()
+        self.groups = KVGroups(tuple(g.window_blocks for g in self.kv_groups))
         self.counters = Counters()
         self.active = self.settings.mode != "off"
         self.retention = Retention(RetentionSettings.from_env(folder=self.settings.folder))
@@ -264,7 +263,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             compute_tokens=self.settings.compute_tokens or (2 if lone_token_differs() else 1),
             min_tokens=self.retention.settings.min_tokens if min_tokens is None else min_tokens,
             on_facts=None if self.log_writer is None else self.log_writer.put,
-            group_windows=self.group_windows,
+            groups=self.groups,
         )
         if self.settings.sweep:
             # Its own store (own index connection): a long sweep never holds the
@@ -335,7 +334,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         """
         if self.sched is None:
             return
-        block_ids = self._per_group(blocks.get_block_ids()) if num_external_tokens else []
+        block_ids = blocks.get_block_ids() if num_external_tokens else ()
         self.sched.after_alloc(request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(
@@ -371,16 +370,11 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
     def _block_ids_of(self, req_id: str) -> Any:
         """A running request's blocks, for its breakpoint saves (one list per KV
-        cache group with several groups)."""
+        cache group)."""
         manager = getattr(self, "_kv_manager", None)
         if manager is None:
             raise KeyError("vLLM did not bind its KV cache manager")
-        return self._per_group(manager.get_block_ids(req_id))
-
-    def _per_group(self, block_ids: Any) -> Any:
-        """vLLM's block ids (one list per KV cache group) as the scheduler takes
-        them: all the lists with several groups, else group 0's as one list."""
-        return block_ids if self.group_windows else list(block_ids[0])
+        return manager.get_block_ids(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """After each step: what the workers reported in :meth:`get_finished`.
@@ -431,7 +425,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         """
         if self.sched is None:
             return False, None
-        return self.sched.finished(request, self._per_group(block_ids))
+        return self.sched.finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
         """True while blocks that :meth:`request_finished` held are not copied out
@@ -452,7 +446,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
     def _init_worker(self) -> None:
         self.io: WorkerIO | None = None
-        self._layer_index: dict[str, int] = {}  # vLLM layer name -> KVPages layer
+        self._layer_index: dict[str, int] = {}  # vLLM layer name -> the identity's layer
         self._waited: set[int] = set()  # layers whose in-step loads the forward awaited
         self._step_loading = False
 
@@ -466,48 +460,33 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         if self.store is None:
             return
         parallel = importlib.import_module("vllm.distributed.parallel_state")
-        pages: KVPages | None = None
         groups: LayerGroups | None = None
-        group_pages: list[KVPages] = []
-        names: list[str] = []  # the identity's layers, in order (several groups)
+        pages: list[KVPages] = []
         rank = 0
         try:
-            if self.group_windows:
-                group_pages, groups, names = self._layer_groups(kv_caches)
-                pages = group_pages[0]
-            else:
-                pages = self._pages(kv_caches)
-                check_tensors(self.identity, pages.tensors)
+            pages, groups, self._layer_index = self._layer_groups(kv_caches)
             check_isa(self.identity, self._attention_layers(kv_caches))
             rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
                            parallel.get_pipeline_model_parallel_rank())
         except SparkCacheError as exc:
             # Loads fail (and are recomputed), saves are skipped: misses only.
             logger.error("sparkcache is off on this worker: %s", exc)
-            pages, groups = None, None
+            groups, self._layer_index = None, {}
         self.io = WorkerIO(
-            self.store, self.identity, rank, pages, self.counters,
+            self.store, self.identity, rank, None, self.counters,
             max_queued_loads=self.settings.max_queued_loads,
             load_threads=self.settings.load_threads,
             max_queued_saves=self.settings.max_queued_saves,
             max_pending_bytes=self.settings.max_pending_mb << 20,
-            groups=groups,
+            groups=groups, kinds=self.groups,
         )
         if groups is not None:
-            self._layer_index = {name: i for i, name in enumerate(names)}
-            logger.info("sparkcache worker rank %d: %d KV cache groups (%s), %d-byte pages on "
-                        "%s", rank, len(self.kv_groups),
+            first = pages[0]
+            logger.info("sparkcache worker rank %d: %d layers of %d blocks in %d KV cache "
+                        "group(s) (%s), %d-byte pages %s on %s", rank, len(groups.where),
+                        first.num_blocks, len(self.kv_groups),
                         ", ".join(f"{g.kind} x{len(g.layers)}" for g in self.kv_groups),
-                        group_pages[0].page_nbytes, group_pages[0].where)
-            return
-        if pages is not None:
-            # Layers sharing another layer's cache wait for that layer's pages.
-            where = {int(t.data_ptr()): i for i, t in enumerate(pages.tensors)}
-            self._layer_index = {name: where[int(t.data_ptr())] for name, t in kv_caches.items()
-                                 if int(t.data_ptr()) in where}
-            logger.info("sparkcache worker rank %d: %d layers of %d blocks, %d-byte pages %s "
-                        "on %s", rank, len(pages), pages.num_blocks, pages.page_nbytes,
-                        self.identity.page_shape, pages.where)
+                        first.page_nbytes, self.identity.page_shape, first.where)
 
     def _attention_layers(self, kv_caches: dict[str, Any]) -> list[Any]:
         """vLLM's attention layers of these KV caches (its forward context)."""
@@ -523,25 +502,37 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         return KVPages(kv_caches, use_numpy=os.environ.get(PAGES_ENV) != "torch",
                        staging_bytes=(self.settings.staging_mb << 20) // groups)
 
-    def _layer_groups(self, kv_caches: dict[str, Any],
-                      ) -> tuple[list[KVPages], LayerGroups, list[str]]:
-        """Each KV cache group's layers as their own :class:`KVPages` (each group
-        has its own block table), checked against the identity; and the layer
-        names in the identity's order."""
-        names = layer_order(n for g in self.kv_groups for n in g.layers)
-        missing = [n for n in names if n not in kv_caches]
+    def _group_caches(self, kv_caches: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each KV cache group's layers and their caches.  A plain model's one
+        group is every layer vLLM registered (one sharing another layer's cache
+        is stored once, under the first name)."""
+        if len(self.kv_groups) == 1:
+            return [dict(kv_caches)]
+        missing = [n for g in self.kv_groups for n in g.layers if n not in kv_caches]
         if missing:
             raise InvalidArgument(f"vLLM registered no KV cache for layers {missing[:4]}")
-        group_pages = [self._pages({n: kv_caches[n] for n in g.layers}, len(self.kv_groups))
-                       for g in self.kv_groups]
+        return [{n: kv_caches[n] for n in g.layers} for g in self.kv_groups]
+
+    def _layer_groups(self, kv_caches: dict[str, Any],
+                      ) -> tuple[list[KVPages], LayerGroups, dict[str, int]]:
+        """Each KV cache group's layers as their own :class:`KVPages` (each group
+        has its own block table), checked against the identity; and each vLLM
+        layer name's index among the identity's layers (a layer sharing another
+        layer's cache: that layer's)."""
+        caches = self._group_caches(kv_caches)
+        group_pages = [self._pages(c, len(caches)) for c in caches]
         check_tensors(self.identity, [t for p in group_pages for t in p.tensors])
-        where = []
-        for name in names:
-            g = next(k for k, group in enumerate(self.kv_groups) if name in group.layers)
-            if name not in group_pages[g].names:
-                raise InvalidArgument(f"layer {name} shares another layer's KV cache")
-            where.append((g, group_pages[g].names.index(name)))
-        return group_pages, LayerGroups(group_pages, where), names
+        names = layer_order(n for p in group_pages for n in p.names)
+        where = [next((g, p.names.index(n)) for g, p in enumerate(group_pages) if n in p.names)
+                 for n in names]
+        index = {name: i for i, name in enumerate(names)}
+        for cache, pages in zip(caches, group_pages, strict=True):
+            stored = {int(t.data_ptr()): index[n] for n, t in zip(pages.names, pages.tensors,
+                                                                   strict=True)}
+            for name, tensor in cache.items():
+                if name not in index and int(tensor.data_ptr()) in stored:
+                    index[name] = stored[int(tensor.data_ptr())]
+        return group_pages, LayerGroups(group_pages, where), index
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Each step, with the step's metadata bound: before the forward when the

@@ -16,35 +16,38 @@ import numpy as np
 
 from sparkcache.identity import RequestScope
 
-__all__ = ["Counters", "LoadJob", "SaveJob"]
+__all__ = ["Blocks", "Counters", "LoadJob", "SaveJob"]
+
+
+#: One tuple of block ids per KV cache group (a plain model: one), each group's
+#: blocks ending at the job's end (a sliding-window group: only its window),
+#: so group ``g`` starts at block ``end - len(blocks[g])``.
+Blocks = tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Restore blocks ``[start_block, start_block + len(block_ids))`` of a snapshot."""
+    """Restore tokens ``[start_block * block_size, n_tokens)`` of a snapshot into ``blocks``."""
 
     req_id: str
     snapshot_id: int
     n_tokens: int  # the match: tokens [0, n_tokens) are read and verified
     token_ids: np.ndarray  # uint32, the prompt's first n_tokens
     start_block: int  # blocks below it are vLLM's own prefix hit
-    block_ids: list[int]
+    blocks: Blocks
     #: Feeds this step's forward (vLLM's synchronous load) instead of landing
     #: while the request waits.
     in_step: bool = False
-    #: Several KV cache groups (vLLM's hybrid allocator): per group, the first
-    #: block restored and the group's block ids from it up to ``n_tokens``
-    #: (a sliding-window group: only its window).  ``block_ids`` is then empty.
-    group_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Publish tokens ``[0, len(token_ids))``; the blocks hold ``[parent_tokens, end)``."""
+    """Publish tokens ``[0, len(token_ids))`` from ``blocks``, which hold
+    ``[start_block * block_size, len(token_ids))`` (below: the parent's)."""
 
     req_id: str
     token_ids: np.ndarray  # uint32, whole blocks
-    block_ids: list[int]
+    blocks: Blocks  # () for a release (below)
     parent: int | None
     scope: RequestScope | None
     breakpoints: tuple[int, ...]  # alias boundaries (the prompt's end, API breakpoints)
@@ -55,13 +58,9 @@ class SaveJob:
     #: Seconds to keep the published snapshot at least (a breakpoint's ``ttl``):
     #: rank 0 takes a keep lease on it once published.
     keep: float | None = None
-    #: Several KV cache groups: per group, the first block saved and the
-    #: group's block ids from it (a sliding-window group: only its window).
-    #: ``block_ids`` then holds the full-attention blocks (what is counted).
-    group_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    #: Groups (indices into ``group_blocks``) whose blocks are copied out before
-    #: the step ends, in ``wait_for_save``: a breakpoint save's sliding-window
-    #: blocks, which vLLM frees on the next step while the request runs on.
+    start_block: int = 0  # the parent's end (copy-on-write), 0 without a parent
+    #: Groups (indices into ``blocks``) copied out before the step ends, in
+    #: ``wait_for_save`` (:meth:`KVGroups.copy_in_step`).
     copy_in_step: tuple[int, ...] = ()
 
 

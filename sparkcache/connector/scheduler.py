@@ -32,16 +32,13 @@ Pure Python over duck-typed vLLM ``Request`` objects (``request_id``,
   is finished, and survives an abort or a crash of the rest.  Such a save is
   not reported back per request; the request's blocks are held at its finish
   until every one of its saves was copied out (the workers see to that).
-* **sliding windows** (a group keeps only a window, ``group_windows``): a
-  snapshot stores the window below its end alone, so lookups match snapshot
-  ends only and no save has a copy-on-write parent.  vLLM frees a window's
-  blocks as the request moves past them - on the next step, to be written by
-  the next forward - so a breakpoint save's window blocks are copied before
-  the step that reached the breakpoint ends (``SaveJob.copy_in_step``); the
-  full-attention blocks are held by the request and copied afterwards.  The
-  prompt's last whole block is saved the same way (``prompt_end``), where
-  the same prompt sent again restores (no breakpoint: nothing reported
-  written).
+* **KV cache groups**: block ids are one list per group inside (vLLM's
+  shapes are normalised at the entry points: :meth:`SchedulerSide.after_alloc`,
+  :meth:`~SchedulerSide.finished`, :meth:`~SchedulerSide.plan_breakpoints`);
+  what a sliding-window group changes (ends only, no copy-on-write, copies
+  in the step, the prompt's own save point) is decided by
+  :class:`~sparkcache.connector.groups.KVGroups` (docs/connector.md,
+  "Several KV cache groups").
 """
 
 from __future__ import annotations
@@ -55,9 +52,10 @@ from typing import Any
 import numpy as np
 
 from sparkcache.connector.fetcher import Fetch, Fetcher
+from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
-from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
+from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.store import Match, SnapshotStore
@@ -243,30 +241,23 @@ class SchedulerSide:
         compute_tokens: int = 1,
         on_facts: Callable[[dict[str, Any]], None] | None = None,
         fetcher: Fetcher | None = None,
-        group_windows: tuple[int, ...] = (),
+        groups: KVGroups | None = None,
     ) -> None:
         self.store = store
         #: Fetches from the shared tier when the local index holds less of a
         #: prompt than it may (None: no tier, or restoring from it is off).
         self.fetcher = fetcher
-        #: Several KV cache groups (vLLM's hybrid allocator), or a sliding-window
-        #: one: per group, the blocks a snapshot keeps below its end (0: all).
-        #: vLLM then passes one block-id list per group; ``()``: one list.
-        self.group_windows = group_windows
-        #: A group keeps only a window: a snapshot restores only at its end (its
-        #: window is stored there), no copy-on-write; a breakpoint's save copies
-        #: the window's blocks before the step ends (vLLM frees them as the
-        #: request moves on).
-        self.windowed = any(group_windows)
+        #: The engine's KV cache groups (default: a plain model's one group).
+        self.groups = KVGroups() if groups is None else groups
+        if self.groups.ends_only != identity.ends_only:
+            raise InvalidArgument("the KV cache groups' windows disagree with the identity's")
         #: Called with a request's log row when its prompt has been scheduled
         #: (what usage reports) and again when it finished (timings, output).
         self.on_facts = on_facts
         self.identity = identity
         self.counters = counters
-        # With several groups vLLM hears of a failed load only as a failed
-        # request (failed_recving), which only an asynchronous load can report.
         self.restore, self.publish = restore, publish
-        self.load_async = True if group_windows else load_async
+        self.load_async = True if self.groups.fails_by_request else load_async
         self.min_tokens = min_tokens
         self.tail_block = tail_block
         #: The prompt's last tokens vLLM computes after a restore (at least the
@@ -295,12 +286,11 @@ class SchedulerSide:
             if self.publish:
                 floor = max(self.min_tokens, self.bs)
                 marks = set(params.breakpoints)
-                if self.windowed and request.prompt_token_ids is not None:
-                    # Elsewhere the finished request's snapshot holds it (an
-                    # alias); a window is stored at a snapshot's end only.
-                    state.prompt_end = self._restorable(int(request.num_prompt_tokens)) \
-                        // self.bs * self.bs
-                    marks.add(state.prompt_end)
+                if request.prompt_token_ids is not None:
+                    state.prompt_end = self.groups.prompt_end(
+                        self._restorable(int(request.num_prompt_tokens)), self.bs)
+                    if state.prompt_end is not None:
+                        marks.add(state.prompt_end)
                 state.marks = sorted(m for m in marks if m // self.bs * self.bs >= floor)
             self._reqs[request.request_id] = state
         return state
@@ -380,23 +370,10 @@ class SchedulerSide:
                 if self.fetcher is not None:
                     self.fetcher.failed()  # and do not make the next ones wait
             state.fetch_done = True
-        started = time.perf_counter()
-        try:
-            # A windowed snapshot's window is stored at its end only.
-            match = self.store.lookup(self.identity, np.asarray(tokens[:limit], np.uint32),
-                                      scope=self._state(request).scope, hashes=hashes,
-                                      ends_only=self.windowed)
-        except SparkCacheError as exc:
-            logger.warning("sparkcache lookup failed (a miss): %s", exc)
-            self.counters.add("lookup_errors")
+        found = self._find(state, tokens, limit, want, tail, hashes)
+        if found is None:
             return 0, False
-        finally:
-            self.counters.add("lookup_seconds", time.perf_counter() - started)
-        if match is not None and match.n_tokens < limit and not self.windowed:
-            match = self._grow(match, tokens[:limit])
-        claim = 0 if match is None else match.n_tokens
-        if match is not None and tail and match.n_tokens == limit and not self.windowed:
-            match, claim = self._extend(match, tokens[:want])
+        match, claim = found
         have = max(claim, num_computed)
         if self._ask_tier(request, state, limit, have, hashes):
             return None, False  # ask again once the tier answered
@@ -418,6 +395,31 @@ class SchedulerSide:
         self._offers[request.request_id] = (match, num_computed, load_async, claim)
         return claim - num_computed, load_async
 
+    def _find(self, state: _ReqState, tokens: Any, limit: int, want: int, tail: bool,
+              hashes: list[bytes]) -> tuple[Match | None, int] | None:
+        """The index's match for the prompt's first ``limit`` tokens (whole blocks),
+        grown past an alias and into the block holding the prompt's first
+        ``want`` tokens where the groups allow it, and the tokens it offers;
+        None when the lookup failed (a miss, logged and counted)."""
+        started = time.perf_counter()
+        try:
+            match = self.store.lookup(self.identity, np.asarray(tokens[:limit], np.uint32),
+                                      scope=state.scope, hashes=hashes,
+                                      ends_only=self.groups.ends_only)
+        except SparkCacheError as exc:
+            logger.warning("sparkcache lookup failed (a miss): %s", exc)
+            self.counters.add("lookup_errors")
+            return None
+        finally:
+            self.counters.add("lookup_seconds", time.perf_counter() - started)
+        grows = not self.groups.ends_only  # past an alias, into the tail block
+        if match is not None and match.n_tokens < limit and grows:
+            match = self._grow(match, tokens[:limit])
+        claim = 0 if match is None else match.n_tokens
+        if match is not None and tail and match.n_tokens == limit and grows:
+            match, claim = self._extend(match, tokens[:want])
+        return match, claim
+
     def _restorable(self, n_tokens: int) -> int:
         """Of a prompt of ``n_tokens``, the most a restore may supply: vLLM
         computes the last ``compute_tokens`` itself (one to sample from)."""
@@ -434,7 +436,7 @@ class SchedulerSide:
             return False
         request_tokens = np.asarray(request.all_token_ids[:limit], np.uint32)
         breakpoints = state.params.breakpoints
-        if self.windowed:  # only a whole snapshot past what is local is of use
+        if self.groups.ends_only:  # only a whole snapshot past what is local is of use
             breakpoints = tuple(b for b in breakpoints if b >= have + self.bs)
         fetch = self.fetcher.start(request_tokens, state.scope, breakpoints, hashes)
         if fetch is None:
@@ -483,7 +485,7 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, block_ids: Any, num_external: int) -> None:
         """vLLM's ``update_state_after_alloc`` (``block_ids``: the request's blocks,
-        one list per KV cache group when :attr:`group_windows` is set).
+        one list, or one list per KV cache group: :meth:`KVGroups.per_group`).
 
         Uses up the request's pending offer.  When ``num_external`` tokens of it
         are to be loaded: plans the load (:meth:`take_jobs`), marks an
@@ -502,8 +504,8 @@ class SchedulerSide:
             return
         match, local, load_async, claim = offer
         start, end = local // self.bs, match.n_tokens // self.bs
-        groups = self._groups(block_ids)
-        shortest = min(len(ids) for ids in groups) if groups else len(block_ids)
+        groups = self.groups.per_group(block_ids)
+        shortest = min(len(ids) for ids in groups)
         if local + num_external != claim or local % self.bs or shortest < end:
             logger.warning("sparkcache: unexpected external token count %d (offered %d from "
                            "%d, %d blocks); not loading", num_external, claim - local, local,
@@ -512,8 +514,7 @@ class SchedulerSide:
         self._loads.append(LoadJob(
             req_id=request.request_id, snapshot_id=match.snapshot_id, n_tokens=match.n_tokens,
             token_ids=match.token_ids, start_block=start,
-            block_ids=[] if groups else list(block_ids[start:end]),
-            in_step=not load_async, group_blocks=self._group_blocks(groups, start, end),
+            blocks=self.groups.blocks(groups, start, end), in_step=not load_async,
         ))
         if load_async:
             self._inflight[request.request_id] = self._hashes(request, claim)
@@ -534,14 +535,15 @@ class SchedulerSide:
                 self.counters.add("remote_hit_tokens", state.remote_restored)
 
     def plan_breakpoints(
-        self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], list[int]]
+        self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], Any]
     ) -> None:
         """Plan saves of the prefixes whose breakpoint this step computes past, and
         report the facts of requests whose prompt this step finishes (``on_facts``).
 
         ``scheduled``: tokens each request computes in this step (vLLM's
         ``num_scheduled_tokens``, seen before vLLM advances ``num_computed_tokens``);
-        ``block_ids_of``: a request's KV blocks.  Workers copy the blocks out
+        ``block_ids_of``: a request's KV blocks (as vLLM gives them:
+        :meth:`KVGroups.per_group`).  Workers copy the blocks out
         after the step's forward, so the planned tokens are computed by then.
         Notes the time a request's first output token is first seen.
         """
@@ -562,7 +564,7 @@ class SchedulerSide:
                 self._report(state, final=False)
 
     def _plan_marks(self, req_id: str, state: _ReqState, step: int,
-                    block_ids_of: Callable[[str], list[int]]) -> None:
+                    block_ids_of: Callable[[str], Any]) -> None:
         request = state.request
         # Only tokens already in the sequence: speculative drafts may be rejected.
         done = min(int(request.num_computed_tokens) + step, len(request.all_token_ids))
@@ -570,18 +572,18 @@ class SchedulerSide:
         if not reached:
             return
         state.marks = [m for m in state.marks if m > done]
-        # One snapshot up to the last breakpoint reached, the others its aliases;
-        # with a window, which is stored at a snapshot's end only, one each
-        # (and one at the prompt's last whole block, which no request asked for).
-        ends = sorted({m // self.bs * self.bs for m in reached}) if self.windowed \
-            else [reached[-1] // self.bs * self.bs]
+        # The snapshots the reached marks make; the prompt's own save point
+        # (``prompt_end``) is a mark that no request asked for.
+        ends = self.groups.save_ends(reached, self.bs)
         asked = set(state.params.breakpoints)
         for n in ends:
             marks = tuple(m for m in reached if m // self.bs * self.bs <= n and m in asked)
-            here = [m for m in marks if m // self.bs * self.bs == n] if self.windowed else marks
+            here = [m for m in marks if m // self.bs * self.bs == n] \
+                if self.groups.ends_only else marks
             keep = max((state.params.keep.get(m, 0.0) for m in here), default=0.0) or None
             try:
-                job, known = self._save_job(request, n, block_ids_of(req_id), marks,
+                blocks = self.groups.per_group(block_ids_of(req_id))
+                job, known = self._save_job(request, n, blocks, marks,
                                             mid_request=True, keep=keep)
             except (SparkCacheError, KeyError, IndexError) as exc:
                 logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
@@ -666,7 +668,8 @@ class SchedulerSide:
 
     def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished`` (once per request): plan a save; True holds
-        the blocks until the workers report them copied.
+        the blocks until the workers report them copied.  ``block_ids``: one
+        list, or one list per KV cache group (:meth:`KVGroups.per_group`).
 
         Forgets the request: its offer, its state, its lease unless its
         asynchronous load is still in flight (that lease goes in
@@ -695,12 +698,12 @@ class SchedulerSide:
                 # The lease goes when the load reports (on_output).
                 return False, params
             self._release_lease(req_id)  # a sync load (never reported) or done
-            hold = self._plan_save(request, block_ids)
+            hold = self._plan_save(request, self.groups.per_group(block_ids))
             if not hold and state is not None and state.mid_saves:
                 # Nothing more to save, but breakpoint saves may still be copying
                 # these blocks out: hold them until the workers say so.
                 self._saves.append(SaveJob(
-                    req_id=req_id, token_ids=np.empty(0, np.uint32), block_ids=[],
+                    req_id=req_id, token_ids=np.empty(0, np.uint32), blocks=(),
                     parent=None, scope=None, breakpoints=(),
                 ))
                 self._saving.add(req_id)
@@ -709,43 +712,14 @@ class SchedulerSide:
         finally:
             self._reqs.pop(req_id, None)
 
-    def _groups(self, block_ids: Any) -> list[list[int]]:
-        """vLLM's per-group block ids as lists (``[]`` with one group)."""
-        if not self.group_windows:
-            return []
-        groups = [list(ids) for ids in block_ids]
-        if len(groups) != len(self.group_windows):
-            raise SparkCacheError(f"vLLM passed {len(groups)} block lists for "
-                                  f"{len(self.group_windows)} KV cache groups")
-        return groups
-
-    def _counted(self, groups: list[list[int]]) -> list[int]:
-        """The group whose blocks a save counts: a full-attention one if any."""
-        windows = self.group_windows
-        return groups[windows.index(0)] if 0 in windows else max(groups, key=len)
-
-    def _group_blocks(self, groups: list[list[int]], start: int,
-                      end: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        """Per group: the first block it needs of ``[start, end)`` and its ids from
-        there (a window group: the window below ``end``; blocks vLLM left null at
-        its front - id 0, outside what attention reads - are skipped)."""
-        out = []
-        for ids, keep in zip(groups, self.group_windows, strict=True):
-            first = start if keep == 0 else max(start, end - keep)
-            while keep and first < end and ids[first] == 0:
-                first += 1
-            out.append((first, tuple(ids[first:end])))
-        return tuple(out)
-
-    def _plan_save(self, request: Any, block_ids: Any) -> bool:
+    def _plan_save(self, request: Any, groups: list[list[int]]) -> bool:
         if not self.publish or request.prompt_token_ids is None:
             return False
         tokens = request.all_token_ids
-        held = max((len(ids) for ids in block_ids), default=0) if self.group_windows \
-            else len(block_ids)
+        held = max(len(ids) for ids in groups)
         n = min(request.num_computed_tokens, len(tokens), held * self.bs)
         marks = (self._restorable(int(request.num_prompt_tokens)), *breakpoints_of(request))
-        job, _known = self._save_job(request, n // self.bs * self.bs, block_ids, marks)
+        job, _known = self._save_job(request, n // self.bs * self.bs, groups, marks)
         if job is None:
             return False
         self._saves.append(job)
@@ -753,7 +727,7 @@ class SchedulerSide:
         self.counters.add("saves_planned")
         return True
 
-    def _save_job(self, request: Any, n: int, block_ids: Any, marks: tuple[int, ...],
+    def _save_job(self, request: Any, n: int, groups: list[list[int]], marks: tuple[int, ...],
                   *, mid_request: bool = False, keep: float | None = None,
                   ) -> tuple[SaveJob | None, Match | None]:
         """A save of the request's tokens ``[0, n)`` (whole blocks), or None when
@@ -762,8 +736,7 @@ class SchedulerSide:
         stored prefix found (None when none, or not looked up)."""
         if n < max(self.min_tokens, self.bs):
             return None, None
-        groups = self._groups(block_ids)
-        for ids in groups or [block_ids]:
+        for ids in groups:
             if len(ids) * self.bs < n:
                 raise SparkCacheError(f"{len(ids)} blocks cannot hold {n} tokens")
         token_ids = np.asarray(request.all_token_ids[:n], dtype=np.uint32)
@@ -773,31 +746,26 @@ class SchedulerSide:
         known: Match | None = None
         try:
             known = self.store.lookup(self.identity, token_ids, scope=scope, hashes=hashes,
-                                      whole_first=True, ends_only=self.windowed)
+                                      whole_first=True, ends_only=self.groups.ends_only)
             if known is not None:
                 if known.n_tokens == n:
                     self.counters.add("saves_known")
                     return None, known  # already stored (perhaps restored from it)
                 if self.store.snapshot(known.snapshot_id).n_tokens == known.n_tokens \
-                        and not self.windowed:
+                        and self.groups.copy_on_write:
                     # A whole stored snapshot is our prefix: write only the tail.
                     parent_id, parent_tokens = known.snapshot_id, known.n_tokens
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup before save failed; saving in full: %s", exc)
         start, end = parent_tokens // self.bs, n // self.bs
-        group_blocks = self._group_blocks(groups, start, end)
-        for (_first, held), keep_blocks in zip(group_blocks, self.group_windows, strict=False):
-            if 0 in held or (keep_blocks and len(held) < min(keep_blocks, end - start)):
-                # vLLM freed part of a window this snapshot must hold: no save.
-                self.counters.add("saves_windowless")
-                logger.info("sparkcache: not saving %s: blocks of its window below token %d "
-                            "are gone", request.request_id, n)
-                return None, known
+        blocks = self.groups.blocks(groups, start, end)
+        if self.groups.window_gone(blocks, start, end):
+            self.counters.add("saves_windowless")
+            logger.info("sparkcache: not saving %s: blocks of its window below token %d "
+                        "are gone", request.request_id, n)
+            return None, known
         return SaveJob(
-            req_id=request.request_id, token_ids=token_ids,
-            block_ids=list(self._counted(groups)[start:end] if groups else block_ids[start:end]),
-            parent=parent_id, scope=scope, breakpoints=marks, report=not mid_request,
-            keep=keep, group_blocks=group_blocks,
-            copy_in_step=tuple(g for g, w in enumerate(self.group_windows) if w)
-            if mid_request else (),
+            req_id=request.request_id, token_ids=token_ids, blocks=blocks, parent=parent_id,
+            scope=scope, breakpoints=marks, report=not mid_request, keep=keep,
+            start_block=start, copy_in_step=self.groups.copy_in_step(mid_request=mid_request),
         ), known

@@ -41,13 +41,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.cpus import read_cpus, widen_affinity
 from sparkcache.cuda import StagedRestore
 from sparkcache.errors import NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity
-from sparkcache.segment import Pieces
 from sparkcache.store import Match, SnapshotStore
 
 __all__ = ["FAULT_ENV", "PAGES_ENV", "LayerGroups", "Pages", "WorkerIO"]
@@ -85,7 +85,7 @@ class Pages(Protocol):
 
 
 class LayerGroups:
-    """A worker's KV layers by KV cache group (vLLM's hybrid allocator).
+    """A worker's KV layers by KV cache group (a plain model: one group).
 
     Each group has its own block table, so its layers move through their own
     :class:`Pages`; ``where[i]`` says where the identity's layer ``i`` (model
@@ -95,6 +95,11 @@ class LayerGroups:
     def __init__(self, pages: Sequence[Pages], where: Sequence[tuple[int, int]]) -> None:
         self.pages = list(pages)
         self.where = list(where)
+
+    @classmethod
+    def one(cls, pages: Pages) -> LayerGroups:
+        """A plain model's one group: every layer of ``pages``, in order."""
+        return cls([pages], [(0, i) for i in range(len(pages))])
 
 
 class WorkerIO:
@@ -113,17 +118,15 @@ class WorkerIO:
         max_queued_saves: int = 64,
         max_pending_bytes: int = 1 << 30,
         groups: LayerGroups | None = None,
+        kinds: KVGroups | None = None,
     ) -> None:
-        self.store = store
-        #: Several KV cache groups: jobs carry per-group blocks (``group_blocks``)
-        #: and a failed load is reported as a failed request (vLLM's block ids
-        #: are per group, so a failed block id would be ambiguous).
-        self.groups = groups
-        self._failed_reqs: set[str] = set()
-        self.identity = identity
-        self.rank = rank
+        self.store, self.identity, self.rank, self.counters = store, identity, rank, counters
+        #: The KV layers by group (``pages`` alone: a plain model's one group),
+        #: None when this worker is off; their kinds (default: full attention).
+        self.groups = groups if groups is not None or pages is None else LayerGroups.one(pages)
+        self.kinds = kinds or KVGroups((0,) * (1 if groups is None else len(groups.pages)))
         self.pages = pages
-        self.counters = counters
+        self._failed_reqs: set[str] = set()
         self.max_pending_bytes = max_pending_bytes
         self.load_threads = load_threads
         self.fault = os.environ.get(FAULT_ENV, "")
@@ -225,7 +228,7 @@ class WorkerIO:
                 self.counters.add("load_failures", sum(ok for _job, ok in jobs))
                 self.counters.add("loads_unwaited", len(jobs))
                 for job, _ok in jobs:
-                    self._failed_blocks.update(job.block_ids)
+                    self._fail(job)
         if not all_layers_waited:
             logger.warning("sparkcache: vLLM's forward did not wait for every restored layer; "
                            "%d in-step restore(s) are recomputed (use load_async: true)",
@@ -277,110 +280,67 @@ class WorkerIO:
     def _load(self, job: LoadJob, on_layer: Callable[[int], None] | None = None) -> None:
         """Verified read of the match into the blocks vLLM allocated for it.
 
-        Blocks below ``start_block`` are vLLM's own prefix hit: their payload is
-        not read (a ranged read; their token ids are still compared).  On CPU the
-        pages are read straight into the KV cache (one piece per run of
-        consecutive blocks), each read thread pinned to its own core of the
-        rank's set for the read (:func:`sparkcache.cpus.pinned_to`: vLLM's engine
-        core spins on a core during every step and gives way only on that core);
-        otherwise through the reused staging slots of ``pages.staged`` (pinned
-        for a GPU cache), each chunk uploaded while the next is read and
+        Each layer gets its group's blocks (a window: only its window); the
+        payload below ``start_block`` (vLLM's own hit) is not read.  On CPU
+        straight into the KV cache, each read thread pinned to its own core
+        (connector-notes.md, "CPU placement"); otherwise through each group's
+        reused staging slots, each chunk uploaded while the next is read and
         verified.  ``on_layer(i)`` runs once layer ``i`` is in place.
         """
-        if self.pages is None:
-            raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
+        groups = self._groups_of(job)
+        if self.kinds.bad_load(job.blocks):
+            raise SparkCacheError(f"no blocks to restore in a group: "
+                                  f"{[list(ids)[:4] for ids in job.blocks]}")
         match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids)
-        if job.group_blocks:
-            self._load_groups(job, match, None if self.fault else on_layer)
-            return
-        ids = job.block_ids
-        start_tokens = job.start_block * self.bs
+        end = job.n_tokens // self.bs
+        starts = [(end - len(job.blocks[g])) * self.bs for g, _j in groups.where]
         # The fault hook rewrites every layer after the read: nothing is
         # announced before that.
         notify = None if self.fault else on_layer
-        views = self.pages.block_views(ids)
-        if views is not None:
+        views = [p.block_views(ids) for p, ids in zip(groups.pages, job.blocks, strict=True)]
+        if all(v is not None for v in views):
             # A failure may leave verified bytes in these blocks: they are the
             # request's own, reported failed and recomputed.
-            self.store.read_into(match, self.rank, views, n_tokens=job.n_tokens,
-                                 start_tokens=start_tokens, on_layer=notify,
-                                 threads=self.load_threads, cpus=read_cpus())
-            self.counters.add("loads_direct")
-            if self.fault == "flip-restored":
-                layers = [np.concatenate(pieces) for pieces in views]
-                for pieces, layer in zip(views, self._scramble(layers), strict=True):
-                    Pieces(pieces).put(0, layer)
-            return
-        # Leaving the block waits for every queued upload, failed or not.
-        with self.pages.staged(ids) as staged:
-
-            def landed(layer: int) -> None:
-                staged.landed(layer)
-                if notify is not None:
-                    notify(layer)
-
-            self.store.read_into(match, self.rank, staged.layers, n_tokens=job.n_tokens,
-                                 start_tokens=start_tokens, threads=self.load_threads,
-                                 on_layer=landed)
-        if self.fault == "flip-restored":
-            self.pages.scatter(ids, self._scramble(self.pages.gather(ids)))
-
-    def _load_groups(self, job: LoadJob, match: Match,
-                     on_layer: Callable[[int], None] | None) -> None:
-        """:meth:`_load` with several KV cache groups: each layer gets its group's
-        blocks from its group's first needed block (a sliding window: only the
-        window below the match's end), straight into the cache on CPU, else
-        through each group's staging slots, uploaded while the read goes on."""
-        groups = self._groups_of(job)
-        for first, ids in job.group_blocks:
-            if not ids or 0 in ids or first * self.bs >= job.n_tokens:
-                raise SparkCacheError(f"no blocks to restore in a group (first {first}, "
-                                      f"ids {list(ids)[:4]}...)")
-        views = [p.block_views(ids) for p, (_f, ids) in zip(groups.pages, job.group_blocks,
-                                                             strict=True)]
-        starts = [job.group_blocks[g][0] * self.bs for g, _j in groups.where]
-        if all(v is not None for v in views):
             out: list[Any] = [views[g][j] for g, j in groups.where]  # type: ignore[index]
             self.store.read_into(match, self.rank, out, n_tokens=job.n_tokens,
-                                 start_tokens=starts, on_layer=on_layer,
+                                 start_tokens=starts, on_layer=notify,
                                  threads=self.load_threads, cpus=read_cpus())
             self.counters.add("loads_direct")
         else:
             # Leaving the block waits for every queued upload of every group.
             with contextlib.ExitStack() as stack:
                 staged = [stack.enter_context(p.staged(ids))
-                          for p, (_f, ids) in zip(groups.pages, job.group_blocks, strict=True)]
+                          for p, ids in zip(groups.pages, job.blocks, strict=True)]
 
                 def landed(layer: int) -> None:
                     g, j = groups.where[layer]
                     staged[g].landed(j)
-                    if on_layer is not None:
-                        on_layer(layer)
+                    if notify is not None:
+                        notify(layer)
 
                 self.store.read_into(match, self.rank,
                                      [staged[g].layers[j] for g, j in groups.where],
                                      n_tokens=job.n_tokens, start_tokens=starts,
                                      threads=self.load_threads, on_layer=landed)
         if self.fault == "flip-restored":
-            for p, (_f, ids) in zip(groups.pages, job.group_blocks, strict=True):
+            for p, ids in zip(groups.pages, job.blocks, strict=True):
                 p.scatter(ids, self._scramble(p.gather(ids)))
 
     def _groups_of(self, job: LoadJob | SaveJob) -> LayerGroups:
         """This worker's KV cache groups, which the job's per-group blocks must match."""
         groups = self.groups
-        if groups is None or len(job.group_blocks) != len(groups.pages):
+        if groups is None:
+            raise SparkCacheError("this worker's KV cache is not registered with sparkcache")
+        if len(job.blocks) != len(groups.pages):
             kind = "load" if isinstance(job, LoadJob) else "save"
             raise SparkCacheError(f"a {kind} planned for other KV cache groups than this "
                                   "worker's")
         return groups
 
     def _nbytes(self, job: LoadJob | SaveJob) -> int:
-        """The KV bytes a job moves: every layer's blocks, or with several KV
-        cache groups each layer's own group's blocks (a window: fewer)."""
-        page = self.identity.page_nbytes
-        if job.group_blocks and self.groups is not None:
-            return sum(len(job.group_blocks[g][1]) for g, _j in self.groups.where) * page
-        return len(job.block_ids) * page * self.identity.num_layers
+        """The KV bytes a job moves: each layer's own group's blocks (a window: fewer)."""
+        where = self.groups.where if self.groups is not None else ()
+        return sum(len(job.blocks[g]) for g, _j in where) * self.identity.page_nbytes
 
     @staticmethod
     def _scramble(layers: list[np.ndarray]) -> list[np.ndarray]:
@@ -395,18 +355,24 @@ class WorkerIO:
         with self._lock:
             if not ok:
                 self.counters.add("load_failures")
-                self._failed_blocks.update(job.block_ids)
-                if job.group_blocks:
-                    self._failed_reqs.add(job.req_id)
+                self._fail(job)
             if report:
                 self._recved.add(job.req_id)
                 self._progress.notify_all()
+
+    def _fail(self, job: LoadJob) -> None:
+        """Report a failed load to vLLM: its blocks, or (:attr:`KVGroups.fails_by_request`)
+        the request, whose block ids are per group.  Under the lock."""
+        if self.kinds.fails_by_request:
+            self._failed_reqs.add(job.req_id)
+        else:
+            self._failed_blocks.update(b for ids in job.blocks for b in ids)
 
     # -- saves -----------------------------------------------------------------------
 
     def submit_save(self, job: SaveJob) -> None:
         """Queue a save; the blocks are reported sent once copied out (or dropped)."""
-        if self.pages is None or not job.block_ids:
+        if self.groups is None or not job.blocks:
             if job.report:
                 self._mark_sent(job.req_id)
             return
@@ -421,7 +387,7 @@ class WorkerIO:
                     self._copying.setdefault(job.req_id, set()).add(seq)
         if not over:
             # On a GPU the copy waits for the forward that wrote the blocks.
-            fence = self.pages.fence()
+            fence = self.groups.pages[0].fence()
             try:
                 early = self._copy_in_step(job, fence)
             except Exception as exc:  # a failed copy is a lost save, never the step's error
@@ -446,14 +412,13 @@ class WorkerIO:
             self._copied(job.req_id, {seq})
 
     def _copy_in_step(self, job: SaveJob, fence: object) -> dict[int, list[np.ndarray]]:
-        """Copies of the groups the job copies before the step ends (the
-        sliding-window blocks of a breakpoint save: vLLM may hand them to
-        another request on the next step), by group index."""
+        """Copies, by group index, of the job's ``copy_in_step`` groups, taken before
+        the step ends (vLLM may hand those blocks to another request next step)."""
         if not job.copy_in_step:
             return {}
         groups = self._groups_of(job)
         started = time.perf_counter()
-        early = {g: groups.pages[g].gather(job.group_blocks[g][1], after=fence)
+        early = {g: groups.pages[g].gather(job.blocks[g], after=fence)
                  for g in job.copy_in_step}
         self.counters.add("save_copy_seconds", time.perf_counter() - started)
         return early
@@ -511,14 +476,9 @@ class WorkerIO:
                 if not cancelled:
                     self._active = (job.req_id, seq)
             try:
-                assert self.pages is not None
-                if not cancelled and job.group_blocks:
+                if not cancelled:
                     started = time.perf_counter()
-                    pages = self._gather_groups(job, fence, early)
-                    self.counters.add("save_copy_seconds", time.perf_counter() - started)
-                elif not cancelled:
-                    started = time.perf_counter()
-                    pages = self.pages.gather(job.block_ids, after=fence)
+                    pages = self._gather(job, fence, early)
                     self.counters.add("save_copy_seconds", time.perf_counter() - started)
             except Exception as exc:  # never kill the thread
                 logger.exception("sparkcache copy-out for %s failed: %s", job.req_id, exc)
@@ -544,15 +504,14 @@ class WorkerIO:
                 self._saves.task_done()
         self._saves.task_done()
 
-    def _gather_groups(self, job: SaveJob, fence: object,
-                       early: dict[int, list[np.ndarray]]) -> list[np.ndarray]:
-        """Copies of a save's blocks with several KV cache groups: one array per
-        layer of the identity, each from its group's blocks (a window: fewer);
-        ``early``: the groups copied in the step already."""
+    def _gather(self, job: SaveJob, fence: object,
+                early: dict[int, list[np.ndarray]]) -> list[np.ndarray]:
+        """Copies of a save's blocks: one array per layer of the identity, each
+        from its group's blocks (a window: fewer); ``early``: the groups copied
+        in the step already."""
         groups = self._groups_of(job)
         copied = [early[g] if g in early else p.gather(ids, after=fence)
-                  for g, (p, (_f, ids)) in enumerate(zip(groups.pages, job.group_blocks,
-                                                         strict=True))]
+                  for g, (p, ids) in enumerate(zip(groups.pages, job.blocks, strict=True))]
         return [copied[g][j] for g, j in groups.where]
 
     def _publish(self, job: SaveJob, pages: list[np.ndarray]) -> None:
@@ -576,7 +535,7 @@ class WorkerIO:
             self.counters.add("saves_skipped")
             return
         self.counters.add("saves")
-        self.counters.add("saved_tokens", len(job.block_ids) * self.bs)
+        self.counters.add("saved_tokens", len(job.token_ids) - job.start_block * self.bs)
         self.counters.add("saved_bytes", result.bytes_written)
         if job.keep and self.rank == 0:
             try:
@@ -608,8 +567,9 @@ class WorkerIO:
                     return
 
     def take_failed_requests(self) -> set[str]:
-        """Requests whose load with several KV cache groups failed since the last
-        call (vLLM recomputes them: ``failed_recving``)."""
+        """Requests whose load failed since the last call, where vLLM hears of
+        failures per request (:attr:`KVGroups.fails_by_request`; it recomputes
+        them: ``failed_recving``)."""
         with self._lock:
             failed, self._failed_reqs = self._failed_reqs, set()
         return failed

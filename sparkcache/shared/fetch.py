@@ -20,8 +20,8 @@ manifest is missing (an upload that died before its manifest, a snapshot the
 tier's sweep deleted meanwhile) or that does not agree is skipped for the next
 shorter stride (at most :data:`MAX_FALLBACKS`).
 
-A model whose layers keep a window (sliding-window attention, the identity's
-``window_blocks``) is asked differently: its snapshots store each window only
+A model whose layers keep a window (sliding-window attention: the identity's
+``ends_only``) is asked differently: its snapshots store each window only
 at their end and have no parent, so only a snapshot that ends inside the
 prompt, at a block boundary, restores it.  :func:`probe_ends` lists the
 prompt's last whole block and its breakpoints, longest first, and
@@ -704,7 +704,7 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     result = FetchResult("miss")
     # A windowed snapshot restores only at its end: ask for the manifests that
     # end where the prompt could use one, not for markers inside snapshots.
-    windowed = bool(identity.window_blocks)
+    windowed = identity.ends_only
 
     def ends() -> Iterator[RemotePrefix]:
         """The prompt's last whole block, then the stride marker's snapshot end

@@ -43,7 +43,7 @@ def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
     assert sched.matched_tokens(req, 0) == (0, False)  # notes the breakpoints (10: no whole block)
     assert step(sched, req, 64, blocks) == []  # 64 computed: no breakpoint reached
     (job,) = step(sched, req, 64, blocks)  # 128 computed: past 100
-    assert (len(job.token_ids), job.block_ids, job.report) == (96, blocks[:6], False)
+    assert (len(job.token_ids), job.blocks, job.report) == (96, (tuple(blocks[:6]),), False)
     io.submit_save(job)
     assert io.flush()
     assert io.poll() == (set(), set())  # vLLM is never told of a breakpoint save
@@ -52,7 +52,7 @@ def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
     # The prompt restores from it in another engine; bytes are the blocks' own.
     assert sched.matched_tokens(Req("b", p[:100] + prompt(50, 12)), 0) == (96, True)
     (job2,) = step(sched, req, 128, blocks)  # 256 computed: past 200
-    assert job2.parent == snap.id and job2.block_ids == blocks[6:12]  # the tail only
+    assert job2.parent == snap.id and job2.blocks == (tuple(blocks[6:12]),)  # the tail only
     io.submit_save(job2)
     assert io.flush()
     assert step(sched, req, 44, blocks) == []  # no breakpoint left
@@ -80,13 +80,13 @@ def test_a_release_waits_for_the_breakpoint_copies(tmp_path: Path) -> None:
         pages = GatedPages(32, 4)
         io = WorkerIO(store, ident, 0, pages, Counters())
         sched = SchedulerSide(store, ident, Counters(), min_tokens=BS, load_async=True)
-        other = SaveJob("x", np.asarray(prompt(32, 13), np.uint32), [0, 1], None, None, ())
+        other = SaveJob("x", np.asarray(prompt(32, 13), np.uint32), ((0, 1),), None, None, ())
         io.submit_save(other)
         assert pages.entered.wait(10)  # the saver is busy copying "x"
         req = Req("a", prompt(80, 14), kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
         sched.matched_tokens(req, 0)
         (mid,) = step(sched, req, 80, list(range(8, 14)))
-        assert mid.block_ids == [8, 9, 10, 11] and not mid.report
+        assert mid.blocks == ((8, 9, 10, 11),) and not mid.report
         io.submit_save(mid)
         held, _ = sched.finished(req, list(range(8, 14)))
         assert held
@@ -118,9 +118,9 @@ def test_preemption_cancels_queued_breakpoint_copies(tmp_path: Path) -> None:
         pages = GatedPages(32, 5)
         io = WorkerIO(store, ident, 0, pages, counters)
         tokens = np.asarray(prompt(64, 15), np.uint32)
-        io.submit_save(SaveJob("x", tokens, [0, 1, 2, 3], None, None, ()))
+        io.submit_save(SaveJob("x", tokens, ((0, 1, 2, 3),), None, None, ()))
         assert pages.entered.wait(10)
-        io.submit_save(SaveJob("a", tokens, [4, 5, 6, 7], None, None, (), report=False))
+        io.submit_save(SaveJob("a", tokens, ((4, 5, 6, 7),), None, None, (), report=False))
         started = time.monotonic()
         io.cancel_copies(["a"])  # queued, not started: dropped without waiting
         assert time.monotonic() - started < 10  # waiting would have taken 60 s
@@ -132,7 +132,7 @@ def test_preemption_cancels_queued_breakpoint_copies(tmp_path: Path) -> None:
         # A copy already running is waited for: the preempted blocks are read first.
         pages.gate.clear()
         pages.entered.clear()
-        io.submit_save(SaveJob("b", tokens, [8, 9, 10, 11], None, None, (), report=False))
+        io.submit_save(SaveJob("b", tokens, ((8, 9, 10, 11),), None, None, (), report=False))
         assert pages.entered.wait(10)  # "b" is being copied, the gate shut
         io.cancel_copies(["b"], timeout=0.1)  # waits, in vain: not cancelled
         assert "saves_cancelled" not in counters.take()
@@ -161,4 +161,4 @@ def test_a_save_builds_on_the_breakpoint_snapshot_not_a_longer_one(one_rank: Any
     second = Req("b", system + prompt(40, 33),
                  kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
     job = save(sched, io, second)
-    assert job.parent == base.id and len(job.block_ids) == (len(job.token_ids) - 64) // BS
+    assert job.parent == base.id and len(job.blocks[0]) == (len(job.token_ids) - 64) // BS

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from sparkcache import SnapshotStore
+from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import LayerGroups, WorkerIO
@@ -68,7 +69,7 @@ def grouped(tmp_path: Path) -> Iterator[Setup]:
     store = SnapshotStore(tmp_path / "s")
     counters = Counters()
     sched = SchedulerSide(store, ident, counters, min_tokens=BS, load_async=False,
-                          group_windows=(KEEP, 0))
+                          groups=KVGroups((KEEP, 0)))
     pages = [OneLayer(64, seed=1), OneLayer(64, seed=2)]  # group 0 sliding, group 1 full
     io = WorkerIO(store, ident, 0, pages[0], counters,
                   groups=LayerGroups(pages, [(0, 0), (1, 0)]))
@@ -89,8 +90,8 @@ def _publish(setup: Setup) -> tuple[Req, list[list[int]]]:
     held, _ = sched.finished(req, tuple(blocks))
     assert held
     _, (job,) = sched.take_jobs()
-    assert job.parent is None and job.block_ids == list(range(1, 8))
-    assert job.group_blocks == ((5, (20, 21)), (0, tuple(range(1, 8))))
+    assert job.parent is None and job.start_block == 0
+    assert job.blocks == ((20, 21), tuple(range(1, 8)))  # from blocks 5 and 0
     io.submit_save(job)
     assert io.flush()
     sent, _ = io.poll()
@@ -117,8 +118,8 @@ def test_a_restore_lands_in_each_groups_own_blocks(grouped: Setup) -> None:
     assert sched.matched_tokens(nxt, 0) == (112, True)
     sched.after_alloc(nxt, (_sliding(10, [40, 41, 42, 43, 44]), list(range(50, 60))), 112)
     (job,), _ = sched.take_jobs()
-    assert job.block_ids == [] and not job.in_step
-    assert job.group_blocks == ((5, (40, 41)), (0, tuple(range(50, 57))))
+    assert not job.in_step
+    assert job.blocks == ((40, 41), tuple(range(50, 57)))  # from blocks 5 and 0
     io.submit_load(job)
     assert io.flush()
     assert io.poll() == (set(), {"b"})
@@ -184,7 +185,7 @@ def _breakpoint_save(setup: Setup) -> tuple[Req, dict[int, np.ndarray]]:
     blocks = [_sliding(5, [12, 13, 14]), [1, 2, 3, 4, 5]]
     (job,) = step(sched, req, 80, blocks)  # type: ignore[arg-type]
     assert job.token_ids.size == 64 and not job.report and job.parent is None
-    assert job.group_blocks == ((2, (12, 13)), (0, (1, 2, 3, 4)))
+    assert job.blocks == ((12, 13), (1, 2, 3, 4))  # from blocks 2 and 0
     assert job.copy_in_step == (0,)  # the sliding group: its blocks go with the step
     saved = {b: pages[0].arr[b].copy() for b in (12, 13)}
     io.submit_save(job)  # vLLM's wait_for_save, at the end of the step
@@ -204,7 +205,7 @@ def test_a_breakpoint_save_copies_the_window_before_the_step_ends(tmp_path: Path
     ident = dataclasses.replace(identity(), extra=((WINDOW_BLOCKS_KEY, f"{KEEP},0"),))
     store = SnapshotStore(tmp_path / "s")
     counters = Counters()
-    sched = SchedulerSide(store, ident, counters, min_tokens=BS, group_windows=(KEEP, 0))
+    sched = SchedulerSide(store, ident, counters, min_tokens=BS, groups=KVGroups((KEEP, 0)))
     pages = [LateCopies(64, seed=1), OneLayer(64, seed=2)]
     io = WorkerIO(store, ident, 0, pages[0], counters,
                   groups=LayerGroups(pages, [(0, 0), (1, 0)]))
@@ -216,7 +217,7 @@ def test_a_breakpoint_save_copies_the_window_before_the_step_ends(tmp_path: Path
         assert sched.matched_tokens(nxt, 0) == (64, True)
         sched.after_alloc(nxt, (_sliding(6, [40, 41, 42, 43]), list(range(50, 56))), 64)
         (load,), _ = sched.take_jobs()
-        assert load.group_blocks == ((2, (40, 41)), (0, (50, 51, 52, 53)))
+        assert load.blocks == ((40, 41), (50, 51, 52, 53))  # from blocks 2 and 0
         io.submit_load(load)
         assert io.flush() and io.take_failed_requests() == set()
         assert np.array_equal(pages[0].arr[40], saved[12])
@@ -241,7 +242,7 @@ def test_breakpoints_reached_in_one_step_are_saved_one_snapshot_each(
     jobs = step(sched, req, 100, [_sliding(7, [10, 11, 12, 13, 14, 15, 16]),  # type: ignore[arg-type]
                                   list(range(1, 8))])
     assert [j.token_ids.size for j in jobs] == [32, 64, 96]
-    assert [j.group_blocks[0] for j in jobs] == [(0, (10, 11)), (2, (12, 13)), (4, (14, 15))]
+    assert [j.blocks[0] for j in jobs] == [(10, 11), (12, 13), (14, 15)]  # from 0, 2, 4
     assert [j.breakpoints for j in jobs] == [(40,), (40, 70), (40, 70)]
     assert [j.keep for j in jobs] == [None, 60.0, None]
     assert all(j.copy_in_step == (0,) for j in jobs)
@@ -315,7 +316,7 @@ def test_real_kv_pages_of_two_groups_round_trip(tmp_path: Path, use_numpy: bool)
                         groups=LayerGroups(pages, [(0, 0), (1, 0)]))
 
     store, counters = SnapshotStore(tmp_path / "s"), Counters()
-    sched = SchedulerSide(store, ident, counters, min_tokens=BS, group_windows=(KEEP, 0))
+    sched = SchedulerSide(store, ident, counters, min_tokens=BS, groups=KVGroups((KEEP, 0)))
     saver, loader = worker(src), worker(dst)
     try:
         req = finished(Req("a", prompt(100, 1)))

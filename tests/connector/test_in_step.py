@@ -64,8 +64,8 @@ def test_in_step_load_lands_layer_by_layer(tmp_path: Path) -> None:
         store.read_into = gated  # type: ignore[method-assign]
         ids = [9, 3, 4, 12]  # three runs; blocks 2-5 of the snapshot (start_block 2)
         before = kv.arr[1, ids].copy()
-        io.start_step_loads([LoadJob("r", snap.id, 96, np.asarray(p[:96], np.uint32), 2, ids,
-                                     in_step=True)])
+        io.start_step_loads([LoadJob("r", snap.id, 96, np.asarray(p[:96], np.uint32), 2,
+                                     (tuple(ids),), in_step=True)])
         io.wait_layer(0)
         assert at_gate.wait(10)
         expect = [pg.reshape(6, PAGE_NBYTES)[2:] for pg in pages]
@@ -92,7 +92,7 @@ def test_an_in_step_load_that_fails_or_is_not_awaited_is_recomputed(tmp_path: Pa
         counters = Counters()
         kv = FakePages(16, 3)
         io = WorkerIO(store, identity(), 0, kv, counters)
-        job = LoadJob("r", snap.id, 96, np.asarray(p[:96], np.uint32), 0, list(range(6)),
+        job = LoadJob("r", snap.id, 96, np.asarray(p[:96], np.uint32), 0, (tuple(range(6)),),
                       in_step=True)
         # Every layer awaited, all landed, but the forward skipped the hook for one:
         # those pages may have been read early, so vLLM must recompute them.
@@ -124,7 +124,7 @@ def test_an_in_step_load_that_fails_or_is_not_awaited_is_recomputed(tmp_path: Pa
         data = bytearray(segment.read_bytes())
         data[-96 * 4 - 10] ^= 0xFF
         segment.write_bytes(bytes(data))
-        job = LoadJob("r", fresh, 96, job.token_ids, 0, job.block_ids, in_step=True)
+        job = LoadJob("r", fresh, 96, job.token_ids, 0, job.blocks, in_step=True)
         io.start_step_loads([job])
         io.finish_step_loads(all_layers_waited=False)
         assert io.take_failed_blocks() == set(range(6))

@@ -35,7 +35,7 @@ def test_two_ranks_publish_restore_and_availability(tmp_path: Path) -> None:
         held, _ = sched.finished(finished(Req("a", p)), blocks_of(Req("a", p, prompt(16, 999))))
         assert held  # blocks kept until every worker copied them out
         _loads, (save,) = sched.take_jobs()
-        assert len(save.token_ids) == 112 and save.block_ids == list(range(7))
+        assert len(save.token_ids) == 112 and save.blocks == (tuple(range(7)),)
         workers[0].submit_save(save)
         assert workers[0].flush()
         assert workers[0].poll()[0] == {"a"}

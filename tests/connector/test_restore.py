@@ -36,7 +36,7 @@ def test_the_block_holding_the_prompts_end_is_restored(one_rank: Any) -> None:
     assert sched.matched_tokens(again, 96) == (3, True)  # 96 were a local hit
     sched.after_alloc(again, [40, 41, 42, 43, 44, 45, 50], 3)
     (load,), _ = sched.take_jobs()
-    assert (load.start_block, load.block_ids, load.n_tokens) == (6, [50], 112)
+    assert (load.start_block, load.blocks, load.n_tokens) == (6, ((50,),), 112)
     # The job's token ids: the prompt, then the stored answer tokens of that block.
     np.testing.assert_array_equal(load.token_ids, [*p, *prompt(16, 999)[:12]])
     fresh = FakePages(64, seed=9)
@@ -131,7 +131,7 @@ def test_a_corrupt_snapshot_reports_its_blocks(one_rank: Any, tmp_path: Path) ->
     assert sched.matched_tokens(req, 32) == (67, True)  # 32 tokens are a local hit
     sched.after_alloc(req, [20, 21, 22, 23, 24, 25, 26], 67)
     (load,), _ = sched.take_jobs()
-    assert load.start_block == 2 and load.block_ids == [22, 23, 24, 25, 26]
+    assert load.start_block == 2 and load.blocks == ((22, 23, 24, 25, 26),)
     io.submit_load(load)
     assert io.flush()
     assert io.poll()[1] == {"b"}
@@ -190,7 +190,7 @@ def test_asking_again_changes_nothing_but_the_offer(one_rank: Any) -> None:
     assert sched.take_jobs() == ([], [])  # nothing planned before the allocation
     sched.after_alloc(req, list(range(7)), 68)
     (load,), _ = sched.take_jobs()
-    assert (load.start_block, load.block_ids) == (2, [2, 3, 4, 5, 6])
+    assert (load.start_block, load.blocks) == (2, ((2, 3, 4, 5, 6),))
     got = counters.take()
     assert (got["lookups"], got["hits"], got["hit_tokens"]) == (3, 1, 68)
     assert "misses" not in got
@@ -209,7 +209,7 @@ def test_a_full_load_queue_fails_the_load_at_once(tmp_path: Path) -> None:
 
         io._load = slow  # type: ignore[method-assign]
         tokens = np.zeros(BS, np.uint32)
-        jobs = [LoadJob(f"r{i}", 1, BS, tokens, 0, [i]) for i in range(3)]
+        jobs = [LoadJob(f"r{i}", 1, BS, tokens, 0, ((i,),)) for i in range(3)]
         io.submit_load(jobs[0])
         assert started.wait(10)
         io.submit_load(jobs[1])  # queued
@@ -237,7 +237,7 @@ def test_idle_steps_wait_for_a_landing_load(tmp_path: Path) -> None:
             assert gate.wait(30)
 
         io._load = slow  # type: ignore[method-assign]
-        io.submit_load(LoadJob("r", 1, BS, np.zeros(BS, np.uint32), 0, [0]))
+        io.submit_load(LoadJob("r", 1, BS, np.zeros(BS, np.uint32), 0, ((0,),)))
         assert loading.wait(10)
         started = time.monotonic()
         io.wait_for_loads(0.2)  # still loading: the full timeout
@@ -269,7 +269,7 @@ def test_a_shared_prefix_restores_past_the_stride_alias(one_rank: Any) -> None:
     blocks = list(range(10, 10 + 700 // BS))
     sched.after_alloc(req, blocks, 592)
     (load,), _ = sched.take_jobs()
-    assert load.n_tokens == 592 and load.block_ids == blocks[:37]
+    assert load.n_tokens == 592 and load.blocks == (tuple(blocks[:37]),)
     fresh = FakePages(64, seed=11)
     restorer = WorkerIO(store, identity(), 0, fresh, counters)
     try:

@@ -24,7 +24,7 @@ def test_a_grown_context_publishes_only_its_tail(one_rank: Any) -> None:
     turn2 = Req("b", list(first.token_ids) + prompt(40, 7))
     second = save(sched, io, turn2)
     assert second.parent == snap.id
-    assert second.block_ids[0] == snap.n_tokens // BS  # only the tail's blocks
+    assert second.blocks[0][0] == snap.n_tokens // BS  # only the tail's blocks
     tail = store.snapshot(max(s.id for s in store.snapshots()))
     assert tail.parent_id == snap.id and tail.start_token == snap.n_tokens
 
@@ -34,7 +34,7 @@ def test_a_save_over_the_memory_bound_is_dropped_and_reported_sent(tmp_path: Pat
     with SnapshotStore(tmp_path / "s") as store:
         counters = Counters()
         io = WorkerIO(store, identity(), 0, FakePages(8, 1), counters, max_pending_bytes=0)
-        io.submit_save(SaveJob("s", np.zeros(BS, np.uint32), [0], None, None, ()))
+        io.submit_save(SaveJob("s", np.zeros(BS, np.uint32), ((0,),), None, None, ()))
         assert io.poll()[0] == {"s"}
         assert counters.take()["saves_dropped"] == 1
         assert io.flush() and store.snapshots() == []

@@ -15,6 +15,7 @@ import pytest
 
 from sparkcache import SnapshotStore
 from sparkcache.connector.fetcher import Fetcher
+from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
@@ -177,7 +178,7 @@ def test_a_sliding_window_model_fetches_the_snapshot_ending_at_a_breakpoint(
     counters = Counters()
     fetcher = Fetcher(shared, ident, counters, deadline=30.0, min_tokens=BS)
     sched = SchedulerSide(store, ident, counters, min_tokens=BS, fetcher=fetcher,
-                          group_windows=(2, 0))
+                          groups=KVGroups((2, 0)))
     try:
         longer = [*toks.tolist(), *prompt(60, 42)]  # 172 tokens: 160 in whole blocks
         req = Req("b", longer, kv_transfer_params={"sparkcache": {"breakpoints": [112]}})
