@@ -179,7 +179,7 @@ def test_a_cpu_restore_pins_its_read_threads_apart(
         io = WorkerIO(store, ident, 0, kv, Counters(), load_threads=2)
         seen = _masks_seen(monkeypatch)
         try:
-            io.submit_load(LoadJob("r", snap.id, 40, toks, 0, list(range(3, 13))))
+            io.submit_load(LoadJob("r", snap.id, 40, toks, 0, (tuple(range(3, 13)),)))
             assert io.flush()
             assert io.poll() == (set(), {"r"}) and not io.take_failed_blocks()
         finally:

@@ -90,7 +90,7 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def job(snap: int, tokens: np.ndarray, ids: list[int], start_block: int = 0) -> LoadJob:
     n = (start_block + len(ids)) * BS
-    return LoadJob("r", snap, n, tokens[:n], start_block, ids)
+    return LoadJob("r", snap, n, tokens[:n], start_block, (tuple(ids),))
 
 
 IDS = {
