@@ -21,8 +21,8 @@ from typing import Any
 import apsw
 import pytest
 
-from sparkcache import SnapshotStore, admin, cli_commands
-from sparkcache.cli import EXIT_CODES, build_parser, main
+from sparkcache import SnapshotStore, admin
+from sparkcache.cli import EXIT_CODES, build_parser, commands, main
 from sparkcache.index import migrate
 from sparkcache.shared import SharedTier, SweepLease
 
@@ -401,7 +401,7 @@ def test_log_follow_prints_new_requests_until_ctrl_c(run: Run, folder: Path,
     log(folder, "a", "b")
     ticks = Ticks(lambda: log(folder, "c", "d"), lambda: None,
                   lambda: log(folder, "e", model="other"), lambda: log(folder, "f"))
-    monkeypatch.setattr(cli_commands.time, "sleep", ticks)
+    monkeypatch.setattr(commands.time, "sleep", ticks)
     lines = run("log", "--follow", "--limit", "1").splitlines()  # exits 0 on Ctrl-C
     assert ticks.slept == [0.5] * 5
     assert lines[0].startswith("TIME") and sum(line.startswith("TIME") for line in lines) == 1
@@ -409,16 +409,16 @@ def test_log_follow_prints_new_requests_until_ctrl_c(run: Run, folder: Path,
     assert len(lines) == 1 + 5  # b, then c and d, e, f
     assert " other " in lines[4]
     ticks = Ticks(lambda: log(folder, "g"))
-    monkeypatch.setattr(cli_commands.time, "sleep", ticks)
+    monkeypatch.setattr(commands.time, "sleep", ticks)
     rows = json_lines(run("log", "--follow", "--json", "--model", "tiny-llama", "--limit", "2"))
     assert [r["request_id"] for r in rows] == ["d", "f", "g"]
 
 
 def test_log_follow_reads_every_row_of_a_burst(run: Run, folder: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli_commands, "FOLLOW_BATCH", 2)
+    monkeypatch.setattr(commands, "FOLLOW_BATCH", 2)
     ticks = Ticks(lambda: log(folder, *"abcde"))
-    monkeypatch.setattr(cli_commands.time, "sleep", ticks)
+    monkeypatch.setattr(commands.time, "sleep", ticks)
     rows = json_lines(run("log", "--follow", "--json"))
     assert [r["request_id"] for r in rows] == list("abcde")
     assert len(ticks.slept) == 2  # all five in one look

@@ -16,9 +16,10 @@ asks first on a terminal.
 
 This module is the entry point: the parser (:func:`build_parser`, the global
 options) and :func:`main`, which runs a command and turns its errors into one
-line and an exit status.  The commands are in :mod:`sparkcache.cli_commands`;
-what they share (the context, the output helpers, the exit statuses) in
-:mod:`sparkcache.cli_output`.
+line and an exit status.  The commands are in :mod:`sparkcache.cli.commands`
+(reading) and :mod:`sparkcache.cli.maintenance` (changing and checking); what
+they share (the context, the output helpers, the exit statuses) in
+:mod:`sparkcache.cli.output`.
 """
 
 from __future__ import annotations
@@ -33,29 +34,31 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any, NoReturn
 
 from sparkcache import admin
-from sparkcache.cli_commands import (
-    cmd_check,
-    cmd_clear,
+from sparkcache.cli.commands import (
     cmd_db_current,
     cmd_db_downgrade,
     cmd_db_upgrade,
-    cmd_export,
-    cmd_import,
     cmd_log,
     cmd_ls,
     cmd_models,
-    cmd_pin,
-    cmd_rm,
     cmd_serve,
-    cmd_shared_sweep,
     cmd_shell,
     cmd_show,
     cmd_stats,
+)
+from sparkcache.cli.maintenance import (
+    cmd_check,
+    cmd_clear,
+    cmd_export,
+    cmd_import,
+    cmd_pin,
+    cmd_rm,
+    cmd_shared_sweep,
     cmd_sweep,
     cmd_upload,
     cmd_verify,
 )
-from sparkcache.cli_output import (
+from sparkcache.cli.output import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
     EXIT_OK,
