@@ -324,33 +324,39 @@ def check(core: Core, *, fix: bool = False) -> CheckReport:
                 for sub in ids(conn, q.SUBTREE, (sid,)):
                     drop_snapshot(core, conn, sub, "orphan")
         referenced = {str(k) for (k,) in conn.execute(q.ALL_SEGMENT_KEYS)}
-        for segment in fetch(conn, q.READY_SEGMENTS, into=SegmentInfo):
-            sid = segment.snapshot_id
-            if sid in report.missing_files or sid in report.bad_keys:
-                continue
-            try:
-                if not core.backend.exists(segment.object_key):
-                    report.missing_files.append(sid)
-            except UnsafeName:  # a tampered row: never follow it, never delete by it
-                report.bad_keys.append(sid)
+        _check_segments(core, conn, report)
     if fix:
         for sid in report.missing_files:
             quarantine(core, sid, "missing")
         for sid in report.bad_keys:
             quarantine(core, sid, "key")
-    for key in files:
-        writer = temp_key_writer(key)
-        if writer is not None:
-            base = key.rsplit(".tmp.", 1)[0]
-            if base in referenced and process_alive(*writer):
-                continue  # a live writer's temp file
-        elif key in referenced:
-            continue
-        report.orphan_files.append(key)
+    report.orphan_files.extend(key for key in files if _orphan(key, referenced))
     if fix:
         for key in report.orphan_files:
             core.delete_object(key)
     return report
+
+
+def _check_segments(core: Core, conn: Conn, report: CheckReport) -> None:
+    """Note every ready segment whose file is missing, or whose key is unsafe."""
+    for segment in fetch(conn, q.READY_SEGMENTS, into=SegmentInfo):
+        sid = segment.snapshot_id
+        if sid in report.missing_files or sid in report.bad_keys:
+            continue
+        try:
+            if not core.backend.exists(segment.object_key):
+                report.missing_files.append(sid)
+        except UnsafeName:  # a tampered row: never follow it, never delete by it
+            report.bad_keys.append(sid)
+
+
+def _orphan(key: str, referenced: set[str]) -> bool:
+    """Whether no row names file ``key`` (a live writer's temp file is named)."""
+    writer = temp_key_writer(key)
+    if writer is not None:
+        base = key.rsplit(".tmp.", 1)[0]
+        return not (base in referenced and process_alive(*writer))
+    return key not in referenced
 
 
 # -- models --------------------------------------------------------------------------

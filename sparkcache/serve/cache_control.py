@@ -67,58 +67,83 @@ def _ttl(mark: Any, where: str) -> float | None:
     return TTLS[ttl]
 
 
-def _marks(body: dict[str, Any]) -> list[tuple[str, float, dict[str, Any]]]:
-    """Every mark in prompt order: (where, ttl, the request up to it)."""
-    found: list[tuple[str, float, dict[str, Any]]] = []
+#: A breakpoint found in a request: (where, ttl, the request up to it).
+_Mark = tuple[str, float, dict[str, Any]]
 
-    def up_to(tools: int | None, system: Any, messages: list[Any] | None) -> dict[str, Any]:
-        cut = {k: v for k, v in body.items() if k not in ("cache_control", "stream")}
-        if tools is not None:
-            cut["tools"] = body["tools"][:tools]
-        if system is not _KEEP:
-            if system is None:
-                cut.pop("system", None)
-            else:
-                cut["system"] = system
-        if messages is not None:
-            cut["messages"] = messages or [dict(PLACEHOLDER)]
-        return copy.deepcopy(cut)
 
+def _up_to(body: dict[str, Any], tools: int | None, system: Any,
+           messages: list[Any] | None) -> dict[str, Any]:
+    """A copy of the request cut after a mark: its first ``tools`` tools (None:
+    all), ``system`` (``_KEEP``: as it is; None: none), ``messages`` (None: all;
+    empty: one placeholder message)."""
+    cut = {k: v for k, v in body.items() if k not in ("cache_control", "stream")}
+    if tools is not None:
+        cut["tools"] = body["tools"][:tools]
+    if system is not _KEEP:
+        if system is None:
+            cut.pop("system", None)
+        else:
+            cut["system"] = system
+    if messages is not None:
+        cut["messages"] = messages or [dict(PLACEHOLDER)]
+    return copy.deepcopy(cut)
+
+
+def _tool_marks(body: dict[str, Any]) -> list[_Mark]:
     tools = body.get("tools")
-    if isinstance(tools, list):
-        for i, tool in enumerate(tools):
-            if isinstance(tool, dict):
-                ttl = _ttl(tool.get("cache_control"), f"tools[{i}]")
-                if ttl is not None:
-                    found.append((f"tools[{i}]", ttl, up_to(i + 1, None, [])))
+    if not isinstance(tools, list):
+        return []
+    found: list[_Mark] = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, dict):
+            ttl = _ttl(tool.get("cache_control"), f"tools[{i}]")
+            if ttl is not None:
+                found.append((f"tools[{i}]", ttl, _up_to(body, i + 1, None, [])))
+    return found
+
+
+def _system_marks(body: dict[str, Any]) -> list[_Mark]:
     system = body.get("system")
-    if isinstance(system, list):
-        for j, block in enumerate(system):
-            if isinstance(block, dict):
-                ttl = _ttl(block.get("cache_control"), f"system[{j}]")
-                if ttl is not None:
-                    found.append((f"system[{j}]", ttl, up_to(None, system[:j + 1], [])))
+    if not isinstance(system, list):
+        return []
+    found: list[_Mark] = []
+    for j, block in enumerate(system):
+        if isinstance(block, dict):
+            ttl = _ttl(block.get("cache_control"), f"system[{j}]")
+            if ttl is not None:
+                found.append((f"system[{j}]", ttl, _up_to(body, None, system[:j + 1], [])))
+    return found
+
+
+def _message_marks(body: dict[str, Any], messages: list[Any], k: int) -> list[_Mark]:
+    """The marks of message ``k``: its content blocks', then its own."""
+    message = messages[k]
+    found: list[_Mark] = []
+    content = message.get("content")
+    for j, block in enumerate(content if isinstance(content, list) else []):
+        if isinstance(block, dict):
+            where = f"messages[{k}].content[{j}]"
+            ttl = _ttl(block.get("cache_control"), where)
+            if ttl is not None:
+                cut = {**message, "content": content[:j + 1]}
+                found.append((where, ttl, _up_to(body, None, _KEEP, [*messages[:k], cut])))
+    ttl = _ttl(message.get("cache_control"), f"messages[{k}]")
+    if ttl is not None:
+        found.append((f"messages[{k}]", ttl, _up_to(body, None, _KEEP, messages[:k + 1])))
+    return found
+
+
+def _marks(body: dict[str, Any]) -> list[_Mark]:
+    """Every mark in prompt order: tools, system, messages, the request's own."""
+    found = _tool_marks(body) + _system_marks(body)
     messages = body.get("messages")
     if isinstance(messages, list):
         for k, message in enumerate(messages):
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                for j, block in enumerate(content):
-                    if isinstance(block, dict):
-                        where = f"messages[{k}].content[{j}]"
-                        ttl = _ttl(block.get("cache_control"), where)
-                        if ttl is not None:
-                            cut = {**message, "content": content[:j + 1]}
-                            found.append((where, ttl, up_to(None, _KEEP,
-                                                            [*messages[:k], cut])))
-            ttl = _ttl(message.get("cache_control"), f"messages[{k}]")
-            if ttl is not None:
-                found.append((f"messages[{k}]", ttl, up_to(None, _KEEP, messages[:k + 1])))
+            if isinstance(message, dict):
+                found += _message_marks(body, messages, k)
     ttl = _ttl(body.get("cache_control"), "request")
     if ttl is not None:
-        found.append(("cache_control", ttl, up_to(None, _KEEP, None)))
+        found.append(("cache_control", ttl, _up_to(body, None, _KEEP, None)))
     return found
 
 

@@ -119,6 +119,35 @@ def _has_cuda() -> bool:
     return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
 
 
+def _connector_config(text: str | None) -> dict[str, object]:
+    """``--connector-config``: a JSON object without the keys serve sets itself."""
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"--connector-config is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise InvalidArgument("--connector-config must be a JSON object")
+    for key in OWN_KEYS:
+        if key in extra:
+            raise InvalidArgument(f"give {key!r} as --{key}, not in --connector-config")
+    if "log_rows" in extra:
+        raise InvalidArgument("give log_rows as --log-rows, not in --connector-config")
+    return extra
+
+
+def _log_rows(given: int | None, env: dict[str, str]) -> None:
+    """``--log-rows`` into ``env``; serve reads usage from the log, so it must be on."""
+    if given is not None:
+        if given < 1:
+            raise InvalidArgument("--log-rows must be at least 1 (usage is read from the log)")
+        env["SPARK_KV_CACHE_LOG_ROWS"] = str(given)
+    elif log_rows_setting(env) < 1:  # an invalid value raises here, before vLLM starts
+        raise InvalidArgument(f"{LOG_ROWS_VARIABLE}=0 turns the request log off, and serve "
+                              "reads usage from it: unset it or give --log-rows N")
+
+
 def build(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
           cuda: bool | None = None) -> ServeCommand:
     """The vLLM command line and environment for ``sparkcache serve argv``."""
@@ -129,27 +158,9 @@ def build(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
             raise InvalidArgument(f"sparkcache serve sets {option} itself: {why}")
     if _given(rest, "--model"):
         raise InvalidArgument("give the model as the first argument: sparkcache serve MODEL")
-    extra: dict[str, object] = {}
-    if args.connector_config:
-        try:
-            extra = json.loads(args.connector_config)
-        except ValueError as exc:
-            raise InvalidArgument(f"--connector-config is not JSON: {exc}") from None
-        if not isinstance(extra, dict):
-            raise InvalidArgument("--connector-config must be a JSON object")
-        for key in OWN_KEYS:
-            if key in extra:
-                raise InvalidArgument(f"give {key!r} as --{key}, not in --connector-config")
+    extra = _connector_config(args.connector_config)
     folder = str(resolve_folder(args.folder, env).absolute())
-    if args.log_rows is not None:
-        if args.log_rows < 1:
-            raise InvalidArgument("--log-rows must be at least 1 (usage is read from the log)")
-        env["SPARK_KV_CACHE_LOG_ROWS"] = str(args.log_rows)
-    elif log_rows_setting(env) < 1:  # an invalid value raises here, before vLLM starts
-        raise InvalidArgument(f"{LOG_ROWS_VARIABLE}=0 turns the request log off, and serve "
-                              "reads usage from it: unset it or give --log-rows N")
-    if "log_rows" in extra:
-        raise InvalidArgument("give log_rows as --log-rows, not in --connector-config")
+    _log_rows(args.log_rows, env)
     token = args.admin_token or env.get("SPARKCACHE_ADMIN_TOKEN")
     if token:
         env["SPARKCACHE_ADMIN_TOKEN"] = token
