@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,29 +89,19 @@ def _up_to(body: dict[str, Any], tools: int | None, system: Any,
     return copy.deepcopy(cut)
 
 
-def _tool_marks(body: dict[str, Any]) -> list[_Mark]:
-    tools = body.get("tools")
-    if not isinstance(tools, list):
+def _list_marks(body: dict[str, Any], key: str,
+                cut: Callable[[list[Any], int], dict[str, Any]]) -> list[_Mark]:
+    """The marks of the blocks of list ``body[key]`` (tools, system): block ``i``'s
+    request up to it is ``cut(blocks, i)``."""
+    blocks = body.get(key)
+    if not isinstance(blocks, list):
         return []
     found: list[_Mark] = []
-    for i, tool in enumerate(tools):
-        if isinstance(tool, dict):
-            ttl = _ttl(tool.get("cache_control"), f"tools[{i}]")
-            if ttl is not None:
-                found.append((f"tools[{i}]", ttl, _up_to(body, i + 1, None, [])))
-    return found
-
-
-def _system_marks(body: dict[str, Any]) -> list[_Mark]:
-    system = body.get("system")
-    if not isinstance(system, list):
-        return []
-    found: list[_Mark] = []
-    for j, block in enumerate(system):
+    for i, block in enumerate(blocks):
         if isinstance(block, dict):
-            ttl = _ttl(block.get("cache_control"), f"system[{j}]")
+            ttl = _ttl(block.get("cache_control"), f"{key}[{i}]")
             if ttl is not None:
-                found.append((f"system[{j}]", ttl, _up_to(body, None, system[:j + 1], [])))
+                found.append((f"{key}[{i}]", ttl, cut(blocks, i)))
     return found
 
 
@@ -135,7 +125,9 @@ def _message_marks(body: dict[str, Any], messages: list[Any], k: int) -> list[_M
 
 def _marks(body: dict[str, Any]) -> list[_Mark]:
     """Every mark in prompt order: tools, system, messages, the request's own."""
-    found = _tool_marks(body) + _system_marks(body)
+    found = _list_marks(body, "tools", lambda _tools, i: _up_to(body, i + 1, None, []))
+    found += _list_marks(body, "system",
+                         lambda system, j: _up_to(body, None, system[:j + 1], []))
     messages = body.get("messages")
     if isinstance(messages, list):
         for k, message in enumerate(messages):
