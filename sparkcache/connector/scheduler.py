@@ -66,8 +66,9 @@ class SchedulerSide:
             raise InvalidArgument("the KV cache groups' windows disagree with the identity's")
         self.identity = identity
         self.counters = counters
-        self.rules = Rules(identity, self.groups, min_tokens, max(1, int(compute_tokens)))
-        rules = self.rules
+        #: The settings both planners read.
+        self.rules = rules = Rules(identity, self.groups, min_tokens,
+                                   max(1, int(compute_tokens)))
         self.restores = Restores(store, rules, counters, enabled=restore,
                                  load_async=load_async, tail_block=tail_block, fetcher=fetcher)
         self.saves = Saves(store, rules, counters, enabled=publish)
