@@ -1,7 +1,8 @@
 """What the scheduler side hands the workers, and the counters both sides keep.
 
-The scheduler side (:mod:`sparkcache.connector.scheduler`) plans
-:class:`LoadJob` and :class:`SaveJob` objects; vLLM pickles them into each
+The scheduler side's planners (:mod:`sparkcache.connector.restores`,
+:mod:`sparkcache.connector.saves`) plan :class:`LoadJob` and :class:`SaveJob`
+objects; vLLM pickles them into each
 step's connector metadata; every worker (:mod:`sparkcache.connector.worker`)
 runs them on its own rank.  Both sides import this module and neither imports
 the other.  Plain data over numpy: no vLLM, no store.

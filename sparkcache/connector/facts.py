@@ -1,0 +1,106 @@
+"""Each request's facts for the request log and the usage report.
+
+The planners note what they did (:class:`Facts`); :class:`Reporter` hands a
+request's row (``requestlog.LOG_FIELDS``) to ``on_facts`` when its prompt
+has been scheduled and again when it finished (docs/connector.md, "What the
+connector reports of each request").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Facts", "Reporter"]
+
+logger = logging.getLogger("vllm.sparkcache")
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)
+
+
+@dataclass
+class Facts:
+    """What the log and usage say of one request (wall-clock times)."""
+
+    log_id: str | None = None  # the request's own name for the log
+    breakpoints: tuple[int, ...] = ()
+    local: int | None = None  # vLLM's own prefix hit at the last admission
+    restored: int = 0  # tokens a planned restore supplies
+    remote_restored: int = 0  # of ``restored``, those the tier supplied
+    new_prefixes: list[tuple[int, int]] = field(default_factory=list)  # (n, stored before)
+    admitted_at: float | None = None
+    loaded_at: float | None = None  # an asynchronous restore landed
+    first_token_at: float | None = None
+    reported: bool = False  # the prefill's facts went out
+
+    def saw_output(self, request: Any, now: float) -> None:
+        """Note ``now`` as the first output token's time, if it is the first seen."""
+        if self.first_token_at is None and \
+                len(request.all_token_ids) > int(request.num_prompt_tokens):
+            self.first_token_at = now
+
+    def row(self, request: Any, *, final: bool) -> dict[str, Any]:
+        """The request's row of the request log (``requestlog.LOG_FIELDS``).
+
+        ``written_tokens`` counts the tokens its breakpoint saves add to the
+        store beyond what it read (vLLM's own hit and the restore) and what
+        was stored before: a breakpoint already stored adds none.
+        """
+        arrival = float(getattr(request, "arrival_time", 0.0) or 0.0) or None
+        covered = (self.local or 0) + self.restored
+        written = 0
+        for n, before in sorted(self.new_prefixes):
+            base = max(covered, before)
+            written += max(0, n - base)
+            covered = max(covered, n)
+        row: dict[str, Any] = {
+            "request_id": self.log_id or str(request.request_id),
+            "created_at": arrival,
+            "prompt_tokens": int(request.num_prompt_tokens),
+            "live_tokens": self.local,
+            "restored_tokens": self.restored,
+            "remote_tokens": self.remote_restored,
+            "written_tokens": written,
+            "breakpoints": list(self.breakpoints),
+            "queue_s": _since(arrival, self.admitted_at),
+            "restore_s": _since(self.admitted_at, self.loaded_at),
+        }
+        if final:
+            row["output_tokens"] = max(0, len(request.all_token_ids)
+                                       - int(request.num_prompt_tokens))
+            row["ttft_s"] = _since(arrival, self.first_token_at)
+        return row
+
+
+class Reporter:
+    """Hands rows to ``on_facts``; a failing callback is logged, never raised."""
+
+    def __init__(self, on_facts: Callable[[dict[str, Any]], None] | None) -> None:
+        self.on_facts = on_facts
+
+    def stepped(self, request: Any, facts: Facts, step: int) -> None:
+        """A step computes ``step`` tokens of the request: the prefill's facts
+        are reported once, in the step that schedules the prompt's end."""
+        if not facts.reported and int(request.num_computed_tokens) + step >= \
+                int(request.num_prompt_tokens):
+            facts.reported = True
+            self.report(request, facts, final=False)
+
+    def finished(self, request: Any, facts: Facts) -> dict[str, Any]:
+        """The final row, reported; what ``request_finished`` returns to vLLM."""
+        facts.saw_output(request, time.time())
+        return self.report(request, facts, final=True)
+
+    def report(self, request: Any, facts: Facts, *, final: bool) -> dict[str, Any]:
+        row = facts.row(request, final=final)
+        if self.on_facts is not None:
+            try:
+                self.on_facts(row)
+            except Exception as exc:  # the log is never worth a failed step
+                logger.warning("sparkcache: request log: %s", exc)
+        return row

@@ -1,0 +1,310 @@
+"""Restore planning: what a request's prompt restores, and who waits for whom.
+
+* **offer**: the index's longest snapshot every rank can restore, past
+  vLLM's own prefix hit, never the prompt's last ``compute_tokens``; when the
+  snapshot goes on past the match, the block holding the prompt's last tokens
+  too (``tail_block``).
+* **lease**: a planned restore leases its snapshot until the load has landed
+  (or the request is gone), so no sweep or eviction deletes it before the read.
+* **coalescing**: while an asynchronous load is in flight, a request sharing
+  more of its prefix than its own local hit waits (``None``: ask again), then
+  hits vLLM's prefix cache; one base is read from disk once.
+* **tier**: where the shared tier may hold a block more than is local, a fetch
+  starts and vLLM is told to ask again (:mod:`sparkcache.connector.fetcher`).
+
+The mechanism: docs/connector.md, "Admission".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from sparkcache.connector.fetcher import Fetcher
+from sparkcache.connector.jobs import Counters, LoadJob
+from sparkcache.connector.requests import Offer, RequestState, Rules
+from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
+from sparkcache.store import Match, SnapshotStore
+
+__all__ = ["LOAD_LEASE_SECONDS", "Restores"]
+
+logger = logging.getLogger("vllm.sparkcache")
+
+#: How long a planned restore protects its snapshot from eviction at most; the
+#: lease is released as soon as the load landed (or the request is gone).
+LOAD_LEASE_SECONDS = 300.0
+
+
+def _shared_blocks(a: list[bytes], b: list[bytes]) -> int:
+    """Whole blocks two chained-hash lists share (equality is monotone: bisect)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Restores:
+    """Offers, planned loads, the loads in flight and their leases.
+
+    Owns which requests are live (asked about, not finished), which loads are
+    in flight and the leases on what they read; the per-request part is
+    :class:`~sparkcache.connector.requests.RestorePart`.
+    """
+
+    def __init__(self, store: SnapshotStore, rules: Rules, counters: Counters, *,
+                 enabled: bool, load_async: bool | None, tail_block: bool,
+                 fetcher: Fetcher | None) -> None:
+        self.store, self.rules, self.counters = store, rules, counters
+        self.enabled = enabled
+        self.load_async = True if rules.groups.fails_by_request else load_async
+        self.tail_block = tail_block
+        #: Fetches from the shared tier (None: no tier, or restoring from it is off).
+        self.fetcher = fetcher
+        self._live: set[str] = set()
+        self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
+        self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
+        self._loads: list[LoadJob] = []
+
+    def asked(self, req_id: str) -> None:
+        """vLLM asked about the request: it is live until :meth:`finished`."""
+        self._live.add(req_id)
+
+    def matched(self, request: Any, state: RequestState,
+                num_computed: int) -> tuple[int | None, bool]:
+        """``(tokens past num_computed a restore supplies, async)``; ``(None,
+        False)``: ask again.  Replaces the request's pending offer."""
+        state.restore.offer = None
+        state.facts.local = num_computed
+        if not self.enabled:
+            return 0, False
+        bs = self.rules.bs
+        tokens = request.all_token_ids
+        want = self.rules.restorable(len(tokens))  # vLLM computes the rest itself
+        limit = want // bs * bs  # whole blocks: what the index can match
+        # Past vLLM's own hit, or only the block holding the prompt's end.
+        tail = self.tail_block and want > limit
+        if limit == 0 or limit < num_computed or (limit == num_computed and not tail):
+            return 0, False  # (under a block: nothing the index can match)
+        hashes = state.hashes(limit, bs)
+        if self._waits_for_load(request.request_id, state, hashes, num_computed) or \
+                self._waits_for_tier(state):
+            return None, False  # ask again once that load landed (or the tier answered)
+        found = self._find(state, tokens, limit, want, tail, hashes)
+        if found is None:
+            return 0, False
+        match, claim = found
+        part = state.restore
+        if self._ask_tier(request, state, limit, max(claim, num_computed), hashes):
+            return None, False  # ask again once the tier answered
+        self.counters.add("lookups")  # once per answer, however often it was asked
+        part.remote = 0
+        fetch = part.fetch
+        if fetch is not None and fetch.future.done() and claim > part.before_fetch \
+                and fetch.future.result().hit:
+            part.remote = claim - part.before_fetch
+        if match is None or claim <= num_computed:
+            self.counters.add("misses")
+            return 0, False
+        load_async = self.load_async
+        if load_async is None:
+            # auto: alone in the engine, the restore feeds the step that prefills
+            # it (read layer by layer under the forward); with others running it
+            # lands while the request waits, so their steps never wait for it.
+            load_async = len(self._live) > 1
+        part.offer = Offer(match, num_computed, load_async, claim)
+        return claim - num_computed, load_async
+
+    def _waits_for_load(self, req_id: str, state: RequestState, hashes: list[bytes],
+                        num_computed: int) -> bool:
+        """Whether another request's load in flight brings more of this prompt
+        than its local hit (counted ``coalesced`` once per request)."""
+        for other_id, loading in self._inflight.items():
+            if other_id != req_id and \
+                    _shared_blocks(hashes, loading) * self.rules.bs > num_computed:
+                if not state.restore.waited:
+                    state.restore.waited = True
+                    self.counters.add("coalesced")
+                return True
+        return False
+
+    def _waits_for_tier(self, state: RequestState) -> bool:
+        """Whether the request's fetch from the tier is still running, in time."""
+        part = state.restore
+        if part.fetch is not None and not part.fetch_done:
+            if not part.fetch.future.done():
+                if not part.fetch.expired():
+                    return True
+                self.counters.add("remote_timeouts")  # go on with what is local
+                if self.fetcher is not None:
+                    self.fetcher.failed()  # and do not make the next ones wait
+            part.fetch_done = True
+        return False
+
+    def _find(self, state: RequestState, tokens: Any, limit: int, want: int, tail: bool,
+              hashes: list[bytes]) -> tuple[Match | None, int] | None:
+        """The index's match for the prompt's first ``limit`` tokens (whole blocks),
+        grown past an alias and into the block holding the prompt's first
+        ``want`` tokens where the groups allow it, and the tokens it offers;
+        None when the lookup failed (a miss, logged and counted)."""
+        groups = self.rules.groups
+        started = time.perf_counter()
+        try:
+            match = self.store.lookup(self.rules.identity,
+                                      np.asarray(tokens[:limit], np.uint32),
+                                      scope=state.scope, hashes=hashes,
+                                      ends_only=groups.ends_only)
+        except SparkCacheError as exc:
+            logger.warning("sparkcache lookup failed (a miss): %s", exc)
+            self.counters.add("lookup_errors")
+            return None
+        finally:
+            self.counters.add("lookup_seconds", time.perf_counter() - started)
+        grows = not groups.ends_only  # past an alias, into the tail block
+        if match is not None and match.n_tokens < limit and grows:
+            match = self._grow(match, tokens[:limit])
+        claim = 0 if match is None else match.n_tokens
+        if match is not None and tail and match.n_tokens == limit and grows:
+            match, claim = self._extend(match, tokens[:want])
+        return match, claim
+
+    def _ask_tier(self, request: Any, state: RequestState, limit: int, have: int,
+                  hashes: list[bytes]) -> bool:
+        """Start a fetch from the shared tier when it may hold more of the prompt
+        than is local (at least a block more, of a prompt long enough to have
+        been saved); True when one started (vLLM is told to ask again)."""
+        part = state.restore
+        if self.fetcher is None or part.fetch is not None or part.fetch_done:
+            return False
+        bs = self.rules.bs
+        if limit < self.rules.floor or limit - have < bs:
+            return False
+        request_tokens = np.asarray(request.all_token_ids[:limit], np.uint32)
+        breakpoints = state.params.breakpoints
+        if self.rules.groups.ends_only:  # only a whole snapshot past what is local is of use
+            breakpoints = tuple(b for b in breakpoints if b >= have + bs)
+        fetch = self.fetcher.start(request_tokens, state.scope, breakpoints, hashes)
+        if fetch is None:
+            part.fetch_done = True
+            return False
+        part.fetch, part.before_fetch = fetch, have
+        return True
+
+    def wait_fetches(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a fetch from the tier to end."""
+        if self.fetcher is not None and self.fetcher.busy:
+            self.fetcher.wait_any(timeout)
+
+    def _grow(self, match: Match, tokens: Any) -> Match | None:
+        """The match grown to the last whole block the prompt shares with its
+        snapshot (past the alias the lookup stopped at); None when that snapshot
+        turned out broken."""
+        started = time.perf_counter()
+        try:
+            return self.store.grow(match, np.asarray(tokens, np.uint32))
+        except (CorruptSnapshot, NotFound) as exc:  # quarantined or gone: a miss
+            logger.warning("sparkcache: snapshot %d not offered: %s", match.snapshot_id, exc)
+            return None
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: could not compare the stored blocks: %s", exc)
+            return match
+        finally:
+            self.counters.add("lookup_seconds", time.perf_counter() - started)
+
+    def _extend(self, match: Match, tokens: Any) -> tuple[Match | None, int]:
+        """The match grown by the stored block holding the rest of ``tokens``, and
+        the tokens it offers; (None, 0) when that snapshot turned out broken."""
+        started = time.perf_counter()
+        try:
+            longer = self.store.extend(match, np.asarray(tokens, np.uint32))
+        except (CorruptSnapshot, NotFound) as exc:  # quarantined or gone: a miss
+            logger.warning("sparkcache: snapshot %d not offered: %s", match.snapshot_id, exc)
+            return None, 0
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: could not check the stored tail block: %s", exc)
+            return match, match.n_tokens
+        finally:
+            self.counters.add("lookup_seconds", time.perf_counter() - started)
+        return (match, match.n_tokens) if longer is None else (longer, len(tokens))
+
+    def after_alloc(self, state: RequestState | None, block_ids: Any,
+                    num_external: int) -> None:
+        """Use up the request's pending offer: plan the load of ``num_external``
+        tokens of it, lease its snapshot, mark an asynchronous one in flight."""
+        if state is None:  # (never asked about: no offer)
+            return
+        request, facts, offer = state.request, state.facts, state.restore.offer
+        state.restore.offer = None
+        if facts.admitted_at is None:
+            facts.admitted_at = time.time()
+        if offer is not None:  # (not the call after an asynchronous load landed)
+            facts.restored = facts.remote_restored = 0
+        if num_external == 0 or offer is None:
+            return
+        bs, groups = self.rules.bs, self.rules.groups
+        start, end = offer.local // bs, offer.match.n_tokens // bs
+        per_group = groups.per_group(block_ids)
+        shortest = min(len(ids) for ids in per_group)
+        if offer.local + num_external != offer.claim or offer.local % bs or shortest < end:
+            logger.warning("sparkcache: unexpected external token count %d (offered %d from "
+                           "%d, %d blocks); not loading", num_external,
+                           offer.claim - offer.local, offer.local, shortest)
+            return
+        match = offer.match
+        self._loads.append(LoadJob(
+            req_id=request.request_id, snapshot_id=match.snapshot_id, n_tokens=match.n_tokens,
+            token_ids=match.token_ids, start_block=start,
+            blocks=groups.blocks(per_group, start, end), in_step=not offer.load_async,
+        ))
+        if offer.load_async:
+            self._inflight[request.request_id] = state.hashes(offer.claim, bs)
+        try:
+            self._leases[request.request_id] = self.store.acquire_lease(
+                match.snapshot_id, kind="restore", ttl=LOAD_LEASE_SECONDS)
+        except SparkCacheError as exc:  # gone meanwhile: the load fails, vLLM recomputes
+            logger.warning("sparkcache: no lease on snapshot %d for %s: %s",
+                           match.snapshot_id, request.request_id, exc)
+            self.counters.add("lease_failures")
+        self.counters.add("hits")
+        self.counters.add("hit_tokens", num_external)
+        facts.restored = num_external
+        if state.restore.remote:  # the shared tier supplied the tokens past before_fetch
+            facts.remote_restored = min(state.restore.remote, num_external)
+            self.counters.add("remote_hits")
+            self.counters.add("remote_hit_tokens", facts.remote_restored)
+
+    def take_loads(self) -> list[LoadJob]:
+        """The loads planned since the last call, each handed out once."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def landed(self, req_ids: Iterable[str]) -> None:
+        """These requests' loads landed: their leases go, followers may hit."""
+        for req_id in req_ids:
+            self._inflight.pop(req_id, None)
+            self._release_lease(req_id)
+
+    def finished(self, req_id: str) -> bool:
+        """Forget the request; True when its asynchronous load is still in flight
+        (its blocks are being written; its lease goes when the load lands)."""
+        self._live.discard(req_id)
+        if self._inflight.pop(req_id, None) is not None:
+            return True
+        self._release_lease(req_id)  # a sync load (never reported) or done
+        return False
+
+    def _release_lease(self, req_id: str) -> None:
+        lease = self._leases.pop(req_id, None)
+        if lease is None:
+            return
+        try:
+            self.store.release_lease(lease)
+        except SparkCacheError as exc:  # it expires on its own
+            logger.warning("sparkcache: could not release lease %d: %s", lease, exc)

@@ -1,0 +1,210 @@
+"""Save planning: what a request publishes, and which blocks wait for the copy.
+
+* **finish**: a finished request's whole computed blocks (prompt and output)
+  are published, with alias boundaries at the prompt's end and at its
+  breakpoints; when a stored snapshot is a whole prefix, only the tail is
+  written (copy-on-write).
+* **marks**: once a step computes past a breakpoint (or a windowed model's
+  own save point, the prompt's end), the prefix up to it is published while
+  the request still runs; its blocks are then held at its finish until the
+  workers copied every such save out.
+* **keep**: a breakpoint's ``ttl`` renews a keep lease on its snapshot.
+
+What a KV cache group's kind changes is decided by
+:class:`~sparkcache.connector.groups.KVGroups`; the mechanism: docs/connector.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from sparkcache.connector.jobs import Counters, SaveJob
+from sparkcache.connector.requests import RequestState, Rules, breakpoints_of
+from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
+from sparkcache.errors import SparkCacheError
+from sparkcache.store import Match, SnapshotStore
+
+__all__ = ["Saves"]
+
+logger = logging.getLogger("vllm.sparkcache")
+
+
+class Saves:
+    """Planned saves, the requests whose blocks they hold, and keep leases.
+
+    The per-request part is :class:`~sparkcache.connector.requests.SavePart`.
+    """
+
+    def __init__(self, store: SnapshotStore, rules: Rules, counters: Counters, *,
+                 enabled: bool) -> None:
+        self.store, self.rules, self.counters = store, rules, counters
+        self.enabled = enabled
+        self._saves: list[SaveJob] = []
+        self._saving: set[str] = set()  # blocks held until the workers copied them
+        self._kept: dict[int, float] = {}  # snapshot -> when our keep lease on it ends
+
+    def start(self, state: RequestState) -> None:
+        """Note a new request's marks: its breakpoints and the prompt's own save point."""
+        if not self.enabled:
+            return
+        request, bs = state.request, self.rules.bs
+        marks = set(state.params.breakpoints)
+        if request.prompt_token_ids is not None:
+            state.save.prompt_end = self.rules.groups.prompt_end(
+                self.rules.restorable(int(request.num_prompt_tokens)), bs)
+            if state.save.prompt_end is not None:
+                marks.add(state.save.prompt_end)
+        state.save.marks = sorted(m for m in marks if m // bs * bs >= self.rules.floor)
+
+    def plan_marks(self, state: RequestState, step: int,
+                   block_ids_of: Callable[[str], Any]) -> None:
+        """Plan saves of the prefixes whose mark this step computes past."""
+        request, bs, groups = state.request, self.rules.bs, self.rules.groups
+        req_id = request.request_id
+        # Only tokens already in the sequence: speculative drafts may be rejected.
+        done = min(int(request.num_computed_tokens) + step, len(request.all_token_ids))
+        reached = [m for m in state.save.marks if m <= done]
+        if not reached:
+            return
+        state.save.marks = [m for m in state.save.marks if m > done]
+        # The snapshots the reached marks make; the prompt's own save point
+        # (``prompt_end``) is a mark that no request asked for.
+        asked = set(state.params.breakpoints)
+        for n in groups.save_ends(reached, bs):
+            marks = tuple(m for m in reached if m // bs * bs <= n and m in asked)
+            here = [m for m in marks if m // bs * bs == n] if groups.ends_only else marks
+            keep = max((state.params.keep.get(m, 0.0) for m in here), default=0.0) or None
+            try:
+                blocks = groups.per_group(block_ids_of(req_id))
+                job, known = self._save_job(state, n, blocks, marks,
+                                            mid_request=True, keep=keep)
+            except (SparkCacheError, KeyError, IndexError) as exc:
+                logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
+                continue
+            if job is not None:
+                self._saves.append(job)
+                state.save.mid_saves += 1
+                if not here:  # the prompt's end alone: no breakpoint wrote it
+                    self.counters.add("prompt_saves_planned")
+                    continue
+                state.facts.new_prefixes.append((n, 0 if known is None else known.n_tokens))
+                self.counters.add("breakpoint_saves_planned")
+            elif known is not None and known.n_tokens == n and here:
+                state.facts.new_prefixes.append((n, n))
+                if keep is not None:
+                    self._keep(known.snapshot_id, keep)
+
+    def _keep(self, snapshot_id: int, seconds: float) -> None:
+        """Renew the keep lease (a breakpoint's ``ttl``) on a stored snapshot, at
+        most once per half ``seconds``: a read refreshes it as a write does."""
+        now = time.time()
+        if self._kept.get(snapshot_id, 0.0) - now > seconds / 2:
+            return
+        try:
+            self.store.acquire_lease(snapshot_id, kind=KEEP_LEASE, ttl=seconds,
+                                     holder=KEEP_HOLDER)
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: could not keep snapshot %d: %s", snapshot_id, exc)
+            return
+        self._kept[snapshot_id] = now + seconds
+        if len(self._kept) > 4096:  # forget the oldest renewals
+            for sid in sorted(self._kept, key=self._kept.__getitem__)[:1024]:
+                del self._kept[sid]
+
+    def may_copy(self, state: RequestState) -> bool:
+        """Whether breakpoint saves of the request may still be copying its blocks."""
+        return bool(state.save.mid_saves)
+
+    def finished(self, state: RequestState, groups: list[list[int]]) -> bool:
+        """Plan the finished request's save; True holds its blocks until the
+        workers report them copied (a release job without blocks holds them for
+        breakpoint saves that may still copy)."""
+        hold = self._plan_save(state, groups)
+        if not hold and state.save.mid_saves:
+            self._saves.append(SaveJob(
+                req_id=state.request.request_id, token_ids=np.empty(0, np.uint32),
+                blocks=(), parent=None, scope=None, breakpoints=(),
+            ))
+            self._saving.add(state.request.request_id)
+            hold = True
+        return hold
+
+    def _plan_save(self, state: RequestState, groups: list[list[int]]) -> bool:
+        request, bs = state.request, self.rules.bs
+        if not self.enabled or request.prompt_token_ids is None:
+            return False
+        tokens = request.all_token_ids
+        held = max(len(ids) for ids in groups)
+        n = min(request.num_computed_tokens, len(tokens), held * bs)
+        marks = (self.rules.restorable(int(request.num_prompt_tokens)),
+                 *breakpoints_of(request))
+        job, _known = self._save_job(state, n // bs * bs, groups, marks)
+        if job is None:
+            return False
+        self._saves.append(job)
+        self._saving.add(request.request_id)
+        self.counters.add("saves_planned")
+        return True
+
+    def _save_job(self, state: RequestState, n: int, groups: list[list[int]],
+                  marks: tuple[int, ...], *, mid_request: bool = False,
+                  keep: float | None = None) -> tuple[SaveJob | None, Match | None]:
+        """A save of the request's tokens ``[0, n)`` (whole blocks), or None when
+        too short or already stored; when a stored snapshot is a whole prefix,
+        only the tail is written (copy-on-write).  Also returns the longest
+        stored prefix found (None when none, or not looked up)."""
+        request, bs, kinds = state.request, self.rules.bs, self.rules.groups
+        if n < self.rules.floor:
+            return None, None
+        for ids in groups:
+            if len(ids) * bs < n:
+                raise SparkCacheError(f"{len(ids)} blocks cannot hold {n} tokens")
+        token_ids = np.asarray(request.all_token_ids[:n], dtype=np.uint32)
+        hashes = state.hashes(n, bs)
+        parent_id, parent_tokens = None, 0
+        known: Match | None = None
+        try:
+            known = self.store.lookup(self.rules.identity, token_ids, scope=state.scope,
+                                      hashes=hashes, whole_first=True,
+                                      ends_only=kinds.ends_only)
+            if known is not None:
+                if known.n_tokens == n:
+                    self.counters.add("saves_known")
+                    return None, known  # already stored (perhaps restored from it)
+                if self.store.snapshot(known.snapshot_id).n_tokens == known.n_tokens \
+                        and kinds.copy_on_write:
+                    # A whole stored snapshot is our prefix: write only the tail.
+                    parent_id, parent_tokens = known.snapshot_id, known.n_tokens
+        except SparkCacheError as exc:
+            logger.warning("sparkcache lookup before save failed; saving in full: %s", exc)
+        start, end = parent_tokens // bs, n // bs
+        blocks = kinds.blocks(groups, start, end)
+        if kinds.window_gone(blocks, start, end):
+            self.counters.add("saves_windowless")
+            logger.info("sparkcache: not saving %s: blocks of its window below token %d "
+                        "are gone", request.request_id, n)
+            return None, known
+        return SaveJob(
+            req_id=request.request_id, token_ids=token_ids, blocks=blocks, parent=parent_id,
+            scope=state.scope, breakpoints=marks, report=not mid_request, keep=keep,
+            start_block=start, copy_in_step=kinds.copy_in_step(mid_request=mid_request),
+        ), known
+
+    def take_saves(self) -> list[SaveJob]:
+        """The saves planned since the last call, each handed out once."""
+        saves, self._saves = self._saves, []
+        return saves
+
+    def copied(self, req_ids: Iterable[str]) -> None:
+        """The workers copied these requests' saves: their blocks are free."""
+        self._saving.difference_update(req_ids)
+
+    @property
+    def holding(self) -> bool:
+        """Whether finished requests' blocks are held until the workers copied them."""
+        return bool(self._saving)
