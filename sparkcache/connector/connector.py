@@ -37,27 +37,26 @@ import importlib
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.groups import KVGroups
-from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
+from sparkcache.connector.jobs import Counters
 from sparkcache.connector.layout import (
     check_isa,
-    check_tensors,
     kv_groups,
-    layer_order,
     lone_token_differs,
     model_identity,
     rank_of,
 )
 from sparkcache.connector.logwriter import LogWriter
+from sparkcache.connector.registration import attention_layers, layer_groups
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
+from sparkcache.connector.stats import SparkCacheMetadata, SparkCachePromMetrics, SparkCacheStats
 from sparkcache.connector.worker import PAGES_ENV, LayerGroups, WorkerIO
 from sparkcache.cuda import KVPages
-from sparkcache.errors import InvalidArgument, SparkCacheError
+from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.requestlog import log_rows_setting
 from sparkcache.retention import Retention, RetentionSettings
@@ -67,15 +66,11 @@ from sparkcache.store import SnapshotStore
 __all__ = ["SparkCacheConnector", "SparkCacheMetadata", "SparkCachePromMetrics", "SparkCacheStats"]
 
 _base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
-_metrics = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
 _hit_source = importlib.import_module("vllm.v1.metrics.cache_hit_source")
 KVConnectorBase_V1: Any = _base.KVConnectorBase_V1
 SupportsHMA: Any = _base.SupportsHMA
 KVConnectorTransferResults: Any = _base.KVConnectorTransferResults
-KVConnectorMetadata: Any = _base.KVConnectorMetadata
 KVConnectorRole: Any = _base.KVConnectorRole
-KVConnectorStats: Any = _metrics.KVConnectorStats
-KVConnectorPromMetrics: Any = _metrics.KVConnectorPromMetrics
 CacheHitSource: Any = _hit_source.CacheHitSource
 
 # A child of vLLM's logger: our lines get vLLM's handler and format.
@@ -84,107 +79,6 @@ logger = logging.getLogger("vllm.sparkcache")
 #: On a step that computes nothing while a restore is in flight, the worker
 #: waits this long for it to land instead of letting the engine spin.
 IDLE_WAIT_SECONDS = 0.02
-
-
-# -- metadata (scheduler -> workers, pickled every step) ---------------------------------
-
-
-@dataclass
-class SparkCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    loads: list[LoadJob] = field(default_factory=list)
-    saves: list[SaveJob] = field(default_factory=list)
-    #: Preempted requests whose breakpoint saves may still read their blocks.
-    preempted: list[str] = field(default_factory=list)
-    #: The step computes no token: workers may wait for a load to land.
-    idle: bool = False
-
-
-# -- stats (workers and scheduler -> the logger process) ---------------------------------
-
-
-@dataclass
-class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
-    """Counters summed over an interval: ``data`` maps name -> number.
-
-    Scheduler: lookups, hits, misses, hit_tokens, coalesced, saves_planned,
-    saves_known, breakpoint_saves_planned, lease_failures, lookup_seconds; with
-    a shared tier: remote_hits and remote_hit_tokens (the part of hits and
-    hit_tokens the tier supplied; the rest is local), remote_lookups,
-    remote_misses, remote_refused, remote_errors, remote_timeouts,
-    remote_dropped, remote_fetched_bytes, remote_seconds
-    (:mod:`sparkcache.connector.fetcher`).
-    Workers: loads, loaded_tokens, loaded_bytes, load_seconds, loads_direct,
-    loads_in_step, load_failures, loads_dropped, loads_unwaited, saves,
-    saved_tokens, saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
-    saves_skipped, save_failures, saves_lost_parent, saves_cancelled.
-    """
-
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: Any) -> SparkCacheStats:
-        for key, value in (other.data or {}).items():
-            self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        out = {key: round(value, 4) if isinstance(value, float) else value
-               for key, value in sorted(self.data.items())}
-        lookups = self.data.get("lookups", 0)
-        if lookups:
-            out["hit_rate"] = round(self.data.get("hits", 0) / lookups, 4)
-        return out
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-#: Counters exported to Prometheus as ``vllm:sparkcache_<name>`` (``_total``).
-PROM_COUNTERS = {
-    "lookups": "Prompts looked up in the sparkcache index.",
-    "hits": "Requests that restored a prefix from sparkcache.",
-    "misses": "Lookups that found nothing restorable beyond vLLM's own prefix hit.",
-    "hit_tokens": "Tokens restored from sparkcache (offered and accepted).",
-    "remote_hits": "Restores that the shared tier supplied (fetched from another host).",
-    "remote_hit_tokens": "Restored tokens that the shared tier supplied.",
-    "remote_lookups": "Prompts looked up in the shared tier.",
-    "remote_misses": "Shared-tier lookups that found nothing more than the local store.",
-    "remote_refused": "Snapshots in the shared tier refused by verification (recomputed).",
-    "remote_errors": "Shared-tier lookups that failed: unreachable or refused (recomputed).",
-    "remote_timeouts": "Requests that stopped waiting for the shared tier at the deadline.",
-    "remote_fetched_bytes": "Bytes fetched from the shared tier.",
-    "coalesced": "Requests that waited for another request's restore of their prefix.",
-    "loaded_bytes": "KV bytes copied from sparkcache into the KV cache.",
-    "loads_in_step": "Restores read layer by layer under the forward of their prefill step.",
-    "load_failures": "Restores that failed verification or were dropped (recomputed).",
-    "load_seconds": "Seconds spent restoring (read, verify, copy).",
-    "saved_tokens": "Tokens written to sparkcache (copy-on-write tails).",
-    "saved_bytes": "Bytes written to sparkcache.",
-    "saves_dropped": "Saves dropped because a queue or the memory bound was full.",
-    "save_seconds": "Seconds spent publishing snapshots.",
-}
-
-
-class SparkCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
-    """Per-engine Prometheus counters of :data:`PROM_COUNTERS`."""
-
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        per_engine = importlib.import_module("vllm.v1.metrics.utils").create_metric_per_engine
-        self.counters = {
-            name: per_engine(self._counter_cls(name=f"vllm:sparkcache_{name}",
-                                               documentation=doc, labelnames=labelnames),
-                             per_engine_labelvalues)
-            for name, doc in PROM_COUNTERS.items()
-        }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in (transfer_stats_data or {}).items():
-            if name in self.counters and value > 0:
-                self.counters[name][engine_idx].inc(value)
 
 
 class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -464,8 +358,10 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         pages: list[KVPages] = []
         rank = 0
         try:
-            pages, groups, self._layer_index = self._layer_groups(kv_caches)
-            check_isa(self.identity, self._attention_layers(kv_caches))
+            pages, groups, self._layer_index = layer_groups(
+                kv_caches, self.kv_groups, self.identity, staging_mb=self.settings.staging_mb,
+                use_numpy=os.environ.get(PAGES_ENV) != "torch")
+            check_isa(self.identity, attention_layers(self._vllm_config, kv_caches))
             rank = rank_of(self.identity, parallel.get_tensor_model_parallel_rank(),
                            parallel.get_pipeline_model_parallel_rank())
         except SparkCacheError as exc:
@@ -487,52 +383,6 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                         first.num_blocks, len(self.kv_groups),
                         ", ".join(f"{g.kind} x{len(g.layers)}" for g in self.kv_groups),
                         first.page_nbytes, self.identity.page_shape, first.where)
-
-    def _attention_layers(self, kv_caches: dict[str, Any]) -> list[Any]:
-        """vLLM's attention layers of these KV caches (its forward context)."""
-        context = self._vllm_config.compilation_config.static_forward_context
-        layers = [context[name] for name in kv_caches if name in context]
-        if len(layers) != len(kv_caches):
-            raise InvalidArgument(f"vLLM's forward context holds {len(layers)} of the "
-                                  f"{len(kv_caches)} layers with a KV cache")
-        return layers
-
-    def _pages(self, kv_caches: dict[str, Any], groups: int = 1) -> KVPages:
-        """The page mover of these layers; several groups share ``staging_mb``."""
-        return KVPages(kv_caches, use_numpy=os.environ.get(PAGES_ENV) != "torch",
-                       staging_bytes=(self.settings.staging_mb << 20) // groups)
-
-    def _group_caches(self, kv_caches: dict[str, Any]) -> list[dict[str, Any]]:
-        """Each KV cache group's layers and their caches.  A plain model's one
-        group is every layer vLLM registered (one sharing another layer's cache
-        is stored once, under the first name)."""
-        if len(self.kv_groups) == 1:
-            return [dict(kv_caches)]
-        missing = [n for g in self.kv_groups for n in g.layers if n not in kv_caches]
-        if missing:
-            raise InvalidArgument(f"vLLM registered no KV cache for layers {missing[:4]}")
-        return [{n: kv_caches[n] for n in g.layers} for g in self.kv_groups]
-
-    def _layer_groups(self, kv_caches: dict[str, Any],
-                      ) -> tuple[list[KVPages], LayerGroups, dict[str, int]]:
-        """Each KV cache group's layers as their own :class:`KVPages` (each group
-        has its own block table), checked against the identity; and each vLLM
-        layer name's index among the identity's layers (a layer sharing another
-        layer's cache: that layer's)."""
-        caches = self._group_caches(kv_caches)
-        group_pages = [self._pages(c, len(caches)) for c in caches]
-        check_tensors(self.identity, [t for p in group_pages for t in p.tensors])
-        names = layer_order(n for p in group_pages for n in p.names)
-        where = [next((g, p.names.index(n)) for g, p in enumerate(group_pages) if n in p.names)
-                 for n in names]
-        index = {name: i for i, name in enumerate(names)}
-        for cache, pages in zip(caches, group_pages, strict=True):
-            stored = {int(t.data_ptr()): index[n] for n, t in zip(pages.names, pages.tensors,
-                                                                   strict=True)}
-            for name, tensor in cache.items():
-                if name not in index and int(tensor.data_ptr()) in stored:
-                    index[name] = stored[int(tensor.data_ptr())]
-        return group_pages, LayerGroups(group_pages, where), index
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Each step, with the step's metadata bound: before the forward when the

@@ -1,0 +1,120 @@
+"""What the connector hands vLLM besides KV: the metadata the scheduler sends
+the workers every step, the counters both sides report, and their Prometheus
+export (``vllm:sparkcache_<name>``).  Imports vLLM (its base classes)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkcache.connector.jobs import LoadJob, SaveJob
+
+__all__ = ["PROM_COUNTERS", "SparkCacheMetadata", "SparkCachePromMetrics", "SparkCacheStats"]
+
+_base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+_metrics = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
+KVConnectorMetadata: Any = _base.KVConnectorMetadata
+KVConnectorStats: Any = _metrics.KVConnectorStats
+KVConnectorPromMetrics: Any = _metrics.KVConnectorPromMetrics
+
+
+# -- metadata (scheduler -> workers, pickled every step) ---------------------------------
+
+
+@dataclass
+class SparkCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    #: Preempted requests whose breakpoint saves may still read their blocks.
+    preempted: list[str] = field(default_factory=list)
+    #: The step computes no token: workers may wait for a load to land.
+    idle: bool = False
+
+
+# -- stats (workers and scheduler -> the logger process) ---------------------------------
+
+
+@dataclass
+class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
+    """Counters summed over an interval: ``data`` maps name -> number.
+
+    Scheduler: lookups, hits, misses, hit_tokens, coalesced, saves_planned,
+    saves_known, breakpoint_saves_planned, lease_failures, lookup_seconds; with
+    a shared tier: remote_hits and remote_hit_tokens (the part of hits and
+    hit_tokens the tier supplied; the rest is local), remote_lookups,
+    remote_misses, remote_refused, remote_errors, remote_timeouts,
+    remote_dropped, remote_fetched_bytes, remote_seconds
+    (:mod:`sparkcache.connector.fetcher`).
+    Workers: loads, loaded_tokens, loaded_bytes, load_seconds, loads_direct,
+    loads_in_step, load_failures, loads_dropped, loads_unwaited, saves,
+    saved_tokens, saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
+    saves_skipped, save_failures, saves_lost_parent, saves_cancelled.
+    """
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: Any) -> SparkCacheStats:
+        for key, value in (other.data or {}).items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = {key: round(value, 4) if isinstance(value, float) else value
+               for key, value in sorted(self.data.items())}
+        lookups = self.data.get("lookups", 0)
+        if lookups:
+            out["hit_rate"] = round(self.data.get("hits", 0) / lookups, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+#: Counters exported to Prometheus as ``vllm:sparkcache_<name>`` (``_total``).
+PROM_COUNTERS = {
+    "lookups": "Prompts looked up in the sparkcache index.",
+    "hits": "Requests that restored a prefix from sparkcache.",
+    "misses": "Lookups that found nothing restorable beyond vLLM's own prefix hit.",
+    "hit_tokens": "Tokens restored from sparkcache (offered and accepted).",
+    "remote_hits": "Restores that the shared tier supplied (fetched from another host).",
+    "remote_hit_tokens": "Restored tokens that the shared tier supplied.",
+    "remote_lookups": "Prompts looked up in the shared tier.",
+    "remote_misses": "Shared-tier lookups that found nothing more than the local store.",
+    "remote_refused": "Snapshots in the shared tier refused by verification (recomputed).",
+    "remote_errors": "Shared-tier lookups that failed: unreachable or refused (recomputed).",
+    "remote_timeouts": "Requests that stopped waiting for the shared tier at the deadline.",
+    "remote_fetched_bytes": "Bytes fetched from the shared tier.",
+    "coalesced": "Requests that waited for another request's restore of their prefix.",
+    "loaded_bytes": "KV bytes copied from sparkcache into the KV cache.",
+    "loads_in_step": "Restores read layer by layer under the forward of their prefill step.",
+    "load_failures": "Restores that failed verification or were dropped (recomputed).",
+    "load_seconds": "Seconds spent restoring (read, verify, copy).",
+    "saved_tokens": "Tokens written to sparkcache (copy-on-write tails).",
+    "saved_bytes": "Bytes written to sparkcache.",
+    "saves_dropped": "Saves dropped because a queue or the memory bound was full.",
+    "save_seconds": "Seconds spent publishing snapshots.",
+}
+
+
+class SparkCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """Per-engine Prometheus counters of :data:`PROM_COUNTERS`."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        per_engine = importlib.import_module("vllm.v1.metrics.utils").create_metric_per_engine
+        self.counters = {
+            name: per_engine(self._counter_cls(name=f"vllm:sparkcache_{name}",
+                                               documentation=doc, labelnames=labelnames),
+                             per_engine_labelvalues)
+            for name, doc in PROM_COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in (transfer_stats_data or {}).items():
+            if name in self.counters and value > 0:
+                self.counters[name][engine_idx].inc(value)
