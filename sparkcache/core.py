@@ -236,6 +236,12 @@ class PublishPolicy(Protocol):
 # -- the core -----------------------------------------------------------------------
 
 
+#: When a verified read's counts could not be saved at once (another process
+#: held the write lock), the first retry is this many seconds later.
+RETRY_SAVE_SECONDS = 0.5
+MAX_RETRY_SAVE_SECONDS = 30.0
+
+
 class Core:
     """One open store's index, backend, clock and unsaved counters.
 
@@ -256,6 +262,7 @@ class Core:
         self._lock = threading.RLock()
         self._unsaved: Counter[tuple[int, str]] = Counter()
         self._uses: dict[int, tuple[float, int]] = {}  # snapshot -> (last use, uses)
+        self._retry: threading.Timer | None = None  # saves what record_use could not
 
     @property
     def db(self) -> Database:
@@ -324,7 +331,31 @@ class Core:
                 self._uses[sid] = (now, uses + 1)
             for name, value in counts.items():
                 self._unsaved[(model_id, name)] += value
-        self.try_save()
+        if not self.try_save():
+            self._save_later(RETRY_SAVE_SECONDS)
+
+    def _save_later(self, delay: float) -> None:
+        """Try again in ``delay`` seconds (doubling, up to :data:`MAX_RETRY_SAVE_SECONDS`),
+        on a timer thread: a reader that does no writes of its own (a worker that
+        only restores) would otherwise keep its counts until it closes."""
+        with self._lock:
+            if self._retry is not None or self._db is None:
+                return
+            self._retry = threading.Timer(delay, self._retry_save, (delay,))
+            self._retry.daemon = True
+            self._retry.start()
+
+    def _retry_save(self, delay: float) -> None:
+        with self._lock:
+            self._retry = None
+            if self._db is None or not (self._unsaved or self._uses):
+                return
+        try:
+            saved = self.try_save()
+        except SparkCacheError:  # closed meanwhile: close saved what it could
+            return
+        if not saved:
+            self._save_later(min(2 * delay, MAX_RETRY_SAVE_SECONDS))
 
     def try_save(self) -> bool:
         """Save what was counted, if the locks are free at once; False if not
@@ -458,6 +489,10 @@ class Core:
         """Save pending counters, close the index and the backend.  Idempotent."""
         if self._db is None:
             return
+        with self._lock:
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
         try:
             if self._unsaved or self._uses:
                 with self.write():

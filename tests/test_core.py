@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import time
 from pathlib import Path
+from typing import Any
 
+import apsw
 import pytest
 
 from sparkcache import SnapshotStore
@@ -28,6 +31,47 @@ def test_counts_are_saved_by_the_next_write(tmp_path: Path) -> None:
             pass
         assert other.core.counter_totals()["test.thing"] == 2
         assert other.core.counter_totals(model_id + 1) == {}
+
+
+def _hold_the_write_lock(folder: str, held: Any, release: Any) -> None:
+    with SnapshotStore(folder) as holder, holder.core.write():
+        held.set()
+        release.wait(30)
+
+
+def test_a_hit_counted_while_another_process_writes_is_saved_soon(tmp_path: Path) -> None:
+    """A verified read's counts are saved at once if the write lock is free, else
+    retried on a timer: a process that writes nothing else (a worker that only
+    restores) does not keep its hits until it closes."""
+    folder = tmp_path / "s"
+
+    def saved() -> dict[str, int]:  # what the index holds, read without writing
+        conn = apsw.Connection(str(folder / "index.sqlite"), flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            return {str(name): int(value) for _m, name, value in conn.execute(q.COUNTERS)}
+        finally:
+            conn.close()
+
+    with SnapshotStore(folder) as store:
+        res = store.publish(identity(), 0, tokens(16), pages_for(identity(), tokens(16)))
+        model_id = store.snapshot(res.snapshot_id).model_id
+        ctx = mp.get_context("spawn")
+        held, release = ctx.Event(), ctx.Event()
+        holder = ctx.Process(target=_hold_the_write_lock, args=(str(folder), held, release))
+        holder.start()
+        try:
+            assert held.wait(60)
+            store.core.record_use([res.snapshot_id], model_id, {"test.hits": 1})
+            time.sleep(1.0)  # the first retry, still locked out
+            assert "test.hits" not in saved()
+        finally:
+            release.set()
+            holder.join(30)
+        deadline = time.monotonic() + 10
+        while "test.hits" not in saved() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert saved()["test.hits"] == 1  # with no write of the store's own
+        assert store.snapshot(res.snapshot_id).use_count == 1
 
 
 def test_files_are_deleted_after_commit_never_on_rollback(tmp_path: Path) -> None:
