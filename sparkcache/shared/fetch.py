@@ -35,7 +35,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -319,26 +319,32 @@ def _layers(tier: SharedTier, remote: _Remote, pool: ThreadPoolExecutor,
     try:
         for name, at, lo, hi in pieces:
             started = time.perf_counter()
-            if not pending.nbytes:
-                pending = block(lo)
-            if pending.nbytes >= hi - lo:  # the piece in one block (the stream's pieces
-                # are these): a view of it, not a copy
-                out, pending = np.frombuffer(pending[:hi - lo], np.uint8), pending[hi - lo:]
-            else:  # a shorter block: joined
-                out = np.empty(hi - lo, np.uint8)
-                filled = 0
-                while True:
-                    n = min(pending.nbytes, out.size - filled)
-                    out[filled:filled + n] = np.frombuffer(pending[:n], np.uint8)
-                    pending, filled = pending[n:], filled + n
-                    if filled == out.size:
-                        break
-                    pending = block(lo + filled)
+            out, pending = _cut(pending, lo, hi, block)
             seg.check_piece(remote.header, name, at, out)
             timer[0] += time.perf_counter() - started
             yield out
     finally:
         stop.set()
+
+
+def _cut(pending: memoryview, lo: int, hi: int, block: Callable[[int], memoryview],
+         ) -> tuple[np.ndarray, memoryview]:
+    """The piece at file bytes ``[lo, hi)`` and what is left of the blocks:
+    ``pending`` (the rest of the last block) is followed by ``block(at)``."""
+    if not pending.nbytes:
+        pending = block(lo)
+    if pending.nbytes >= hi - lo:  # the piece in one block (the stream's pieces
+        # are these): a view of it, not a copy
+        return np.frombuffer(pending[:hi - lo], np.uint8), pending[hi - lo:]
+    out = np.empty(hi - lo, np.uint8)  # a shorter block: joined
+    filled = 0
+    while True:
+        n = min(pending.nbytes, out.size - filled)
+        out[filled:filled + n] = np.frombuffer(pending[:n], np.uint8)
+        pending, filled = pending[n:], filled + n
+        if filled == out.size:
+            return out, pending
+        pending = block(lo + filled)
 
 
 def _publish_ranks(core: Core, identity: ModelIdentity, m: Manifest, full: np.ndarray,
@@ -372,6 +378,37 @@ def _publish_ranks(core: Core, identity: ModelIdentity, m: Manifest, full: np.nd
     return snapshot_id
 
 
+def _pull(core: Core, tier: SharedTier, identity: ModelIdentity, m: Manifest, full: np.ndarray,
+          parent: SnapshotInfo | None, *, alias_stride: int, max_chain: int,
+          policy: PublishPolicy | None, result: FetchResult) -> tuple[int | str, np.ndarray, int]:
+    """Download link ``m`` (the prompt's token ids before it ``full``) and publish
+    it: (the snapshot id or why retention refused it, ``full`` with its token
+    ids, bytes fetched).  Streamed, unless its publish compacts the local chain.
+    CorruptSnapshot when it fails verification."""
+    timer = [0.0]
+    payloads: Sequence[Sequence[np.ndarray] | Encoded]
+    try:
+        with ThreadPoolExecutor(1, "sparkcache-fetch") as pool:
+            if parent is not None and parent.depth + 1 >= max_chain:
+                # compacted here: rewritten with the parent's rows, not streamed
+                tokens, payloads, nbytes = _download(tier, identity, m, timer)
+                result.requests += 2 * len(m.segments)
+            else:
+                remotes = _open_remote(tier, identity, m, timer)
+                tokens, nbytes = remotes[0].tokens, sum(r.nbytes for r in remotes)
+                payloads = [r.encoded(tier, pool, timer) for r in remotes]
+                result.requests += sum(r.requests for r in remotes)
+            check_key(identity, tokens, m.snap_key, scope=m.scope,
+                      parent_key=None if parent is None else parent.snap_key, reason="tokens",
+                      message=f"{m.snap_key}'s token ids do not hash to its key in its scope")
+            full = np.concatenate([full, tokens])
+            done = _publish_ranks(core, identity, m, full, payloads, parent,
+                                  alias_stride=alias_stride, max_chain=max_chain, policy=policy)
+    finally:
+        result.download_seconds += timer[0]
+    return done, full, nbytes
+
+
 def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: list[Manifest], *,
                 alias_stride: int, max_chain: int, policy: PublishPolicy | None,
                 result: FetchResult) -> None:
@@ -395,34 +432,14 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
                 continue
             if parent is not None and full.size < parent.n_tokens:
                 full = _tokens_of(core, identity, parent, full)
-            timer = [0.0]
-            payloads: Sequence[Sequence[np.ndarray] | Encoded]
             try:
-                with ThreadPoolExecutor(1, "sparkcache-fetch") as pool:
-                    if parent is not None and parent.depth + 1 >= max_chain:
-                        # compacted here: rewritten with the parent's rows, not streamed
-                        tokens, payloads, nbytes = _download(tier, identity, m, timer)
-                        result.requests += 2 * len(m.segments)
-                    else:
-                        remotes = _open_remote(tier, identity, m, timer)
-                        tokens, nbytes = remotes[0].tokens, sum(r.nbytes for r in remotes)
-                        payloads = [r.encoded(tier, pool, timer) for r in remotes]
-                        result.requests += sum(r.requests for r in remotes)
-                    check_key(identity, tokens, m.snap_key, scope=m.scope,
-                              parent_key=None if parent is None else parent.snap_key,
-                              reason="tokens",
-                              message=f"{m.snap_key}'s token ids do not hash to its key in "
-                                      "its scope")
-                    full = np.concatenate([full, tokens])
-                    done = _publish_ranks(core, identity, m, full, payloads, parent,
-                                          alias_stride=alias_stride, max_chain=max_chain,
-                                          policy=policy)
+                done, full, nbytes = _pull(core, tier, identity, m, full, parent,
+                                           alias_stride=alias_stride, max_chain=max_chain,
+                                           policy=policy, result=result)
             except CorruptSnapshot as exc:
                 core.count(0, "fetch_refused")
                 result.outcome, result.reason = "refused", str(exc)
                 return
-            finally:
-                result.download_seconds += timer[0]
             if isinstance(done, str):
                 result.outcome, result.reason = "refused", done
                 return
@@ -461,6 +478,26 @@ def _mark_used(tier: SharedTier, model: str, snap_key: str, result: FetchResult)
                        "(its age in the tier was not renewed): %s", snap_key, exc)
 
 
+def _ends(core: Core, counted: CountedTier, model: str, hashes: Sequence[bytes],
+          block_size: int, breakpoints: Sequence[int], result: FetchResult,
+          ) -> Iterator[RemotePrefix]:
+    """For a windowed identity: the prompt's last whole block, then the stride
+    marker's snapshot end and the breakpoints, longest first (each asked only
+    if needed); a marker that is not what it claims is counted, not raised."""
+    last, *marks = probe_ends(hashes, block_size, breakpoints)
+    yield last
+    try:
+        marked = marked_end(counted, model, hashes, block_size)
+    except InvalidArgument as exc:
+        core.count(0, "fetch_refused")
+        result.reason = str(exc)
+        marked = None
+    if marked is not None and marked.n_tokens < last.n_tokens:
+        marks = sorted({m.n_tokens: m for m in [*marks, marked]}.values(),
+                       key=lambda m: -m.n_tokens)
+    yield from marks
+
+
 def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
           token_ids: Sequence[int] | np.ndarray, *, scope: RequestScope | None,
           breakpoints: Sequence[int] = (), hashes: Sequence[bytes] | None = None,
@@ -486,25 +523,9 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     # A windowed snapshot restores only at its end: ask for the manifests that
     # end where the prompt could use one, not for markers inside snapshots.
     windowed = identity.ends_only
-
-    def ends() -> Iterator[RemotePrefix]:
-        """The prompt's last whole block, then the stride marker's snapshot end
-        and the breakpoints, longest first (each asked only if needed)."""
-        last, *marks = probe_ends(hashes, bs, breakpoints)
-        yield last
-        try:
-            marked = marked_end(counted, model, hashes, bs)
-        except InvalidArgument as exc:
-            core.count(0, "fetch_refused")
-            result.reason = str(exc)
-            marked = None
-        if marked is not None and marked.n_tokens < last.n_tokens:
-            marks = sorted({m.n_tokens: m for m in [*marks, marked]}.values(),
-                           key=lambda m: -m.n_tokens)
-        yield from marks
-
     try:
-        for found in (ends() if windowed and hashes
+        for found in (_ends(core, counted, model, hashes, bs, breakpoints, result)
+                      if windowed and hashes
                       else probe(counted, model, hashes, bs, breakpoints)):
             if found.n_tokens < min_tokens:
                 break
