@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Callable
 
-from sparkcache.backends.base import Backend, Blob, BufferLike, DiskUsage
+from sparkcache.backends.base import Backend, Blob, BufferLike, DiskUsage, ObjectStat, ObjectStore
 from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX, FsspecBackend
 from sparkcache.backends.keys import is_temp_key, temp_key, validate_key
 from sparkcache.backends.local import LocalBackend, MmapBackend
@@ -38,6 +38,8 @@ __all__ = [
     "FsspecBackend",
     "LocalBackend",
     "MmapBackend",
+    "ObjectStat",
+    "ObjectStore",
     "canonical_url",
     "is_temp_key",
     "known_schemes",

@@ -10,17 +10,20 @@ views safely.
 Every backend passes the shared conformance suite in
 ``tests/backends/test_conformance.py``; a new backend is added by implementing
 :class:`Backend` and calling :func:`sparkcache.backends.register_backend`.
+:class:`ObjectStore` is what the shared tier needs on top (docs/shared.md): a
+small core, the rest derived from it unless a backend does better.
 """
 
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import suppress
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, TypeAlias, runtime_checkable
 
-from sparkcache.errors import BackendError, NotFound, SparkCacheError, StoreFull
+from sparkcache.errors import BackendError, InvalidArgument, NotFound, SparkCacheError, StoreFull
 
 if TYPE_CHECKING:
     import numpy as np
@@ -32,6 +35,9 @@ __all__ = [
     "BufferBlob",
     "BufferLike",
     "DiskUsage",
+    "ObjectStat",
+    "ObjectStore",
+    "piece_sizes",
     "translate_os_error",
 ]
 
@@ -41,6 +47,15 @@ BufferLike: TypeAlias = "Buffer | np.ndarray[Any, Any]"
 numpy arrays are named explicitly because numpy's stubs declare ``__buffer__`` only
 for Python >= 3.12, so on 3.11 mypy would not see them as ``Buffer``.
 """
+
+class ObjectStat(NamedTuple):
+    """One object as a listing shows it: its key, size and last-modified time
+    (seconds since the epoch, the storage's own clock)."""
+
+    key: str
+    size: int
+    mtime: float
+
 
 class DiskUsage(NamedTuple):
     """Size and free bytes (for this process) of the medium holding a backend's objects."""
@@ -175,6 +190,109 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the backend's resources; idempotent.  Open blobs stay usable."""
         ...
+
+
+@runtime_checkable
+class ObjectStore(Backend, Protocol):
+    """A :class:`Backend` with what the shared tier needs (docs/shared.md).
+
+    The core a backend implements: :meth:`check_root`, :meth:`read_range` and
+    :meth:`stat_list`.  The rest has defaults derived from the core and from
+    :class:`Backend` (``rm`` loops ``rm_file`` in fsspec's way), which a
+    backend overrides where its medium does better (one HEAD, one streamed
+    GET, batched deletes, S3's conditional writes).  A backend that wants the
+    defaults subclasses this protocol.  Errors as :class:`Backend`'s.
+    """
+
+    # -- the core ---------------------------------------------------------------------
+
+    def check_root(self, name: str) -> None:
+        """Check, creating nothing, that the place the keys live exists: the
+        bucket on an object store, the root folder elsewhere.  ``name`` is how
+        messages call the storage.  ``NotFound`` when it does not exist,
+        ``InvalidArgument`` when the URL names no bucket (or not a bucket or
+        folder), ``BackendError`` when the storage cannot be asked."""
+        ...
+
+    def read_range(self, key: str, start: int, end: int) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of the object, fewer where it is shorter;
+        ``NotFound`` if it does not exist."""
+        ...
+
+    def stat_list(self, prefix: str = "") -> list[ObjectStat]:
+        """Every object under folder ``prefix`` ("" for all) with its size and
+        last-modified time, from one listing, never cached; as :meth:`list`."""
+        ...
+
+    # -- derived ----------------------------------------------------------------------
+
+    def head(self, key: str) -> int | None:
+        """The object's size, or None when there is none (one request where the
+        medium allows)."""
+        try:
+            return self.size(key)
+        except NotFound:
+            return None
+
+    def read_stream(self, key: str, start: int, end: int,
+                    piece: int | Sequence[int]) -> Generator[bytes | bytearray, None, None]:
+        """Bytes ``[start, end)`` of the object in pieces of ``piece`` bytes, or
+        of the sizes ``piece`` lists in turn (its last again once they run out);
+        every piece but the last whole, all shorter where the object is.
+        Memory is a piece, not the range; errors as :meth:`read_range` raises
+        them, when the piece that meets them is read.  By default one ranged
+        read per piece."""
+        sizes = piece_sizes(piece)
+        at = start
+        while at < end:
+            data = self.read_range(key, at, min(at + next(sizes), end))
+            if not data:
+                return
+            at += len(data)
+            yield data
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The bytes of each of ``keys`` that exists; missing ones are left out."""
+        out: dict[str, bytes] = {}
+        for key in keys:
+            with suppress(NotFound), self.open(key) as blob:
+                out[key] = bytes(blob.buffer)
+        return out
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete every one of ``keys``; missing ones are no error."""
+        for key in keys:
+            self.delete(key)
+
+    def local_path(self, key: str) -> str | None:
+        """The path of ``key`` on this host's own filesystem, or None when the
+        objects are not files here (the default)."""
+        return None
+
+    @property
+    def conditional_writes(self) -> bool:
+        """Whether :meth:`etag` and :meth:`put_conditional` work (default: no)."""
+        return False
+
+    def etag(self, key: str) -> str | None:
+        """The object's ETag, or None when there is none; ``InvalidArgument``
+        without :attr:`conditional_writes`."""
+        raise InvalidArgument(f"{self.url} has no ETags: conditional writes need S3")
+
+    def put_conditional(self, key: str, data: bytes, match: str | None) -> str | None:
+        """Write a small object only if there is none (``match`` None) or only
+        if its ETag is still ``match``: the new ETag, or None when the condition
+        failed (another writer came first); ``InvalidArgument`` without
+        :attr:`conditional_writes`."""
+        raise InvalidArgument(f"{self.url} has no conditional writes: they need S3")
+
+
+def piece_sizes(piece: int | Sequence[int]) -> Iterator[int]:
+    """The sizes of a stream's pieces: ``piece``'s in turn, then its last forever."""
+    sizes = [piece] if isinstance(piece, int) else list(piece)
+    if not sizes or min(sizes) < 1:
+        raise InvalidArgument(f"a stream's pieces must be at least a byte, not {sizes[:4]}")
+    return itertools.chain(sizes, itertools.repeat(sizes[-1]))
 
 
 class BufferBlob:

@@ -20,7 +20,7 @@ the filesystem allows:
 Every failure reaches the caller as a :class:`~sparkcache.errors.SparkCacheError`
 (a filesystem's own errors, botocore's included, as ``BackendError`` saying what to
 check).  ``s3://`` clients get connect and read timeouts and a bounded retry
-(``S3_CLIENT_DEFAULTS``) unless ``config_kwargs`` says otherwise.
+(:data:`~sparkcache.backends.s3.S3_CLIENT_DEFAULTS`) unless ``config_kwargs`` says otherwise.
 
 ``open`` copies the object into memory (``fs.cat_file``); ``zero_copy`` is False and
 ``disk_usage`` is None (fsspec has no portable way to ask).  fsspec is imported
@@ -32,13 +32,19 @@ from __future__ import annotations
 import builtins
 import datetime
 import functools
-import itertools
 import os
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, NamedTuple, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from sparkcache.backends.base import BufferBlob, translate_os_error
+from sparkcache.backends import s3
+from sparkcache.backends.base import (
+    BufferBlob,
+    ObjectStat,
+    ObjectStore,
+    piece_sizes,
+    translate_os_error,
+)
 from sparkcache.backends.keys import temp_key, validate_key
 from sparkcache.buffers import as_byte_view
 from sparkcache.errors import BackendError, InvalidArgument, NotFound, SparkCacheError, UnsafeName
@@ -52,30 +58,9 @@ FSSPEC_PREFIX = "fsspec::"
 """Prefix that forces :func:`~sparkcache.backends.open_backend` to use this backend."""
 
 
-#: Client settings for object stores reached through botocore (s3fs), unless the
-#: caller passes its own: an unreachable endpoint is an error within seconds,
-#: and a failing request is retried a bounded number of times.
-S3_CLIENT_DEFAULTS: dict[str, Any] = {
-    "connect_timeout": 5, "read_timeout": 60,
-    "retries": {"max_attempts": 3, "mode": "standard"},
-}
-
 #: fsspec protocols of object stores: the first part of a path is a bucket (or
 #: container), there are no folders, and an upload is visible only once complete.
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
-
-class ObjectStat(NamedTuple):
-    """One object as a listing shows it: its key, size and last-modified time
-    (seconds since the epoch, the storage's own clock)."""
-
-    key: str
-    size: int
-    mtime: float
-
-
-#: Keys deleted per request by :meth:`FsspecBackend.delete_many` (S3's DeleteObjects
-#: takes at most 1000).
-DELETE_BATCH = 1000
 
 
 class _CallersError(Exception):
@@ -129,31 +114,7 @@ def _backend_error(action: str, key: object, url: str, exc: Exception) -> Backen
         "endpoint, the credentials and the network (and that the bucket exists)")
 
 
-async def _read_exactly(body: Any, size: int) -> bytearray:
-    """Up to ``size`` bytes of an aiobotocore body: fewer only at its end."""
-    out = bytearray(size)  # each chunk copied once into place, never regrown
-    view = memoryview(out)
-    at = 0
-    while at < size:
-        chunk = await body.read(size - at)
-        if not chunk:
-            del view
-            del out[at:]
-            break
-        view[at:at + len(chunk)] = chunk
-        at += len(chunk)
-    return out
-
-
-def _piece_sizes(piece: int | Sequence[int]) -> Iterator[int]:
-    """The sizes of a stream's pieces: ``piece``'s in turn, then its last forever."""
-    sizes = [piece] if isinstance(piece, int) else list(piece)
-    if not sizes or min(sizes) < 1:
-        raise InvalidArgument(f"a stream's pieces must be at least a byte, not {sizes[:4]}")
-    return itertools.chain(sizes, itertools.repeat(sizes[-1]))
-
-
-class FsspecBackend:
+class FsspecBackend(ObjectStore):
     """Objects under the root path of an fsspec URL.
 
     ``storage_options`` are passed to the filesystem (credentials, endpoints).  The
@@ -173,7 +134,7 @@ class FsspecBackend:
             ) from exc
         if text.split("://", 1)[0] in ("s3", "s3a"):
             given = storage_options.get("config_kwargs") or {}
-            storage_options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, **given}
+            storage_options["config_kwargs"] = {**s3.S3_CLIENT_DEFAULTS, **given}
         try:
             fs, root = fsspec.core.url_to_fs(text, **storage_options)
         except ImportError as exc:
@@ -214,6 +175,42 @@ class FsspecBackend:
         return BackendError(
             f"{action} object {key!r} in {where} failed ({what}): check the credentials "
             "(the AWS_* environment, the profile), the endpoint and that the bucket exists")
+
+    def check_root(self, name: str) -> None:
+        """The bucket (object store) or the root folder must exist: neither is made."""
+        root = str(self.fs._strip_protocol(self.url)).rstrip("/")
+        if self.object_store:
+            bucket = root.lstrip("/").split("/", 1)[0]
+            if not bucket:
+                raise InvalidArgument(f"{name} names no bucket; give s3://bucket/prefix")
+            try:
+                info = self.fs.info(bucket)
+            except FileNotFoundError:
+                raise NotFound(
+                    f"the bucket {bucket!r} of {name} does not exist, or these credentials "
+                    "cannot see it: create the bucket first (sparkcache never creates one), "
+                    "or check the URL and the endpoint") from None
+            except PermissionError as exc:
+                raise BackendError(
+                    f"access to {name} was denied ({exc}): check the credentials "
+                    "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws) and "
+                    "the bucket's policy") from exc
+            except Exception as exc:
+                raise BackendError(
+                    f"cannot reach {name}: {type(exc).__name__}: {exc}; check the endpoint "
+                    "(endpoint_url, AWS_ENDPOINT_URL), the region and the network") from exc
+            if info.get("type") != "directory":
+                raise InvalidArgument(f"{bucket!r} is not a bucket; check the URL of {name}")
+            return
+        try:
+            is_folder = bool(self.fs.isdir(root or "/"))
+        except Exception as exc:
+            raise BackendError(f"cannot look at {name}: {type(exc).__name__}: {exc}") from exc
+        if not is_folder:
+            raise NotFound(
+                f"the folder of {name} does not exist: create it first (or mount the shared "
+                "filesystem there); sparkcache never creates it, so that storage on a mount "
+                "point that is not mounted cannot fill the local disk")
 
     # -- writes -----------------------------------------------------------------
 
@@ -323,17 +320,13 @@ class FsspecBackend:
 
     def read_stream(self, key: str, start: int, end: int,
                     piece: int | Sequence[int]) -> Generator[bytes | bytearray, None, None]:
-        """Bytes ``[start, end)`` of an object in pieces of ``piece`` bytes (the
-        last one shorter; all of them shorter where the object is), or of the
-        sizes ``piece`` lists in turn (its last size again once they run out),
-        read as they arrive from one request (on S3 one GET whose body is read piece by piece;
-        elsewhere one open file read in order): memory is a piece, not the range.
-        Errors as :meth:`open` raises them, when the piece that meets them is read."""
+        """:meth:`ObjectStore.read_stream` from one request, read as it arrives:
+        on S3 one GET whose body is read piece by piece, elsewhere one open file."""
         path = self._path(key)
-        sizes = _piece_sizes(piece)
+        sizes = piece_sizes(piece)
         try:
-            if self.object_store and hasattr(self.fs, "call_s3"):  # s3fs
-                yield from self._s3_stream(path, start, end, sizes)
+            if self.object_store and s3.is_s3(self.fs):
+                yield from s3.stream(self.fs, path, start, end, sizes)
                 return
             with self.fs.open(path, "rb") as f:
                 f.seek(start)
@@ -352,27 +345,6 @@ class FsspecBackend:
             raise self._os_error(exc, "reading", key, self.url) from exc
         except Exception as exc:
             raise _backend_error("reading", key, self.url, exc) from exc
-
-    def _s3_stream(self, path: str, start: int, end: int,
-                   sizes: Iterator[int]) -> Iterator[bytearray]:
-        from fsspec.asyn import sync
-
-        bucket, name, _version = self.fs.split_path(path)
-        if end <= start:
-            return
-        out = self.fs.call_s3("get_object", Bucket=bucket, Key=name,
-                              Range=f"bytes={start}-{end - 1}")
-        body = out["Body"]
-        try:
-            at = start
-            while at < end:
-                data = sync(self.fs.loop, _read_exactly, body, min(next(sizes), end - at))
-                if not data:
-                    return
-                at += len(data)
-                yield data
-        finally:
-            body.close()
 
     @_guarded("looking up")
     def exists(self, key: str) -> bool:
@@ -404,13 +376,10 @@ class FsspecBackend:
         """The object's size, or None when there is none, in one request where
         the filesystem allows: on S3 a HEAD (``size`` and ``exists`` go through
         ``fs.info``, which lists the prefix after a miss to tell a folder)."""
-        if self.object_store and hasattr(self.fs, "call_s3"):  # s3fs
+        if self.object_store and s3.is_s3(self.fs):
             out = self._head_object(key)
             return None if out is None else int(out["ContentLength"])
-        try:
-            return self.size(key)
-        except NotFound:
-            return None
+        return ObjectStore.head(self, key)
 
     @_guarded("listing")
     def list(self, prefix: str = "") -> Iterator[str]:
@@ -532,18 +501,18 @@ class FsspecBackend:
     @_guarded("deleting")
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete every one of ``keys`` (missing ones are no error): on an object
-        store in batches of :data:`DELETE_BATCH` per request, each object deleted
-        whole and at once, in no order within a batch."""
+        store in batches of :data:`~sparkcache.backends.s3.DELETE_BATCH` per
+        request, each object deleted whole and at once, in no order within a batch."""
         if not self.object_store:
             for key in keys:
                 self.delete(key)
             return
         paths = [self._path(k) for k in keys]
-        for i in range(0, len(paths), DELETE_BATCH):
-            batch = paths[i:i + DELETE_BATCH]
+        for i in range(0, len(paths), s3.DELETE_BATCH):
+            batch = paths[i:i + s3.DELETE_BATCH]
             try:
-                if hasattr(self.fs, "call_s3"):  # s3fs: one DeleteObjects, errors checked
-                    self._delete_objects(batch)
+                if s3.is_s3(self.fs):  # one DeleteObjects, errors checked
+                    s3.delete_objects(self.fs, batch, self.url)
                 else:
                     self.fs.rm(batch)
             except FileNotFoundError:
@@ -551,31 +520,10 @@ class FsspecBackend:
             except OSError as exc:
                 raise self._os_error(exc, "deleting", keys[i], self.url) from exc
 
-    def _delete_objects(self, paths: builtins.list[str]) -> None:
-        """One S3 DeleteObjects of ``paths`` (one bucket); an object it could not
-        delete is an error (s3fs's ``rm`` would pass over it, and a sweep must not
-        go on to a manifest's segments while the manifest stays)."""
-        bucket = self.fs.split_path(paths[0])[0]
-        names = [self.fs.split_path(p)[1] for p in paths]
-        out = self.fs.call_s3("delete_objects", Bucket=bucket,
-                              Delete={"Objects": [{"Key": n} for n in names], "Quiet": True})
-        for path in paths:
-            with suppress(Exception):
-                self.fs.invalidate_cache(path)
-        errors = out.get("Errors") or []
-        if errors:
-            first = errors[0]
-            raise BackendError(
-                f"deleting {len(errors)} of {len(paths)} objects in {self.url} failed, "
-                f"{first.get('Key')!r} first: {first.get('Code')}: {first.get('Message')}; "
-                "check that the credentials may delete objects (s3:DeleteObject)")
-
     def local_path(self, key: str) -> str | None:
         """The path of ``key`` on this host's own filesystem (``file://``: a local
         folder or a mount), or None for any other filesystem."""
-        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) \
-            else tuple(self.fs.protocol)
-        if not any(p in ("file", "local") for p in protocols):
+        if not any(p in ("file", "local") for p in _protocols(self.fs)):
             return None
         return self._path(key)
 
@@ -586,7 +534,7 @@ class FsspecBackend:
         """Whether :meth:`put_conditional` works: an S3 (or S3-protocol) store
         through s3fs.  A server that ignores the conditions (an old MinIO or
         Ceph) is not detected here; docs/shared.md says what that costs."""
-        return self.object_store and hasattr(self.fs, "call_s3")
+        return self.object_store and s3.is_s3(self.fs)
 
     @_guarded("inspecting")
     def etag(self, key: str) -> str | None:
@@ -598,11 +546,8 @@ class FsspecBackend:
 
     def _head_object(self, key: str) -> dict[str, Any] | None:
         """s3fs: one HeadObject of ``key`` (its response), or None when there is none."""
-        bucket, name, _version = self.fs.split_path(self._path(key))
         try:
-            return dict(self.fs.call_s3("head_object", Bucket=bucket, Key=name))
-        except FileNotFoundError:
-            return None
+            return s3.head_object(self.fs, self._path(key))
         except OSError as exc:
             raise self._os_error(exc, "inspecting", key, self.url) from exc
 
@@ -613,20 +558,11 @@ class FsspecBackend:
         None when the condition failed (another writer came first)."""
         if not self.conditional_writes:
             raise InvalidArgument(f"{self.url} has no conditional writes: they need S3")
-        bucket, name, _version = self.fs.split_path(self._path(key))
-        condition = {"IfNoneMatch": "*"} if match is None else {"IfMatch": match}
         try:
-            out = self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data,
-                                  **condition)
+            return s3.put_object(self.fs, self._path(key), data, match)
         except OSError as exc:
-            if _condition_failed(exc):
-                return None
             raise self._os_error(exc, "writing", key, self.url,
                                  missing_is_not_found=False) from exc
-        finally:
-            with suppress(Exception):
-                self.fs.invalidate_cache(self._path(key))
-        return str(out["ETag"])
 
     def disk_usage(self) -> None:
         """Unknown: fsspec has no portable free-space query."""
@@ -653,21 +589,11 @@ def _mtime(info: dict[str, Any]) -> float:
     return 0.0
 
 
-def _condition_failed(exc: BaseException) -> bool:
-    """Whether a conditional write failed on its condition (HTTP 412, or 409 when
-    a concurrent conditional write to the key is in flight), not for another reason."""
-    if isinstance(exc, FileExistsError):
-        return True
-    cause = exc.__cause__ or exc.__context__
-    response = getattr(cause, "response", None)
-    if not isinstance(response, dict):
-        return False
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
-
-
 def is_object_store(fs: Any) -> bool:
     """Whether an fsspec filesystem is an object store (:data:`OBJECT_STORES`)."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return any(p in OBJECT_STORES for p in protocols)
+    return any(p in OBJECT_STORES for p in _protocols(fs))
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    """An fsspec filesystem's protocol names."""
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)

@@ -179,7 +179,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                                                     TierLimits.from_env()).start()
             if self.settings.shared_fetch and self.settings.restore:
                 # (A sliding-window model fetches only snapshots ending where the
-                # request can restore one: shared.fetch.probe_ends.)
+                # request can restore one: shared.probe.probe_ends.)
                 self.fetcher = Fetcher(self.upload_store, self.identity, self.counters,
                                        deadline=self.settings.shared_deadline_seconds,
                                        min_tokens=self.sched.min_tokens)

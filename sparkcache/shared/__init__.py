@@ -5,8 +5,9 @@ shared tier (``s3://bucket/prefix``, ``gs://...``, ``file:///mnt/nfs/...``) is
 a second level behind it.  :mod:`~sparkcache.shared.layout` names every object
 (docs/shared.md), :mod:`~sparkcache.shared.tier` opens and checks a tier, and
 :mod:`~sparkcache.shared.uploader` copies each locally ready snapshot there,
-:mod:`~sparkcache.shared.fetch` finds a prompt's prefix there and makes it
-local, and :mod:`~sparkcache.shared.sweep` applies the tier's own limits
+:mod:`~sparkcache.shared.probe` finds a prompt's prefix there and
+:mod:`~sparkcache.shared.fetch` makes it local, and :mod:`~sparkcache.shared.sweep`
+applies the tier's own limits
 (budget, age), one host at a time (:mod:`~sparkcache.shared.lease`).
 """
 

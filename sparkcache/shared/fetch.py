@@ -1,38 +1,9 @@
 """Restoring from the shared tier: find a prompt's longest prefix there, fetch it.
 
-The read side of docs/shared.md.  :func:`probe` asks the tier which prefix of
-a prompt it holds, in a bounded number of small requests and never a listing:
-
-1. a HEAD of the marker at the first stride boundary: a snapshot holding the
-   prompt's first ``p`` tokens marked every stride boundary up to ``p``, so
-   the matched ones are a prefix of them, and when the first is not marked
-   the tier holds nothing of the prompt past it (one HEAD: the common miss);
-2. a HEAD of the marker at the prompt's last whole block (a snapshot of this
-   very prompt, answered before on another host, marked it: its save's
-   breakpoint at the prompt's end);
-3. otherwise a binary search over the other stride boundaries, one HEAD of a
-   marker each, then a HEAD of the markers at the request's own breakpoints
-   above the best stride (at most :data:`MAX_BREAKPOINT_PROBES`).
-
-:func:`resolve` then GETs the best marker, the manifest it names and its
-parents' manifests (root first), parsing each strictly; a marker whose
-manifest is missing (an upload that died before its manifest, a snapshot the
-tier's sweep deleted meanwhile) or that does not agree is skipped for the next
-shorter stride (at most :data:`MAX_FALLBACKS`).
-
-A model whose layers keep a window (sliding-window attention: the identity's
-``ends_only``) is asked differently: its snapshots store each window only
-at their end and have no parent, so only a snapshot that ends inside the
-prompt, at a block boundary, restores it.  :func:`probe_ends` lists the
-prompt's last whole block and its breakpoints, longest first, and
-:func:`resolve_end` asks for the manifest of the snapshot ending exactly
-there (its key is the prompt's prefix hash there): one HEAD each while there
-is none.  Between the last whole block and the breakpoints,
-:func:`marked_end` reads the prompt's best stride marker: when the snapshot
-it names ends inside the prompt (a new turn of a stored conversation), that
-end is asked for too.  A miss costs two HEADs (the last block's manifest, the
-first stride's marker) plus one per breakpoint probed.  A manifest with a
-parent, or of another length, is refused.
+The fetch half of docs/shared.md's read side.  :mod:`sparkcache.shared.probe`
+finds the prompt's best marker (or, for a model whose layers keep a window,
+the snapshot ending inside the prompt) and its chain of manifests;
+:func:`fetch_prefix` runs it and fetches what it found.
 
 :func:`fetch_chain` pulls every link not already local into the local store
 through the ordinary publish path, verifying each rank's object as an import
@@ -64,7 +35,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -80,7 +51,19 @@ from sparkcache.index import queries as q
 from sparkcache.maintenance import drop_snapshot
 from sparkcache.publish import Encoded, publish
 from sparkcache.reader import stored_tokens
-from sparkcache.shared.layout import Manifest, alias_key, manifest_key, parse_alias, parse_manifest
+from sparkcache.shared.layout import Manifest
+from sparkcache.shared.probe import (
+    MAX_BREAKPOINT_PROBES,
+    MAX_CHAIN_LINKS,
+    MAX_FALLBACKS,
+    CountedTier,
+    RemotePrefix,
+    marked_end,
+    probe,
+    probe_ends,
+    resolve,
+    resolve_end,
+)
 from sparkcache.shared.sweep import mark_used
 from sparkcache.shared.tier import SharedTier
 from sparkcache.verification import check_key, read_segment, same_tokens
@@ -101,16 +84,10 @@ __all__ = [
     "resolve",
     "resolve_end",
 ]
+# (The probe's names are re-exported: :mod:`sparkcache.shared.probe` holds them.)
 
 logger = logging.getLogger(__name__)
 
-#: Breakpoints of a request probed above its best stride, at most.
-MAX_BREAKPOINT_PROBES = 4
-#: Shorter strides tried when the best marker dangles or disagrees.
-MAX_FALLBACKS = 2
-#: Manifests followed from a snapshot to its root, at most (a tier's chains are
-#: its hosts' chains, which compaction bounds far below this).
-MAX_CHAIN_LINKS = 64
 #: How long a fetch waits for another process of this host publishing the same
 #: snapshot (its publish lease) before it gives up (a miss).
 PENDING_WAIT_SECONDS = 10.0
@@ -126,16 +103,6 @@ _HEAD_GUESS = 256 << 10
 # One fetch of a snapshot at a time in this process: a second request for the
 # same prefix finds it local instead of downloading it again.
 _STRIPES = [threading.Lock() for _ in range(64)]
-
-
-@dataclass(frozen=True)
-class RemotePrefix:
-    """A marker found for the prompt: the tier holds its first ``n_tokens``
-    tokens (prefix hash ``prefix``) in snapshot ``snap_key``'s chain."""
-
-    n_tokens: int
-    prefix: str
-    snap_key: str = ""
 
 
 @dataclass
@@ -171,192 +138,6 @@ class FetchResult:
     def hit(self) -> bool:
         return self.outcome in ("fetched", "local")
 
-
-# -- probe ---------------------------------------------------------------------------------
-
-
-class _Counted:
-    """The tier's HEAD and GET, counted."""
-
-    def __init__(self, tier: SharedTier) -> None:
-        self.tier = tier
-        self.requests = 0
-        self._lock = threading.Lock()
-
-    def has(self, key: str) -> bool:
-        with self._lock:
-            self.requests += 1
-        return self.tier.exists(key)
-
-    def get(self, key: str) -> bytes | None:
-        raw = self.tier.get(key)
-        with self._lock:  # a HEAD (its size), and the GET when there is an object
-            self.requests += 1 if raw is None else 2
-        return raw
-
-
-def probe(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes], block_size: int,
-          breakpoints: Sequence[int] = (), *, whole: bool = True) -> list[RemotePrefix]:
-    """The markers the tier has for the prompt whose block hashes are ``hashes``,
-    best (longest) first, then up to :data:`MAX_FALLBACKS` shorter strides to
-    try when the best does not resolve; empty when it holds no prefix.
-    ``breakpoints`` are the request's (token counts).  Requests: one HEAD
-    when the tier holds nothing of the prompt, two for a prompt it holds
-    whole, at most ``2 + log2(len(hashes) * block_size / stride)``, and at
-    most :data:`MAX_BREAKPOINT_PROBES` more.  ``whole=False``: the marker of
-    the prompt's last block is not asked for (strides and breakpoints only)."""
-    heads = tier if isinstance(tier, _Counted) else _Counted(tier)
-    n_blocks = len(hashes)
-    if n_blocks == 0:
-        return []
-
-    def marked(i: int) -> bool:
-        return heads.has(alias_key(model, hashes[i].hex()))
-
-    def at(i: int) -> RemotePrefix:
-        return RemotePrefix((i + 1) * block_size, hashes[i].hex())
-
-    stride = max(1, heads.tier.alias_stride // block_size)
-    strides = list(range(stride - 1, n_blocks, stride))
-    last = n_blocks - 1
-    # Matched strides are a prefix of them: when the first is not marked, none
-    # is, and neither is the prompt's end (a snapshot holding it holds the first
-    # stride): a prompt the tier holds nothing of costs one HEAD.
-    first = bool(strides) and marked(strides[0])
-    best: RemotePrefix | None
-    if whole and (first or not strides) and (last + 1) % stride and marked(last):
-        best, matched = at(last), len(strides)  # the whole prompt: strides are fallbacks
-    else:
-        lo, hi = (1, len(strides)) if first else (0, 0)
-        while lo < hi:  # bisect the rest
-            mid = (lo + hi) // 2
-            if marked(strides[mid]):
-                lo = mid + 1
-            else:
-                hi = mid
-        matched = lo
-        top = strides[matched - 1] if matched else -1
-        # (none above an unmarked first stride can be marked)
-        end = n_blocks if first or not strides else strides[0]
-        marks = sorted({b // block_size - 1 for b in breakpoints
-                        if top < b // block_size - 1 < end}, reverse=True)
-        best = next((at(i) for i in marks[:MAX_BREAKPOINT_PROBES] if marked(i)), None)
-        if best is None and matched:
-            best, matched = at(top), matched - 1
-    if best is None:
-        return []
-    # Fallbacks: the strides below the best, unprobed (a dangling marker is rare).
-    below = [at(strides[k]) for k in range(matched - 1, -1, -1)
-             if (strides[k] + 1) * block_size < best.n_tokens]
-    return [best, *below[:MAX_FALLBACKS]]
-
-
-def probe_ends(hashes: Sequence[bytes], block_size: int, breakpoints: Sequence[int] = (),
-               ) -> list[RemotePrefix]:
-    """For a model whose layers keep a window: where a snapshot of the tier
-    could restore the prompt whose block hashes are ``hashes``, longest first:
-    the prompt's last whole block, then its breakpoints (rounded down to a
-    block, at most :data:`MAX_BREAKPOINT_PROBES`).  A windowed snapshot stores
-    its window only at its end, so it restores only a prompt that it ends
-    inside, exactly at a block boundary, and its key is the prompt's prefix
-    hash there: :func:`resolve_end` asks for that manifest (one HEAD when
-    there is none).  No request is made here."""
-    n_blocks = len(hashes)
-    if n_blocks == 0:
-        return []
-    ends = sorted({b // block_size for b in breakpoints if 0 < b // block_size < n_blocks},
-                  reverse=True)
-    return [RemotePrefix(n * block_size, hashes[n - 1].hex(), hashes[n - 1].hex())
-            for n in [n_blocks, *ends[:MAX_BREAKPOINT_PROBES]]]
-
-
-def marked_end(tier: SharedTier | _Counted, model: str, hashes: Sequence[bytes],
-               block_size: int) -> RemotePrefix | None:
-    """For a model whose layers keep a window: the end of the snapshot that the
-    prompt's best stride marker names (:func:`probe`, then a GET of that
-    marker), when the prompt holds that snapshot whole - its key is the
-    prompt's prefix hash at its end - for :func:`resolve_end`; None when the
-    tier marks no stride of the prompt or its snapshot goes elsewhere (a
-    marker names the first snapshot uploaded through it).  Raises
-    InvalidArgument for a marker that is not what it claims to be."""
-    gets = tier if isinstance(tier, _Counted) else _Counted(tier)
-    # (A marker at the prompt's last block names a snapshot going on past it.)
-    found = probe(gets, model, hashes, block_size, whole=False)
-    if not found:
-        return None
-    raw = gets.get(alias_key(model, found[0].prefix))
-    if raw is None:
-        return None
-    alias = parse_alias(raw, found[0].prefix)
-    n = alias.snapshot_tokens // block_size
-    if alias.snapshot_tokens % block_size or not 0 < n <= len(hashes) or \
-            hashes[n - 1].hex() != alias.snapshot:
-        return None
-    return RemotePrefix(n * block_size, alias.snapshot, alias.snapshot)
-
-
-def resolve_end(tier: SharedTier | _Counted, model: str, found: RemotePrefix,
-                ) -> tuple[RemotePrefix, list[Manifest]] | None:
-    """The manifest of the snapshot that ends at ``found`` (from
-    :func:`probe_ends`): one HEAD when the tier has none (None), else a HEAD
-    and a GET.  Raises InvalidArgument when it is there but is not a whole
-    snapshot of ``found.n_tokens`` tokens: a windowed snapshot never has a
-    parent (its full-attention layers are stored whole)."""
-    gets = tier if isinstance(tier, _Counted) else _Counted(tier)
-    raw = gets.get(manifest_key(model, found.snap_key))
-    if raw is None:
-        return None
-    m = parse_manifest(raw, model, found.snap_key)
-    if m.parent is not None or m.start_token != 0:
-        raise InvalidArgument(f"manifest {m.snap_key} has a parent: a model whose layers "
-                              "keep a window is restored from whole snapshots only")
-    if m.n_tokens != found.n_tokens:
-        raise InvalidArgument(f"manifest {m.snap_key} says {m.n_tokens} tokens where the "
-                              f"prompt has that hash at {found.n_tokens}")
-    return found, [m]
-
-
-def resolve(tier: SharedTier | _Counted, model: str, found: RemotePrefix,
-            ) -> tuple[RemotePrefix, list[Manifest]] | None:
-    """The marker ``found`` and its snapshot's chain of manifests, root first,
-    each parsed strictly and consistent with the next; None when the marker or
-    a manifest is missing (a dangling marker: an upload that died before its
-    manifest, or a deletion).  Raises InvalidArgument when an object is there
-    but is not what it claims to be."""
-    gets = tier if isinstance(tier, _Counted) else _Counted(tier)
-    raw = gets.get(alias_key(model, found.prefix))
-    if raw is None:
-        return None
-    alias = parse_alias(raw, found.prefix)
-    if alias.n_tokens != found.n_tokens:
-        raise InvalidArgument(f"marker {found.prefix} says {alias.n_tokens} tokens where the "
-                              f"prompt has that hash at {found.n_tokens}")
-    chain: list[Manifest] = []
-    key: str | None = alias.snapshot
-    while key is not None:
-        if len(chain) >= MAX_CHAIN_LINKS:
-            raise InvalidArgument(f"snapshot {alias.snapshot}'s chain in the tier is longer "
-                                  f"than {MAX_CHAIN_LINKS} links")
-        raw = gets.get(manifest_key(model, key))
-        if raw is None:
-            return None
-        m = parse_manifest(raw, model, key)
-        if chain:
-            child = chain[-1]
-            if (m.n_tokens != child.start_token or m.scope != child.scope
-                    or m.world_size != child.world_size):
-                raise InvalidArgument(f"manifest {key} is not the parent manifest "
-                                      f"{child.snap_key} names")
-        elif m.n_tokens != alias.snapshot_tokens or m.n_tokens < alias.n_tokens:
-            raise InvalidArgument(f"marker {found.prefix} names {alias.snapshot_tokens} "
-                                  f"tokens of snapshot {key}, whose manifest has {m.n_tokens}")
-        chain.append(m)
-        key = m.parent
-    chain.reverse()
-    return RemotePrefix(alias.n_tokens, alias.prefix, alias.snapshot), chain
-
-
-# -- fetch ---------------------------------------------------------------------------------
 
 
 def _local(core: Core, identity: ModelIdentity, snap_key: str) -> SnapshotInfo | None:
@@ -538,26 +319,32 @@ def _layers(tier: SharedTier, remote: _Remote, pool: ThreadPoolExecutor,
     try:
         for name, at, lo, hi in pieces:
             started = time.perf_counter()
-            if not pending.nbytes:
-                pending = block(lo)
-            if pending.nbytes >= hi - lo:  # the piece in one block (the stream's pieces
-                # are these): a view of it, not a copy
-                out, pending = np.frombuffer(pending[:hi - lo], np.uint8), pending[hi - lo:]
-            else:  # a shorter block: joined
-                out = np.empty(hi - lo, np.uint8)
-                filled = 0
-                while True:
-                    n = min(pending.nbytes, out.size - filled)
-                    out[filled:filled + n] = np.frombuffer(pending[:n], np.uint8)
-                    pending, filled = pending[n:], filled + n
-                    if filled == out.size:
-                        break
-                    pending = block(lo + filled)
+            out, pending = _cut(pending, lo, hi, block)
             seg.check_piece(remote.header, name, at, out)
             timer[0] += time.perf_counter() - started
             yield out
     finally:
         stop.set()
+
+
+def _cut(pending: memoryview, lo: int, hi: int, block: Callable[[int], memoryview],
+         ) -> tuple[np.ndarray, memoryview]:
+    """The piece at file bytes ``[lo, hi)`` and what is left of the blocks:
+    ``pending`` (the rest of the last block) is followed by ``block(at)``."""
+    if not pending.nbytes:
+        pending = block(lo)
+    if pending.nbytes >= hi - lo:  # the piece in one block (the stream's pieces
+        # are these): a view of it, not a copy
+        return np.frombuffer(pending[:hi - lo], np.uint8), pending[hi - lo:]
+    out = np.empty(hi - lo, np.uint8)  # a shorter block: joined
+    filled = 0
+    while True:
+        n = min(pending.nbytes, out.size - filled)
+        out[filled:filled + n] = np.frombuffer(pending[:n], np.uint8)
+        pending, filled = pending[n:], filled + n
+        if filled == out.size:
+            return out, pending
+        pending = block(lo + filled)
 
 
 def _publish_ranks(core: Core, identity: ModelIdentity, m: Manifest, full: np.ndarray,
@@ -591,6 +378,37 @@ def _publish_ranks(core: Core, identity: ModelIdentity, m: Manifest, full: np.nd
     return snapshot_id
 
 
+def _pull(core: Core, tier: SharedTier, identity: ModelIdentity, m: Manifest, full: np.ndarray,
+          parent: SnapshotInfo | None, *, alias_stride: int, max_chain: int,
+          policy: PublishPolicy | None, result: FetchResult) -> tuple[int | str, np.ndarray, int]:
+    """Download link ``m`` (the prompt's token ids before it ``full``) and publish
+    it: (the snapshot id or why retention refused it, ``full`` with its token
+    ids, bytes fetched).  Streamed, unless its publish compacts the local chain.
+    CorruptSnapshot when it fails verification."""
+    timer = [0.0]
+    payloads: Sequence[Sequence[np.ndarray] | Encoded]
+    try:
+        with ThreadPoolExecutor(1, "sparkcache-fetch") as pool:
+            if parent is not None and parent.depth + 1 >= max_chain:
+                # compacted here: rewritten with the parent's rows, not streamed
+                tokens, payloads, nbytes = _download(tier, identity, m, timer)
+                result.requests += 2 * len(m.segments)
+            else:
+                remotes = _open_remote(tier, identity, m, timer)
+                tokens, nbytes = remotes[0].tokens, sum(r.nbytes for r in remotes)
+                payloads = [r.encoded(tier, pool, timer) for r in remotes]
+                result.requests += sum(r.requests for r in remotes)
+            check_key(identity, tokens, m.snap_key, scope=m.scope,
+                      parent_key=None if parent is None else parent.snap_key, reason="tokens",
+                      message=f"{m.snap_key}'s token ids do not hash to its key in its scope")
+            full = np.concatenate([full, tokens])
+            done = _publish_ranks(core, identity, m, full, payloads, parent,
+                                  alias_stride=alias_stride, max_chain=max_chain, policy=policy)
+    finally:
+        result.download_seconds += timer[0]
+    return done, full, nbytes
+
+
 def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: list[Manifest], *,
                 alias_stride: int, max_chain: int, policy: PublishPolicy | None,
                 result: FetchResult) -> None:
@@ -614,34 +432,14 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
                 continue
             if parent is not None and full.size < parent.n_tokens:
                 full = _tokens_of(core, identity, parent, full)
-            timer = [0.0]
-            payloads: Sequence[Sequence[np.ndarray] | Encoded]
             try:
-                with ThreadPoolExecutor(1, "sparkcache-fetch") as pool:
-                    if parent is not None and parent.depth + 1 >= max_chain:
-                        # compacted here: rewritten with the parent's rows, not streamed
-                        tokens, payloads, nbytes = _download(tier, identity, m, timer)
-                        result.requests += 2 * len(m.segments)
-                    else:
-                        remotes = _open_remote(tier, identity, m, timer)
-                        tokens, nbytes = remotes[0].tokens, sum(r.nbytes for r in remotes)
-                        payloads = [r.encoded(tier, pool, timer) for r in remotes]
-                        result.requests += sum(r.requests for r in remotes)
-                    check_key(identity, tokens, m.snap_key, scope=m.scope,
-                              parent_key=None if parent is None else parent.snap_key,
-                              reason="tokens",
-                              message=f"{m.snap_key}'s token ids do not hash to its key in "
-                                      "its scope")
-                    full = np.concatenate([full, tokens])
-                    done = _publish_ranks(core, identity, m, full, payloads, parent,
-                                          alias_stride=alias_stride, max_chain=max_chain,
-                                          policy=policy)
+                done, full, nbytes = _pull(core, tier, identity, m, full, parent,
+                                           alias_stride=alias_stride, max_chain=max_chain,
+                                           policy=policy, result=result)
             except CorruptSnapshot as exc:
                 core.count(0, "fetch_refused")
                 result.outcome, result.reason = "refused", str(exc)
                 return
-            finally:
-                result.download_seconds += timer[0]
             if isinstance(done, str):
                 result.outcome, result.reason = "refused", done
                 return
@@ -680,6 +478,26 @@ def _mark_used(tier: SharedTier, model: str, snap_key: str, result: FetchResult)
                        "(its age in the tier was not renewed): %s", snap_key, exc)
 
 
+def _ends(core: Core, counted: CountedTier, model: str, hashes: Sequence[bytes],
+          block_size: int, breakpoints: Sequence[int], result: FetchResult,
+          ) -> Iterator[RemotePrefix]:
+    """For a windowed identity: the prompt's last whole block, then the stride
+    marker's snapshot end and the breakpoints, longest first (each asked only
+    if needed); a marker that is not what it claims is counted, not raised."""
+    last, *marks = probe_ends(hashes, block_size, breakpoints)
+    yield last
+    try:
+        marked = marked_end(counted, model, hashes, block_size)
+    except InvalidArgument as exc:
+        core.count(0, "fetch_refused")
+        result.reason = str(exc)
+        marked = None
+    if marked is not None and marked.n_tokens < last.n_tokens:
+        marks = sorted({m.n_tokens: m for m in [*marks, marked]}.values(),
+                       key=lambda m: -m.n_tokens)
+    yield from marks
+
+
 def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
           token_ids: Sequence[int] | np.ndarray, *, scope: RequestScope | None,
           breakpoints: Sequence[int] = (), hashes: Sequence[bytes] | None = None,
@@ -699,31 +517,15 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     bs = identity.block_size
     if hashes is None:
         hashes = prefix_hashes(prefix_seed(identity, scope), tokens[:tokens.size // bs * bs], bs)
-    counted = _Counted(tier)
+    counted = CountedTier(tier)
     model = identity.digest()
     result = FetchResult("miss")
     # A windowed snapshot restores only at its end: ask for the manifests that
     # end where the prompt could use one, not for markers inside snapshots.
     windowed = identity.ends_only
-
-    def ends() -> Iterator[RemotePrefix]:
-        """The prompt's last whole block, then the stride marker's snapshot end
-        and the breakpoints, longest first (each asked only if needed)."""
-        last, *marks = probe_ends(hashes, bs, breakpoints)
-        yield last
-        try:
-            marked = marked_end(counted, model, hashes, bs)
-        except InvalidArgument as exc:
-            core.count(0, "fetch_refused")
-            result.reason = str(exc)
-            marked = None
-        if marked is not None and marked.n_tokens < last.n_tokens:
-            marks = sorted({m.n_tokens: m for m in [*marks, marked]}.values(),
-                           key=lambda m: -m.n_tokens)
-        yield from marks
-
     try:
-        for found in (ends() if windowed and hashes
+        for found in (_ends(core, counted, model, hashes, bs, breakpoints, result)
+                      if windowed and hashes
                       else probe(counted, model, hashes, bs, breakpoints)):
             if found.n_tokens < min_tokens:
                 break

@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparkcache.backends import FsspecBackend
+from sparkcache.backends import ObjectStore
 from sparkcache.errors import InvalidArgument, LeaseError, SparkCacheError
 from sparkcache.holders import this_holder
 from sparkcache.identity import canonical_json
@@ -113,7 +113,7 @@ class SweepLease:
              min_interval: float = 0.0) -> tuple[SweepLease | None, str | None]:
         """``(lease, None)``, or ``(None, why)``: another host holds it, or (with
         ``min_interval``) a sweep finished less than that many seconds ago."""
-        backend: FsspecBackend = tier.backend
+        backend: ObjectStore = tier.backend
         holder = f"{this_holder()}/{uuid.uuid4().hex[:8]}"
         now = clock()
         if backend.conditional_writes:

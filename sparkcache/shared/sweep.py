@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkcache.backends.fsspec_backend import ObjectStat
+from sparkcache.backends import ObjectStat
 from sparkcache.backends.keys import is_temp_key
 from sparkcache.errors import InvalidArgument
 from sparkcache.periodic import Periodic

@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sparkcache.backends import BufferLike, FsspecBackend, canonical_url
+from sparkcache.backends import BufferLike, FsspecBackend, ObjectStore, canonical_url
 from sparkcache.errors import BackendError, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.shared.layout import MAX_JSON_BYTES, TIER_FILE, TierInfo, parse_tier, tier_bytes
 
@@ -119,11 +119,11 @@ class SharedTier:
         if "://" not in text:
             text = self.url
         opts = check_options(options)
-        self.backend = FsspecBackend(text, **opts)
+        self.backend: ObjectStore = FsspecBackend(text, **opts)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         try:
-            self._check_root()
+            self.backend.check_root(f"the shared tier {self.url}")
             self.info = self._tier_info(alias_stride, create)
         except BaseException:
             self.backend.close()
@@ -136,48 +136,6 @@ class SharedTier:
 
     def __repr__(self) -> str:
         return f"SharedTier({self.url!r})"
-
-    # -- the checks at start ---------------------------------------------------------
-
-    def _check_root(self) -> None:
-        """The bucket (object store) or the folder (filesystem) must exist."""
-        fs = self.backend.fs
-        root = str(fs._strip_protocol(self.backend.url)).rstrip("/")
-        if self.backend.object_store:
-            bucket = root.lstrip("/").split("/", 1)[0]
-            if not bucket:
-                raise InvalidArgument(f"the shared tier {self.url} names no bucket; give "
-                                      "s3://bucket/prefix")
-            try:
-                info = fs.info(bucket)
-            except FileNotFoundError:
-                raise NotFound(
-                    f"the shared tier's bucket {bucket!r} ({self.url}) does not exist, or "
-                    "these credentials cannot see it: create the bucket first (sparkcache "
-                    "never creates one), or check the URL and the endpoint") from None
-            except PermissionError as exc:
-                raise BackendError(
-                    f"access to the shared tier {self.url} was denied ({exc}): check the "
-                    "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
-                    "~/.aws) and the bucket's policy") from exc
-            except Exception as exc:
-                raise BackendError(
-                    f"cannot reach the shared tier {self.url}: {type(exc).__name__}: {exc}; "
-                    "check the endpoint (endpoint_url, AWS_ENDPOINT_URL), the region and the "
-                    "network") from exc
-            if info.get("type") != "directory":
-                raise InvalidArgument(f"{bucket!r} is not a bucket; check the shared URL")
-            return
-        try:
-            is_folder = bool(fs.isdir(root or "/"))
-        except Exception as exc:
-            raise BackendError(f"cannot look at the shared tier {self.url}: "
-                               f"{type(exc).__name__}: {exc}") from exc
-        if not is_folder:
-            raise NotFound(
-                f"the shared tier's folder {self.url} does not exist: create it first (or "
-                "mount the shared filesystem there); sparkcache never creates it, so that "
-                "a tier on a mount point that is not mounted cannot fill the local disk")
 
     def _tier_info(self, alias_stride: int, create: bool) -> TierInfo:
         """``tier.json``: read, or written first when the tier is new (then read

@@ -1,9 +1,11 @@
 """Fixtures shared by the backend tests: one factory per backend kind.
 
 Every kind in :data:`BACKEND_KINDS` runs the whole conformance suite; a new backend
-joins by adding a branch to :func:`make_backend`.  ``fsspec-s3`` talks to a real
-S3-protocol server: moto's (``tests/s3server.py``), started on 127.0.0.1 for the
-session (one bucket per test).
+joins by adding a branch to :func:`make_backend`.  The kinds in
+:data:`OBJECT_STORE_KINDS` run its :class:`~sparkcache.backends.ObjectStore` part
+too; ``derived`` is one whose every derived method is the protocol's default.
+``fsspec-s3`` talks to a real S3-protocol server: moto's (``tests/s3server.py``),
+started on 127.0.0.1 for the session (one bucket per test).
 """
 
 from __future__ import annotations
@@ -16,14 +18,30 @@ from pathlib import Path
 import pytest
 
 from sparkcache import backends as registry
-from sparkcache.backends import Backend, FsspecBackend, LocalBackend, MmapBackend
+from sparkcache.backends import Backend, FsspecBackend, LocalBackend, MmapBackend, ObjectStore
 
 from ..s3server import S3Server, free_port, s3_server, stop_s3_servers
 
-__all__ = ["BACKEND_KINDS", "S3Server", "dispose_backend", "free_port", "make_backend",
-           "s3_server"]
+__all__ = ["BACKEND_KINDS", "OBJECT_STORE_KINDS", "DerivedStore", "S3Server", "dispose_backend",
+           "free_port", "make_backend", "s3_server"]
 
 BACKEND_KINDS = ["local", "mmap", "fsspec-memory", "fsspec-file", "fsspec-s3"]
+#: The kinds that are :class:`~sparkcache.backends.ObjectStore`\ s.
+OBJECT_STORE_KINDS = ["fsspec-memory", "fsspec-file", "fsspec-s3", "derived"]
+
+
+class DerivedStore(FsspecBackend):
+    """The memory filesystem with only :class:`ObjectStore`'s core of its own:
+    every derived method is the protocol's default, so the suite checks those."""
+
+    head = ObjectStore.head
+    read_stream = ObjectStore.read_stream
+    get_many = ObjectStore.get_many
+    delete_many = ObjectStore.delete_many
+    local_path = ObjectStore.local_path
+    conditional_writes = ObjectStore.conditional_writes
+    etag = ObjectStore.etag
+    put_conditional = ObjectStore.put_conditional
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,6 +65,8 @@ def make_backend(kind: str, folder: Path) -> Backend:
     if kind == "fsspec-s3":
         server = s3_server()
         return FsspecBackend(f"s3://{server.bucket()}/store", **server.options)
+    if kind == "derived":
+        return DerivedStore(f"memory://sparkcache-test-{uuid.uuid4().hex}")
     raise AssertionError(f"unknown backend kind {kind!r}")
 
 
@@ -62,6 +82,15 @@ def dispose_backend(backend: Backend) -> None:
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     """Each backend kind in turn, empty, removed after the test."""
     made = make_backend(str(request.param), tmp_path / "store")
+    yield made
+    dispose_backend(made)
+
+
+@pytest.fixture(params=OBJECT_STORE_KINDS)
+def object_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
+    """Each object-store kind in turn, empty, removed after the test."""
+    made = make_backend(str(request.param), tmp_path / "store")
+    assert isinstance(made, ObjectStore)
     yield made
     dispose_backend(made)
 

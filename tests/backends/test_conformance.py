@@ -12,11 +12,16 @@ from sparkcache.backends import (
     Backend,
     Blob,
     DiskUsage,
+    FsspecBackend,
+    ObjectStat,
+    ObjectStore,
     is_temp_key,
     open_backend,
     temp_key,
 )
 from sparkcache.errors import BackendError, InvalidArgument, NotFound, UnsafeName
+
+from .conftest import s3_server
 
 KEY = "objects/m-0123abcd/ab/ab12cd34-9f3c.r0.safetensors"
 MB = 1 << 20
@@ -340,3 +345,136 @@ def test_numpy_view_of_blob(backend: Backend) -> None:
 def test_backend_errors_are_os_errors() -> None:
     # Callers that already handle OSError keep working.
     assert issubclass(BackendError, OSError)
+
+
+# -- ObjectStore: what the shared tier needs (the ``object_store`` fixture's kinds) -------
+
+
+def test_object_store_satisfies_protocol(object_store: ObjectStore) -> None:
+    assert isinstance(object_store, ObjectStore) and isinstance(object_store, Backend)
+
+
+def test_check_root_accepts_an_existing_root(object_store: ObjectStore) -> None:
+    object_store.put("x", [b"1"])  # a memory root exists once something is in it
+    object_store.check_root("the test store")
+
+
+def test_check_root_refuses_a_missing_root(object_store: ObjectStore) -> None:
+    assert isinstance(object_store, FsspecBackend)
+    if object_store.object_store:
+        server = s3_server()
+        missing = FsspecBackend("s3://no-such-bucket-sparkcache/store", **server.options)
+        with pytest.raises(NotFound, match="bucket 'no-such-bucket-sparkcache' of the test"):
+            missing.check_root("the test store")
+        with pytest.raises(InvalidArgument, match="names no bucket"):
+            FsspecBackend("s3://", **server.options).check_root("the test store")
+        return
+    missing = FsspecBackend(f"{object_store.url}/no-such-folder")
+    with pytest.raises(NotFound, match="the folder of the test store does not exist"):
+        missing.check_root("the test store")
+
+
+def test_read_range(object_store: ObjectStore) -> None:
+    object_store.put(KEY, [b"0123456789"])
+    assert bytes(object_store.read_range(KEY, 2, 5)) == b"234"
+    assert bytes(object_store.read_range(KEY, 8, 20)) == b"89"  # fewer at the end
+    assert bytes(object_store.read_range(KEY, 0, 10)) == b"0123456789"
+    with pytest.raises(NotFound):
+        object_store.read_range("missing", 0, 1)
+
+
+def test_head(object_store: ObjectStore) -> None:
+    object_store.put(KEY, [b"abc"])
+    object_store.put("empty", [])
+    assert (object_store.head(KEY), object_store.head("empty")) == (3, 0)
+    assert object_store.head("missing") is None
+
+
+@pytest.mark.parametrize(("piece", "sizes"), [(3, [3, 3, 3, 1]), ([2, 5], [2, 5, 3]),
+                                              (100, [10])])
+def test_read_stream_pieces(object_store: ObjectStore, piece: int | list[int],
+                            sizes: list[int]) -> None:
+    object_store.put(KEY, [b"0123456789"])
+    got = list(object_store.read_stream(KEY, 0, 10, piece))
+    assert [len(p) for p in got] == sizes and b"".join(got) == b"0123456789"
+    assert b"".join(object_store.read_stream(KEY, 4, 30, 4)) == b"456789"  # shorter object
+    assert list(object_store.read_stream(KEY, 5, 5, 4)) == []
+
+
+def test_read_stream_errors_when_read(object_store: ObjectStore) -> None:
+    stream = object_store.read_stream("missing", 0, 10, 4)  # nothing asked yet
+    with pytest.raises(NotFound):
+        next(stream)
+    object_store.put(KEY, [b"0123456789"])
+    with pytest.raises(InvalidArgument, match="at least a byte"):
+        next(object_store.read_stream(KEY, 0, 10, 0))
+
+
+def test_stat_list(object_store: ObjectStore) -> None:
+    assert object_store.stat_list() == []
+    object_store.put("objects/m-1/a", [b"1"])
+    object_store.put("objects/m-1/b/c", [b"22"])
+    object_store.put("objects/m-12/x", [b"333"])
+    stats = object_store.stat_list("objects/m-1")
+    assert all(isinstance(s, ObjectStat) and s.mtime >= 0 for s in stats)
+    assert sorted((s.key, s.size) for s in stats) == [("objects/m-1/a", 1),
+                                                      ("objects/m-1/b/c", 2)]
+    assert {s.key for s in object_store.stat_list()} == set(object_store.list())
+    object_store.put("objects/m-1/a", [b"4444"])  # never a cached listing
+    assert {s.key: s.size for s in object_store.stat_list("objects")}["objects/m-1/a"] == 4
+
+
+def test_get_many_and_delete_many(object_store: ObjectStore) -> None:
+    for i in range(3):
+        object_store.put(f"d/{i}", [bytes([i]) * (i + 1)])
+    assert object_store.get_many([]) == {}
+    assert object_store.get_many(["d/0", "d/2", "d/missing"]) == {"d/0": b"\x00",
+                                                                   "d/2": b"\x02" * 3}
+    object_store.delete_many(["d/0", "d/1", "d/missing"])
+    assert sorted(object_store.list("d")) == ["d/2"]
+    object_store.delete_many([])
+
+
+def test_local_path(object_store: ObjectStore) -> None:
+    object_store.put(KEY, [b"here"])
+    path = object_store.local_path(KEY)
+    if isinstance(object_store, FsspecBackend) and object_store.url.startswith("file://"):
+        assert path is not None
+        with open(path, "rb") as f:
+            assert f.read() == b"here"
+    else:
+        assert path is None
+
+
+def test_conditional_writes(object_store: ObjectStore) -> None:
+    if not object_store.conditional_writes:
+        with pytest.raises(InvalidArgument, match="need S3"):
+            object_store.etag("lease")
+        with pytest.raises(InvalidArgument, match="need S3"):
+            object_store.put_conditional("lease", b"a", None)
+        return
+    assert object_store.etag("lease") is None
+    first = object_store.put_conditional("lease", b"a", None)
+    assert first is not None and object_store.etag("lease") == first
+    assert object_store.put_conditional("lease", b"b", None) is None  # there already
+    second = object_store.put_conditional("lease", b"c", first)
+    assert second is not None and object_store.get_many(["lease"]) == {"lease": b"c"}
+    assert object_store.put_conditional("lease", b"d", first) is None  # changed meanwhile
+
+
+@pytest.mark.parametrize("bad", [k for k in UNSAFE_KEYS if k], ids=repr)
+def test_unsafe_keys_rejected_by_object_store_methods(object_store: ObjectStore,
+                                                      bad: str) -> None:
+    with pytest.raises(UnsafeName):
+        object_store.head(bad)
+    with pytest.raises(UnsafeName):
+        object_store.read_range(bad, 0, 1)
+    with pytest.raises(UnsafeName):
+        next(object_store.read_stream(bad, 0, 1, 1))
+    if bad != "a/":  # a prefix names a folder: "a/" is "a", as in ``list``
+        with pytest.raises(UnsafeName):
+            object_store.stat_list(bad)
+    with pytest.raises(UnsafeName):
+        object_store.get_many([bad])
+    with pytest.raises(UnsafeName):
+        object_store.delete_many([bad])
