@@ -144,6 +144,29 @@ def test_the_cli_is_a_thin_layer_over_admin() -> None:
         assert used - {name} <= {"admin", "errors", "serve.launch"} | cli, (name, used)
 
 
+#: Parts of the package that never import each other, either way: the vLLM
+#: connector runs inside vLLM's processes; the admin API, the CLI and
+#: export/import run beside it, on the same store.
+INDEPENDENT = (("connector", ("admin", "cli", "transfer")),)
+
+
+def _within(module: str, part: str) -> bool:
+    return module == part or module.startswith(part + ".")
+
+
+def test_independent_parts_never_import_each_other() -> None:
+    modules = package_modules()
+    crossing = []
+    for left, rights in INDEPENDENT:
+        for name, path in modules.items():
+            for use in uses(name, path, set(modules)):
+                for right in rights:
+                    a, b = (left, right) if _within(name, left) else (right, left)
+                    if _within(name, a) and use.target and _within(use.target, b):
+                        crossing.append(f"{name}:{use.line} imports {use.target}")
+    assert crossing == [], "\n".join(crossing)
+
+
 def foreign_private_members_of(path: Path) -> list[str]:
     """``obj._name`` where ``obj`` is not ``self`` or ``cls``: another object's
     private member (a helper calling back into a facade's internals)."""
