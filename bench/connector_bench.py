@@ -31,7 +31,8 @@ process (vLLM on CPU, enforce eager, block size 32):
 
 sparkcache's snapshot holds the answer's first token too, so by default
 (``tail_block``) it restores the block holding the prompt's end and vLLM
-computes only the last prompt token (3999 cached tokens for 4000);
+computes only the last ``compute_tokens`` prompt tokens (on CPU two: 3998
+cached tokens for 4000);
 ExampleConnector, like vLLM's own prefix cache, stops at the last whole block
 below it (3968) and vLLM computes 32.  For sparkcache's engine the "live"
 answer therefore also loads that one block from disk.
