@@ -236,6 +236,11 @@ def page_shape_of(spec: Any) -> tuple[int, ...]:
 CPU_ATTN_KEY = "cpu_attn"
 
 
+def _on_cpu() -> bool:
+    """Whether this process runs vLLM's CPU platform."""
+    return bool(importlib.import_module("vllm.platforms").current_platform.is_cpu())
+
+
 def cpu_attn_isa(vllm_config: Any, spec: Any) -> str | None:
     """The kernel family ("amx", "vec", "vec16", "neon", ...) vLLM's CPU
     attention backend picks for this engine, which decides how a KV page is
@@ -243,8 +248,7 @@ def cpu_attn_isa(vllm_config: Any, spec: Any) -> str | None:
     CPU platform.  Asked of vLLM's own chooser with the inputs its attention
     builder gives it, so the scheduler and the workers name the same format;
     each worker then checks it against its layers (:func:`check_isa`)."""
-    platforms = importlib.import_module("vllm.platforms")
-    if not platforms.current_platform.is_cpu():
+    if not _on_cpu():
         return None
     try:
         cpu_attn = importlib.import_module("vllm.v1.attention.backends.cpu_attn")
@@ -275,8 +279,7 @@ def lone_token_differs() -> bool:
     VLLM_CPU_ATTN_SPLIT_KV on: its answer may then differ from the engine's
     that prefilled the snapshot).  The connector's ``compute_tokens`` auto
     leaves two tokens to compute there."""
-    platforms = importlib.import_module("vllm.platforms")
-    if not platforms.current_platform.is_cpu():
+    if not _on_cpu():
         return False
     envs = importlib.import_module("vllm.envs")
     return bool(getattr(envs, "VLLM_CPU_ATTN_SPLIT_KV", True))
