@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_shared_sweep.py [--sizes 1000,4000] [--reps 3] [--json]
 
 A tier of N snapshots of one model (N/2 chains of a root and a child; each with
-one 4 KiB segment, one marker and a manifest, as an upload writes them) is
+one 4 KiB segment, one alias and a manifest, as an upload writes them) is
 written straight into a new bucket.  For each N, in one run:
 
 * ``first``: a pass that deletes nothing, with no manifest parsed before (one
@@ -13,7 +13,7 @@ written straight into a new bucket.  For each N, in one run:
 * ``plain``: s3fs's own ``find`` of the tier plus ``cat`` of every manifest,
   the least any catalogue of these objects costs (the baseline of ``first``);
 * ``delete``: a pass that deletes everything by age (manifests, children
-  first, then segments and markers).
+  first, then segments and aliases).
 
 moto answers from one Python process on this machine's cores, so the absolute
 times are moto's more than S3's; the ratios and the per-1000 costs are what

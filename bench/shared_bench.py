@@ -16,7 +16,7 @@ Starts moto's S3 server (``moto[server]``) on 127.0.0.1 for the run and stops it
    paths on the local disk, as the store's are).  The ratio is the median of
    the repetitions' ratios.  Target: >= 0.8x of plain s3fs both ways.
 2. **Miss cost**: ``SnapshotStore.fetch`` for a 4000-token prompt the tier
-   does not hold (the probe only: HEADs of markers), median of 50, beside the
+   does not hold (the probe only: HEADs of aliases), median of 50, beside the
    local lookup's.  Target: <= 5 ms median on loopback.
 3. **TTFT on real vLLM** (unless ``--no-vllm``; the random-weight Llama of
    bench/connector_bench.py, vLLM on CPU): recompute (no connector); host 1

@@ -32,7 +32,7 @@ import apsw
 from sparkcache import catalog, maintenance, rehearsal, transfer, verification
 from sparkcache.backends import known_schemes
 from sparkcache.catalog import ModelRow, SnapshotDetail, SnapshotRow, mb
-from sparkcache.core import INDEX_FILE, Core, SnapshotInfo, fetch
+from sparkcache.core import INDEX_FILE, Core, SnapshotInfo, select_all
 from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.folder import resolve_folder
 from sparkcache.index import migrate
@@ -298,7 +298,7 @@ def stats(store: SnapshotStore, model: str | int | None = None) -> Stats:
     with store.core.read() as conn:
         quarantined = [
             catalog.snapshot_row(info, models)
-            for info in fetch(conn, q.ADMIN_QUARANTINED, into=SnapshotInfo)
+            for info in select_all(conn, q.ADMIN_QUARANTINED, into=SnapshotInfo)
             if model_id is None or info.model_id == model_id
         ]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparkcache.core import Core, LeaseInfo, SegmentInfo, SnapshotInfo, fetch, ids
+from sparkcache.core import Core, LeaseInfo, SegmentInfo, SnapshotInfo, ids, select_all
 from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
@@ -99,7 +99,7 @@ class SnapshotDetail:
 def list_models(core: Core) -> list[ModelRow]:
     """Every model row, deleted ones included, with counts from ``model_usage``."""
     with core.read() as conn:
-        models = fetch(conn, q.ADMIN_MODELS, into=_model_row)
+        models = select_all(conn, q.ADMIN_MODELS, into=_model_row)
     return models
 
 
@@ -175,9 +175,9 @@ def list_snapshots(core: Core, model: str | int | None = None) -> list[SnapshotR
     names = {m.id: m.name for m in list_models(core)}
     with core.read() as conn:
         if model is None:
-            infos = fetch(conn, q.ADMIN_SNAPSHOTS, into=SnapshotInfo)
+            infos = select_all(conn, q.ADMIN_SNAPSHOTS, into=SnapshotInfo)
         else:
-            infos = fetch(conn, q.ADMIN_MODEL_SNAPSHOTS, (resolve_model(core, model).id,),
+            infos = select_all(conn, q.ADMIN_MODEL_SNAPSHOTS, (resolve_model(core, model).id,),
                           into=SnapshotInfo)
     return [snapshot_row(info, names) for info in infos]
 

@@ -49,12 +49,12 @@ __all__ = [
     "PublishPolicy",
     "SegmentInfo",
     "SnapshotInfo",
-    "fetch",
-    "fetch_one",
     "ids",
     "lease_blocks",
     "model_folder",
     "scalar",
+    "select_all",
+    "select_one",
 ]
 
 INDEX_FILE = "index.sqlite"
@@ -70,15 +70,15 @@ Conn = apsw.Connection
 RowT = TypeVar("RowT")
 
 
-def fetch(conn: Conn, sql: str, params: Sequence[Any] = (), *,
-          into: Callable[..., RowT]) -> list[RowT]:
+def select_all(conn: Conn, sql: str, params: Sequence[Any] = (), *,
+               into: Callable[..., RowT]) -> list[RowT]:
     """Every row of a query as a named type: ``into`` takes the columns in order
     (a row dataclass whose fields follow the statement's column list)."""
     return [into(*row) for row in cast("Iterable[tuple[Any, ...]]", conn.execute(sql, params))]
 
 
-def fetch_one(conn: Conn, sql: str, params: Sequence[Any] = (), *,
-              into: Callable[..., RowT]) -> RowT | None:
+def select_one(conn: Conn, sql: str, params: Sequence[Any] = (), *,
+               into: Callable[..., RowT]) -> RowT | None:
     """The first row of a query as a named type, or None."""
     row = cast("tuple[Any, ...] | None", conn.execute(sql, params).fetchone())
     return None if row is None else into(*row)
@@ -404,30 +404,30 @@ class Core:
 
     @staticmethod
     def model(conn: Conn, model_id: int) -> ModelInfo | None:
-        return fetch_one(conn, q.MODEL_BY_ID, (model_id,), into=ModelInfo)
+        return select_one(conn, q.MODEL_BY_ID, (model_id,), into=ModelInfo)
 
     @staticmethod
     def snapshot(conn: Conn, snapshot_id: int) -> SnapshotInfo | None:
-        return fetch_one(conn, q.SNAPSHOT_BY_ID, (snapshot_id,), into=SnapshotInfo)
+        return select_one(conn, q.SNAPSHOT_BY_ID, (snapshot_id,), into=SnapshotInfo)
 
     @staticmethod
     def segment(conn: Conn, snapshot_id: int, rank: int) -> SegmentInfo | None:
-        return fetch_one(conn, q.SEGMENT, (snapshot_id, rank), into=SegmentInfo)
+        return select_one(conn, q.SEGMENT, (snapshot_id, rank), into=SegmentInfo)
 
     @staticmethod
     def segments(conn: Conn, snapshot_id: int) -> list[SegmentInfo]:
         """Every rank's segment row of a snapshot, by rank."""
-        return fetch(conn, q.SEGMENTS_OF, (snapshot_id,), into=SegmentInfo)
+        return select_all(conn, q.SEGMENTS_OF, (snapshot_id,), into=SegmentInfo)
 
     @staticmethod
     def chain(conn: Conn, snapshot_id: int) -> list[ChainLink]:
         """The snapshot's copy-on-write chain, root first ([] when it is gone)."""
-        return fetch(conn, q.CHAIN, (snapshot_id,), into=ChainLink)
+        return select_all(conn, q.CHAIN, (snapshot_id,), into=ChainLink)
 
     @staticmethod
     def leases(conn: Conn, snapshot_id: int) -> list[LeaseInfo]:
         """Every lease row of a snapshot, oldest first, expired or not."""
-        return fetch(conn, q.LEASES_OF, (snapshot_id,), into=LeaseInfo)
+        return select_all(conn, q.LEASES_OF, (snapshot_id,), into=LeaseInfo)
 
     @classmethod
     def leased(cls, conn: Conn, snapshot_id: int, now: float,

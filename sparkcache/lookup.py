@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sparkcache.core import Conn, Core, Match, fetch, scalar
+from sparkcache.core import Conn, Core, Match, scalar, select_all
 from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.hashing import as_token_array, prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
@@ -192,7 +192,7 @@ def _end_blocks(conn: Conn, model_id: int, hashes: Sequence[bytes], stride: int,
     blocks = set(range(min(stride, n_blocks)))
     if n_blocks >= stride:
         first = stride - 1
-        rows = fetch(conn, q.LENGTHS_SHARING,
+        rows = select_all(conn, q.LENGTHS_SHARING,
                      (hashes[first], model_id, (first + 1) * bs, n_blocks * bs), into=_Length)
         blocks.update(row.n_tokens // bs - 1 for row in rows)
     return sorted(blocks)
@@ -207,7 +207,7 @@ def _find(
     if not blocks:
         return []
     position = {hashes[i]: (i + 1) * bs for i in blocks}
-    rows = fetch(conn, query, (json.dumps([h.hex() for h in position]), model_id),
+    rows = select_all(conn, query, (json.dumps([h.hex() for h in position]), model_id),
                  into=_BoundaryRow)
     # A row's position must agree with where the prompt has that hash.
     return [(row.snapshot_id, row.n_tokens) for row in rows

@@ -23,9 +23,9 @@ from sparkcache.core import (
     ModelInfo,
     SegmentInfo,
     SnapshotInfo,
-    fetch,
     ids,
     scalar,
+    select_all,
 )
 from sparkcache.errors import LeaseError, NotFound, StorageMismatch, UnsafeName
 from sparkcache.holders import process_alive
@@ -180,7 +180,7 @@ def _evict(core: Core, model: ModelIdentity | None, model_id: int | None, count:
         sql = q.EVICTABLE.format(filters=" ".join(filters))
         for state in ("quarantined", "ready"):
             while not done():
-                batch = fetch(conn, sql, (state, *params, json.dumps(skipped), EVICT_BATCH),
+                batch = select_all(conn, sql, (state, *params, json.dumps(skipped), EVICT_BATCH),
                               into=_Candidate)
                 progressed = False
                 for sid, nbytes in batch:
@@ -238,14 +238,14 @@ def _reclaim(core: Core, conn: Conn, now: float, report: CheckReport, *, fix: bo
     snapshots stuck ``pending`` (no live publisher, and no segment left or older
     than the grace period): found, and with ``fix`` removed with their files."""
     live_publishers: set[tuple[int, str]] = set()
-    for lease in fetch(conn, q.ALL_LEASES, into=LeaseInfo):
+    for lease in select_all(conn, q.ALL_LEASES, into=LeaseInfo):
         if lease.blocks(now):
             live_publishers.add((lease.snapshot_id, lease.kind))
             continue
         report.expired_leases.append(lease.id)
         if fix:
             conn.execute(q.DELETE_LEASE, (lease.id,))
-    for segment in fetch(conn, q.WRITING_SEGMENTS, into=SegmentInfo):
+    for segment in select_all(conn, q.WRITING_SEGMENTS, into=SegmentInfo):
         sid, rank = segment.snapshot_id, segment.rank
         if (sid, f"publish.r{rank}") not in live_publishers:
             report.dead_publishes.append((sid, rank))
@@ -253,7 +253,7 @@ def _reclaim(core: Core, conn: Conn, now: float, report: CheckReport, *, fix: bo
                 conn.execute(q.DELETE_SEGMENT, (sid, rank))
                 core.delete_after_commit([segment.object_key])
     busy = {sid for sid, kind in live_publishers if kind.startswith("publish.")}
-    for info in fetch(conn, q.PENDING_SNAPSHOTS, into=SnapshotInfo):
+    for info in select_all(conn, q.PENDING_SNAPSHOTS, into=SnapshotInfo):
         if info.id in busy:
             continue
         remaining = scalar(conn, q.COUNT_SEGMENTS, (info.id,))
@@ -339,7 +339,7 @@ def check(core: Core, *, fix: bool = False) -> CheckReport:
 
 def _check_segments(core: Core, conn: Conn, report: CheckReport) -> None:
     """Note every ready segment whose file is missing, or whose key is unsafe."""
-    for segment in fetch(conn, q.READY_SEGMENTS, into=SegmentInfo):
+    for segment in select_all(conn, q.READY_SEGMENTS, into=SegmentInfo):
         sid = segment.snapshot_id
         if sid in report.missing_files or sid in report.bad_keys:
             continue
@@ -434,7 +434,7 @@ def remove_deleted_models(core: Core) -> tuple[list[str], list[str]]:
     models: list[str] = []
     folders: list[str] = []
     with core.read() as conn:
-        marked = fetch(conn, q.DELETED_MODELS, into=ModelInfo)
+        marked = select_all(conn, q.DELETED_MODELS, into=ModelInfo)
         known = {str(f) for (f,) in conn.execute(q.MODEL_FOLDERS)}
     for model in marked:
         if _finish_model_deletion(core, model.id):

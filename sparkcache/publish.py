@@ -39,9 +39,9 @@ from sparkcache.core import (
     Match,
     PublishPolicy,
     SnapshotInfo,
-    fetch_one,
     model_folder,
     scalar,
+    select_one,
 )
 from sparkcache.errors import InvalidArgument, NotFound, SparkCacheError
 from sparkcache.hashing import as_token_array, prefix_hashes, prefix_seed
@@ -269,7 +269,7 @@ def _reserve(core: Core, plan: _Plan) -> _Reserved | PublishResult:
                     f"parent snapshot {plan.parent} is not restorable; publish without parent"
                 )
         snapshot_id: int | None = None
-        info = fetch_one(conn, q.LIVE_SNAPSHOT_BY_KEY, (model_id, plan.snap_key),
+        info = select_one(conn, q.LIVE_SNAPSHOT_BY_KEY, (model_id, plan.snap_key),
                          into=SnapshotInfo)
         if info is not None:
             if info.n_tokens != plan.n:  # pragma: no cover - a 128-bit hash collision

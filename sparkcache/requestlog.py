@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sparkcache.core import Conn, Core, fetch, fetch_one
+from sparkcache.core import Conn, Core, select_all, select_one
 from sparkcache.errors import InvalidArgument
 from sparkcache.index import queries as q
 from sparkcache.index.schema import REQUEST_APIS
@@ -241,26 +241,26 @@ def requests(core: Core, *, model_id: int | None = None, limit: int = 50,
     with core.read() as conn:
         if after_seq is None:
             if model_id is None:
-                return fetch(conn, q.REQUESTS_NEWEST, (limit,), into=RequestRow)
-            return fetch(conn, q.REQUESTS_NEWEST_OF_MODEL, (model_id, limit), into=RequestRow)
+                return select_all(conn, q.REQUESTS_NEWEST, (limit,), into=RequestRow)
+            return select_all(conn, q.REQUESTS_NEWEST_OF_MODEL, (model_id, limit), into=RequestRow)
         _check_count("after_seq", after_seq, 0)
         if model_id is None:
-            return fetch(conn, q.REQUESTS_AFTER, (after_seq, limit), into=RequestRow)
-        return fetch(conn, q.REQUESTS_AFTER_OF_MODEL, (model_id, after_seq, limit),
+            return select_all(conn, q.REQUESTS_AFTER, (after_seq, limit), into=RequestRow)
+        return select_all(conn, q.REQUESTS_AFTER_OF_MODEL, (model_id, after_seq, limit),
                      into=RequestRow)
 
 
 def request(core: Core, request_id: str) -> RequestRow | None:
     """The row of one request, or None (never recorded, or trimmed since)."""
     with core.read() as conn:
-        return fetch_one(conn, q.REQUEST_BY_ID, (request_id,), into=RequestRow)
+        return select_one(conn, q.REQUEST_BY_ID, (request_id,), into=RequestRow)
 
 
 def _sums(conn: Conn, model_id: int | None) -> LogSummary:
     if model_id is None:
-        found = fetch_one(conn, q.REQUEST_SUMMARY, into=LogSummary)
+        found = select_one(conn, q.REQUEST_SUMMARY, into=LogSummary)
     else:
-        found = fetch_one(conn, q.REQUEST_SUMMARY_OF_MODEL, (model_id,), into=LogSummary)
+        found = select_one(conn, q.REQUEST_SUMMARY_OF_MODEL, (model_id,), into=LogSummary)
     return found or LogSummary(0, 0, 0, 0, 0)
 
 
@@ -275,8 +275,8 @@ def by_cache_key(core: Core, *, model_id: int | None = None) -> list[KeySummary]
     requests first."""
     with core.read() as conn:
         if model_id is None:
-            return fetch(conn, q.REQUESTS_BY_KEY, into=KeySummary)
-        return fetch(conn, q.REQUESTS_BY_KEY_OF_MODEL, (model_id,), into=KeySummary)
+            return select_all(conn, q.REQUESTS_BY_KEY, into=KeySummary)
+        return select_all(conn, q.REQUESTS_BY_KEY_OF_MODEL, (model_id,), into=KeySummary)
 
 
 # -- the setting --------------------------------------------------------------------

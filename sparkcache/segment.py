@@ -378,14 +378,14 @@ def copy_verified(
     if read_at is None:
         view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
 
-        def fetch(start: int, size: int) -> np.ndarray:
+        def chunk_at(start: int, size: int) -> np.ndarray:
             return view[start : start + size]
     else:
         scratch = bounce if bounce is not None else np.empty(CHUNK_BYTES, np.uint8)
         if scratch.size < CHUNK_BYTES:
             raise InvalidArgument(f"bounce must hold {CHUNK_BYTES} bytes, got {scratch.size}")
 
-        def fetch(start: int, size: int) -> np.ndarray:
+        def chunk_at(start: int, size: int) -> np.ndarray:
             got = read_at(offset + start, scratch[:size])
             if got != size:
                 raise _fail(f"{name} chunk at byte {start}: read {got} of {size} bytes "
@@ -393,7 +393,7 @@ def copy_verified(
             return scratch[:size]
     first = skip // CHUNK_BYTES
     for index, start in enumerate(range(first * CHUNK_BYTES, nbytes, CHUNK_BYTES), first):
-        chunk = fetch(start, min(CHUNK_BYTES, total - start))
+        chunk = chunk_at(start, min(CHUNK_BYTES, total - start))
         if _hexdigest(chunk) != header.chunk_digest(name, index):
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
         lo, stop = max(start, skip), min(start + CHUNK_BYTES, nbytes)

@@ -43,9 +43,9 @@ from sparkcache.core import (
     Core,
     Match,
     SnapshotInfo,
-    fetch,
     ids,
     scalar,
+    select_all,
 )
 from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.holders import this_holder
@@ -470,14 +470,14 @@ class SnapshotStore:
         and make it local: see :func:`sparkcache.shared.fetch_prefix`.  Afterwards
         :meth:`lookup` (and :meth:`grow`) find it as any local snapshot.
 
-        A bounded probe (HEADs of alias markers at the tier's stride boundaries,
+        A bounded probe (HEADs of aliases at the tier's stride boundaries,
         by binary search; never a listing), then the manifests, then every
         link's segments, each verified (size, digest, identity, rank, token
         ids, key) before it is published here through :meth:`publish`'s path
         (this store's retention applies).  ``breakpoints`` (the request's token
         positions) are probed too.  For a sliding-window identity only the
         manifests of snapshots ending inside the prompt are asked for - at its
-        last whole block, at the end its best stride marker names, at a
+        last whole block, at the end its best stride alias names, at a
         breakpoint - (a window is stored at its snapshot's end only).  Returns
         a :class:`FetchResult`: a miss, a prefix fetched or already local, or
         ``refused`` (an object failed
@@ -511,11 +511,11 @@ class SnapshotStore:
     def snapshots(self, model: ModelIdentity | None = None) -> list[SnapshotInfo]:
         with self.core.read() as conn:
             if model is None:
-                return fetch(conn, q.LIST_SNAPSHOTS, into=SnapshotInfo)
+                return select_all(conn, q.LIST_SNAPSHOTS, into=SnapshotInfo)
             model_id = self.core.model_id(conn, model)
             if model_id is None:
                 return []
-            return fetch(conn, q.ADMIN_MODEL_SNAPSHOTS, (model_id,), into=SnapshotInfo)
+            return select_all(conn, q.ADMIN_MODEL_SNAPSHOTS, (model_id,), into=SnapshotInfo)
 
     def snapshot(self, snapshot_id: int) -> SnapshotInfo:
         with self.core.read() as conn:

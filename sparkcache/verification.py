@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sparkcache import segment as seg
-from sparkcache.core import Core, SegmentInfo, SnapshotInfo, fetch, ids
+from sparkcache.core import Core, SegmentInfo, SnapshotInfo, ids, select_all
 from sparkcache.errors import CorruptSnapshot
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
@@ -172,7 +172,7 @@ def verify(core: Core, progress: Progress | None = None) -> VerifyReport:
     check_storage(core)
     report = VerifyReport()
     with core.read() as conn:
-        rows = fetch(conn, q.ADMIN_VERIFY_SEGMENTS, into=_VerifyRow.of)
+        rows = select_all(conn, q.ADMIN_VERIFY_SEGMENTS, into=_VerifyRow.of)
     total = sum(r.segment.nbytes for r in rows)
     identities: dict[str, ModelIdentity] = {}
     done = 0
@@ -228,7 +228,7 @@ def requeue(core: Core, alias_stride: int) -> RequeueReport:
     """
     report = RequeueReport()
     with core.read() as conn:
-        waiting = fetch(conn, q.QUARANTINED_PARENTS_FIRST, into=SnapshotInfo)
+        waiting = select_all(conn, q.QUARANTINED_PARENTS_FIRST, into=SnapshotInfo)
     for info in waiting:
         problem = _requeue_one(core, info, alias_stride)
         if problem is None:

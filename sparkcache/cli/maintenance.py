@@ -245,8 +245,8 @@ def cmd_shared_sweep(ctx: Context) -> int:
         lines = [f"{_would(dry, 'deleted', 'would delete')} {n} ({reason})"
                  for reason, n in r.counts().items()]
         lines.append(f"{_would(dry, 'objects deleted: ', 'objects that would be deleted: ')}"
-                     f"{r.objects_deleted} ({admin.mb(r.bytes_freed)} MB), markers "
-                     f"{_would(dry, 'renamed', 'to rename')}: {r.markers_rewritten}; {kept}")
+                     f"{r.objects_deleted} ({admin.mb(r.bytes_freed)} MB), aliases "
+                     f"{_would(dry, 'renamed', 'to rename')}: {r.aliases_rewritten}; {kept}")
         return "\n".join(lines) + note
 
     ctx.emit(r, text)

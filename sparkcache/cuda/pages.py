@@ -203,7 +203,7 @@ class KVPages:
         self.copies.synchronize()
 
     def fence(self) -> Any:
-        """A marker of the work queued so far on the caller's CUDA stream (None on
+        """An alias of the work queued so far on the caller's CUDA stream (None on
         CPU, where the forward is done when it returns).  ``gather(after=fence)``
         from another thread then copies what that work wrote, not older bytes."""
         return self.copies.fence()

@@ -194,7 +194,7 @@ BREAKPOINTS_OF = (
     "ORDER BY n_tokens"
 )
 # A child's breakpoints inside its parent's range, with their prefix hashes (the
-# uploader's markers for them: the link's own tokens cannot hash them).
+# uploader's aliases for them: the link's own tokens cannot hash them).
 BREAKPOINTS_BELOW = (
     "SELECT n_tokens, prefix_hash FROM boundaries WHERE snapshot_id = ? "
     "AND kind = 'breakpoint' AND n_tokens <= ? ORDER BY n_tokens"

@@ -1,7 +1,7 @@
 """Restoring from the shared tier: find a prompt's longest prefix there, fetch it.
 
 The fetch half of docs/shared.md's read side.  :mod:`sparkcache.shared.probe`
-finds the prompt's best marker (or, for a model whose layers keep a window,
+finds the prompt's best alias (or, for a model whose layers keep a window,
 the snapshot ending inside the prompt) and its chain of manifests;
 :func:`fetch_prefix` runs it and fetches what it found.
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sparkcache import segment as seg
-from sparkcache.core import Core, Match, PublishPolicy, SnapshotInfo, fetch_one
+from sparkcache.core import Core, Match, PublishPolicy, SnapshotInfo, select_one
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
@@ -114,7 +114,7 @@ class FetchResult:
     the prompt, or only ones no longer whole), ``refused`` (what the tier held
     failed verification, or the store's retention refused it: ``reason``).
     ``n_tokens`` is the prefix of the prompt the tier's snapshot holds by its
-    marker (0 on a miss): the local lookup then finds at least that much, and
+    alias (0 on a miss): the local lookup then finds at least that much, and
     :meth:`~sparkcache.store.SnapshotStore.grow` up to the last whole block
     the prompt shares with the snapshot; ``snapshot_id`` is the snapshot's
     local id.  ``requests`` counts
@@ -145,7 +145,7 @@ def _local(core: Core, identity: ModelIdentity, snap_key: str) -> SnapshotInfo |
         model_id = core.model_id(conn, identity)
         if model_id is None:
             return None
-        return fetch_one(conn, q.LIVE_SNAPSHOT_BY_KEY, (model_id, snap_key), into=SnapshotInfo)
+        return select_one(conn, q.LIVE_SNAPSHOT_BY_KEY, (model_id, snap_key), into=SnapshotInfo)
 
 
 def _wait_ready(core: Core, snapshot_id: int) -> SnapshotInfo | None:
@@ -482,8 +482,8 @@ def _ends(core: Core, counted: CountedTier, model: str, hashes: Sequence[bytes],
           block_size: int, breakpoints: Sequence[int], result: FetchResult,
           ) -> Iterator[RemotePrefix]:
     """For a windowed identity: the prompt's last whole block, then the stride
-    marker's snapshot end and the breakpoints, longest first (each asked only
-    if needed); a marker that is not what it claims is counted, not raised."""
+    alias's snapshot end and the breakpoints, longest first (each asked only
+    if needed); an alias that is not what it claims is counted, not raised."""
     last, *marks = probe_ends(hashes, block_size, breakpoints)
     yield last
     try:
@@ -506,9 +506,9 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     """Find the longest prefix of ``token_ids`` the tier holds and make it local
     (see the module doc); then :func:`sparkcache.lookup.lookup` finds it.
 
-    ``min_tokens``: a marker for fewer tokens is not worth a fetch (a miss).
+    ``min_tokens``: an alias for fewer tokens is not worth a fetch (a miss).
     For a windowed identity only a snapshot ending inside the prompt is
-    fetched: at its last whole block, at the end its best stride marker names,
+    fetched: at its last whole block, at the end its best stride alias names,
     or at one of ``breakpoints`` (:func:`probe_ends`, :func:`marked_end`).
     Raises SparkCacheError when the tier or the index fails.
     """
@@ -521,7 +521,7 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
     model = identity.digest()
     result = FetchResult("miss")
     # A windowed snapshot restores only at its end: ask for the manifests that
-    # end where the prompt could use one, not for markers inside snapshots.
+    # end where the prompt could use one, not for aliases inside snapshots.
     windowed = identity.ends_only
     try:
         for found in (_ends(core, counted, model, hashes, bs, breakpoints, result)
@@ -537,7 +537,7 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
                 continue
             if resolved is None:  # dangling (or no snapshot ends there): try a shorter one
                 if not windowed:
-                    result.reason = f"the marker at {found.n_tokens} tokens names no manifest"
+                    result.reason = f"the alias at {found.n_tokens} tokens names no manifest"
                 continue
             remote, chain = resolved
             result.n_tokens = remote.n_tokens

@@ -5,9 +5,9 @@ Under the tier's URL (docs/shared.md)::
     tier.json                                          the tier: format, version, alias_stride
     m-<model>/model.json                               the model identity (canonical JSON)
     m-<model>/seg/<k[:2]>/<k>.r<rank>.<d>.safetensors  one rank's segment of snapshot k
-    m-<model>/at/<h[:2]>/<h>.json                      an alias marker: prefix hash h
+    m-<model>/at/<h[:2]>/<h>.json                      an alias: prefix hash h
     m-<model>/snap/<k[:2]>/<k>.json                    snapshot k's manifest, written last
-    m-<model>/used/<k[:2]>/<k>.json                    snapshot k's use marker (its time)
+    m-<model>/used/<k[:2]>/<k>.json                    snapshot k's use record (its time)
 
 ``<model>`` is the model identity's digest, ``k`` a snapshot key (the prefix
 hash at its end, which names the whole prefix: identity, request scope and
@@ -16,8 +16,8 @@ the digest of every chunk) and ``h`` the prefix hash at a stride boundary or a
 breakpoint.  Every key is made of digests and integers, so two hosts that
 upload the same prefix write the same keys, and an object under a key has
 only one possible content: a segment's key names its bytes, and a manifest
-or marker holds nothing that differs between hosts (no time, no host name).
-The one exception is a marker, which names *a* snapshot holding its prefix:
+or alias holds nothing that differs between hosts (no time, no host name).
+The one exception is an alias, which names *a* snapshot holding its prefix:
 the first upload's (an uploader never replaces one), any of them being right.
 
 Everything here is pure: keys, the objects' bytes, and their strict parsers
@@ -71,7 +71,7 @@ TIER_VERSION = 1
 MANIFEST_FORMAT = "sparkcache-shared-snapshot"
 ALIAS_FORMAT = "sparkcache-shared-alias"
 USED_FORMAT = "sparkcache-shared-used"
-#: A tier.json, manifest or marker larger than this is refused before it is read.
+#: A tier.json, manifest or alias larger than this is refused before it is read.
 MAX_JSON_BYTES = 4 << 20
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 
@@ -110,13 +110,13 @@ def manifest_key(model: str, snap_key: str) -> str:
 
 
 def alias_key(model: str, prefix_hash: str) -> str:
-    """The marker of prefix hash ``prefix_hash`` (hex)."""
+    """The alias of prefix hash ``prefix_hash`` (hex)."""
     _hex("prefix hash", prefix_hash)
     return f"{model_prefix(model)}/at/{prefix_hash[:2]}/{prefix_hash}.json"
 
 
 def used_key(model: str, snap_key: str) -> str:
-    """Snapshot ``snap_key``'s use marker: rewritten by whoever uses the snapshot
+    """Snapshot ``snap_key``'s use record: rewritten by whoever uses the snapshot
     in the tier, its last-modified time is the snapshot's last use there (the
     manifest holds no time, so that every host writes the same bytes)."""
     _hex("snapshot key", snap_key)
@@ -124,7 +124,7 @@ def used_key(model: str, snap_key: str) -> str:
 
 
 def used_bytes(snap_key: str) -> bytes:
-    """A use marker's bytes: the same every time (its time is the object's own)."""
+    """A use record's bytes: the same every time (its time is the object's own)."""
     return canonical_json({"format": USED_FORMAT, "snapshot": _hex("snapshot key",
                                                                    snap_key)}).encode()
 
@@ -132,7 +132,7 @@ def used_bytes(snap_key: str) -> bytes:
 def alias_blocks(start_blocks: int, n_blocks: int, stride_blocks: int,
                  breakpoints: Sequence[int] = ()) -> list[int]:
     """The block indices ``i`` (boundary ``(i + 1) * block_size``) whose prefix
-    hashes get a marker when a link holding blocks ``[start_blocks, n_blocks)``
+    hashes get an alias when a link holding blocks ``[start_blocks, n_blocks)``
     is uploaded: every stride boundary in that range, its end included when it
     falls on one (so a stride probe finds it), and the breakpoints (``(i + 1)``
     in ``breakpoints``, in blocks) in it.  The parent's upload marked the ones below."""
@@ -190,12 +190,12 @@ def parse_tier(raw: bytes, where: str) -> TierInfo:
     return TierInfo(alias_stride=stride, version=version)
 
 
-# -- alias markers ----------------------------------------------------------------------
+# -- aliases ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Alias:
-    """A marker: the prefix of ``n_tokens`` tokens hashing to ``prefix`` is held by
+    """An alias: the prefix of ``n_tokens`` tokens hashing to ``prefix`` is held by
     the snapshot ``snapshot`` (a key) of ``snapshot_tokens`` tokens."""
 
     prefix: str
@@ -211,15 +211,15 @@ def alias_bytes(alias: Alias) -> bytes:
 
 
 def parse_alias(raw: bytes, prefix: str) -> Alias:
-    """A marker fetched from ``alias_key(model, prefix)``, strictly."""
-    doc = _load(raw, f"marker {prefix}")
+    """An alias fetched from ``alias_key(model, prefix)``, strictly."""
+    doc = _load(raw, f"alias {prefix}")
     fields = {"format", "prefix", "n_tokens", "snapshot", "snapshot_tokens"}
     if set(doc) != fields or doc["format"] != ALIAS_FORMAT or doc["prefix"] != prefix:
-        raise InvalidArgument(f"marker {prefix} is not a sparkcache marker of that prefix")
+        raise InvalidArgument(f"alias {prefix} is not a sparkcache alias of that prefix")
     n, snap, total = doc["n_tokens"], doc["snapshot"], doc["snapshot_tokens"]
     if not (_is_int(n, 1) and _is_int(total, 1) and n <= total):
-        raise InvalidArgument(f"marker {prefix}: token counts {n!r} and {total!r} are bad")
-    return Alias(prefix, n, _hex("marker snapshot", snap), total)
+        raise InvalidArgument(f"alias {prefix}: token counts {n!r} and {total!r} are bad")
+    return Alias(prefix, n, _hex("alias snapshot", snap), total)
 
 
 # -- manifests --------------------------------------------------------------------------
@@ -239,12 +239,12 @@ class SegmentEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A snapshot in the tier: written after all of its segments and markers.
+    """A snapshot in the tier: written after all of its segments and aliases.
 
     ``parent`` is the key of the snapshot holding tokens ``[0, start_token)``
     (None for a root, ``start_token`` 0): the chain is expressed in prefix
     hashes, so it dedups across hosts.  ``aliases`` are the ``(n_tokens,
-    prefix hash)`` of the markers its upload wrote or found (for the sweep).
+    prefix hash)`` of the aliases its upload wrote or found (for the sweep).
     """
 
     model: str

@@ -4,19 +4,19 @@ The probe half of docs/shared.md's read side (:mod:`sparkcache.shared.fetch`
 downloads what this finds).  :func:`probe` asks the tier which prefix of
 a prompt it holds, in a bounded number of small requests and never a listing:
 
-1. a HEAD of the marker at the first stride boundary: a snapshot holding the
+1. a HEAD of the alias at the first stride boundary: a snapshot holding the
    prompt's first ``p`` tokens marked every stride boundary up to ``p``, so
    the matched ones are a prefix of them, and when the first is not marked
    the tier holds nothing of the prompt past it (one HEAD: the common miss);
-2. a HEAD of the marker at the prompt's last whole block (a snapshot of this
+2. a HEAD of the alias at the prompt's last whole block (a snapshot of this
    very prompt, answered before on another host, marked it: its save's
    breakpoint at the prompt's end);
 3. otherwise a binary search over the other stride boundaries, one HEAD of a
-   marker each, then a HEAD of the markers at the request's own breakpoints
+   alias each, then a HEAD of the aliases at the request's own breakpoints
    above the best stride (at most :data:`MAX_BREAKPOINT_PROBES`).
 
-:func:`resolve` then GETs the best marker, the manifest it names and its
-parents' manifests (root first), parsing each strictly; a marker whose
+:func:`resolve` then GETs the best alias, the manifest it names and its
+parents' manifests (root first), parsing each strictly; an alias whose
 manifest is missing (an upload that died before its manifest, a snapshot the
 tier's sweep deleted meanwhile) or that does not agree is skipped for the next
 shorter stride (at most :data:`MAX_FALLBACKS`).
@@ -29,10 +29,10 @@ prompt's last whole block and its breakpoints, longest first, and
 :func:`resolve_end` asks for the manifest of the snapshot ending exactly
 there (its key is the prompt's prefix hash there): one HEAD each while there
 is none.  Between the last whole block and the breakpoints,
-:func:`marked_end` reads the prompt's best stride marker: when the snapshot
+:func:`marked_end` reads the prompt's best stride alias: when the snapshot
 it names ends inside the prompt (a new turn of a stored conversation), that
 end is asked for too.  A miss costs two HEADs (the last block's manifest, the
-first stride's marker) plus one per breakpoint probed.  A manifest with a
+first stride's alias) plus one per breakpoint probed.  A manifest with a
 parent, or of another length, is refused.
 
 Every request here is a HEAD or a small GET, counted by :class:`CountedTier`.
@@ -63,7 +63,7 @@ __all__ = [
 
 #: Breakpoints of a request probed above its best stride, at most.
 MAX_BREAKPOINT_PROBES = 4
-#: Shorter strides tried when the best marker dangles or disagrees.
+#: Shorter strides tried when the best alias dangles or disagrees.
 MAX_FALLBACKS = 2
 #: Manifests followed from a snapshot to its root, at most (a tier's chains are
 #: its hosts' chains, which compaction bounds far below this).
@@ -72,7 +72,7 @@ MAX_CHAIN_LINKS = 64
 
 @dataclass(frozen=True)
 class RemotePrefix:
-    """A marker found for the prompt: the tier holds its first ``n_tokens``
+    """An alias found for the prompt: the tier holds its first ``n_tokens``
     tokens (prefix hash ``prefix``) in snapshot ``snap_key``'s chain."""
 
     n_tokens: int
@@ -102,13 +102,13 @@ class CountedTier:
 
 def probe(tier: SharedTier | CountedTier, model: str, hashes: Sequence[bytes], block_size: int,
           breakpoints: Sequence[int] = (), *, whole: bool = True) -> list[RemotePrefix]:
-    """The markers the tier has for the prompt whose block hashes are ``hashes``,
+    """The aliases the tier has for the prompt whose block hashes are ``hashes``,
     best (longest) first, then up to :data:`MAX_FALLBACKS` shorter strides to
     try when the best does not resolve; empty when it holds no prefix.
     ``breakpoints`` are the request's (token counts).  Requests: one HEAD
     when the tier holds nothing of the prompt, two for a prompt it holds
     whole, at most ``2 + log2(len(hashes) * block_size / stride)``, and at
-    most :data:`MAX_BREAKPOINT_PROBES` more.  ``whole=False``: the marker of
+    most :data:`MAX_BREAKPOINT_PROBES` more.  ``whole=False``: the alias of
     the prompt's last block is not asked for (strides and breakpoints only)."""
     heads = tier if isinstance(tier, CountedTier) else CountedTier(tier)
     n_blocks = len(hashes)
@@ -150,7 +150,7 @@ def probe(tier: SharedTier | CountedTier, model: str, hashes: Sequence[bytes], b
             best, matched = at(top), matched - 1
     if best is None:
         return []
-    # Fallbacks: the strides below the best, unprobed (a dangling marker is rare).
+    # Fallbacks: the strides below the best, unprobed (a dangling alias is rare).
     below = [at(strides[k]) for k in range(matched - 1, -1, -1)
              if (strides[k] + 1) * block_size < best.n_tokens]
     return [best, *below[:MAX_FALLBACKS]]
@@ -178,14 +178,14 @@ def probe_ends(hashes: Sequence[bytes], block_size: int, breakpoints: Sequence[i
 def marked_end(tier: SharedTier | CountedTier, model: str, hashes: Sequence[bytes],
                block_size: int) -> RemotePrefix | None:
     """For a model whose layers keep a window: the end of the snapshot that the
-    prompt's best stride marker names (:func:`probe`, then a GET of that
-    marker), when the prompt holds that snapshot whole - its key is the
+    prompt's best stride alias names (:func:`probe`, then a GET of that
+    alias), when the prompt holds that snapshot whole - its key is the
     prompt's prefix hash at its end - for :func:`resolve_end`; None when the
     tier marks no stride of the prompt or its snapshot goes elsewhere (a
-    marker names the first snapshot uploaded through it).  Raises
-    InvalidArgument for a marker that is not what it claims to be."""
+    alias names the first snapshot uploaded through it).  Raises
+    InvalidArgument for an alias that is not what it claims to be."""
     gets = tier if isinstance(tier, CountedTier) else CountedTier(tier)
-    # (A marker at the prompt's last block names a snapshot going on past it.)
+    # (An alias at the prompt's last block names a snapshot going on past it.)
     found = probe(gets, model, hashes, block_size, whole=False)
     if not found:
         return None
@@ -223,9 +223,9 @@ def resolve_end(tier: SharedTier | CountedTier, model: str, found: RemotePrefix,
 
 def resolve(tier: SharedTier | CountedTier, model: str, found: RemotePrefix,
             ) -> tuple[RemotePrefix, list[Manifest]] | None:
-    """The marker ``found`` and its snapshot's chain of manifests, root first,
-    each parsed strictly and consistent with the next; None when the marker or
-    a manifest is missing (a dangling marker: an upload that died before its
+    """The alias ``found`` and its snapshot's chain of manifests, root first,
+    each parsed strictly and consistent with the next; None when the alias or
+    a manifest is missing (a dangling alias: an upload that died before its
     manifest, or a deletion).  Raises InvalidArgument when an object is there
     but is not what it claims to be."""
     gets = tier if isinstance(tier, CountedTier) else CountedTier(tier)
@@ -234,7 +234,7 @@ def resolve(tier: SharedTier | CountedTier, model: str, found: RemotePrefix,
         return None
     alias = parse_alias(raw, found.prefix)
     if alias.n_tokens != found.n_tokens:
-        raise InvalidArgument(f"marker {found.prefix} says {alias.n_tokens} tokens where the "
+        raise InvalidArgument(f"alias {found.prefix} says {alias.n_tokens} tokens where the "
                               f"prompt has that hash at {found.n_tokens}")
     chain: list[Manifest] = []
     key: str | None = alias.snapshot
@@ -253,7 +253,7 @@ def resolve(tier: SharedTier | CountedTier, model: str, found: RemotePrefix,
                 raise InvalidArgument(f"manifest {key} is not the parent manifest "
                                       f"{child.snap_key} names")
         elif m.n_tokens != alias.snapshot_tokens or m.n_tokens < alias.n_tokens:
-            raise InvalidArgument(f"marker {found.prefix} names {alias.snapshot_tokens} "
+            raise InvalidArgument(f"alias {found.prefix} names {alias.snapshot_tokens} "
                                   f"tokens of snapshot {key}, whose manifest has {m.n_tokens}")
         chain.append(m)
         key = m.parent

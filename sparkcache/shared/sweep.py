@@ -3,7 +3,7 @@
 The tier's catalogue is its manifests (one listing of the tier and a GET of
 each manifest not seen before: the sweep is periodic, never per request).  A
 snapshot's *last use* is the newer of its manifest's last-modified time (its
-upload) and its use marker's (``used/<k>.json``, rewritten by :func:`mark_used`
+upload) and its use record's (``used/<k>.json``, rewritten by :func:`mark_used`
 whenever a host fetches the snapshot from the tier or finds it there when it
 uploads it): the manifests themselves hold no time, so that every host writes
 the same bytes.  Times are the object store's own clock.
@@ -21,10 +21,10 @@ then deletes in the order that keeps every visible snapshot whole:
 3. ``budget``: leaves, least recently used first, until the model's
    manifests name at most ``mb`` megabytes.
 
-Execution: the markers that a deleted and a kept snapshot share are rewritten
+Execution: the aliases that a deleted and a kept snapshot share are rewritten
 to name the kept one (any snapshot that holds a prefix may be named); then
 the manifests are deleted, children before parents (a crash leaves no child
-whose parent is gone); then their segments, markers and use markers, and the
+whose parent is gone); then their segments, aliases and use records, and the
 garbage no manifest names (segments of an upload that died, another host's
 copy that lost the race, stale temp objects) once it is older than
 ``grace_seconds``, the longest an upload may take between its first segment
@@ -171,13 +171,13 @@ class TierLimits:
         return cls(**{k: v for k, v in found.items() if v is not None})
 
 
-# -- the use marker ------------------------------------------------------------------------
+# -- the use record ------------------------------------------------------------------------
 
 
 def mark_used(tier: SharedTier, model: str, snap_key: str) -> None:
     """Record that snapshot ``snap_key`` of ``model`` was used from the tier now
     (a fetch, or an upload that found it there): its age restarts.  One small
-    PUT; a use marker never makes anything visible, and one left without its
+    PUT; a use record never makes anything visible, and one left without its
     manifest is garbage the sweep reclaims."""
     tier.put(used_key(model, snap_key), [used_bytes(snap_key)])
 
@@ -194,7 +194,7 @@ class Catalogue:
     manifest_objects: dict[str, ObjectStat] = field(default_factory=dict)  # by snap key
     invalid: list[ObjectStat] = field(default_factory=list)  # manifests that do not parse
     segments: dict[str, ObjectStat] = field(default_factory=dict)  # by object key
-    markers: dict[str, ObjectStat] = field(default_factory=dict)
+    aliases: dict[str, ObjectStat] = field(default_factory=dict)
     used: dict[str, ObjectStat] = field(default_factory=dict)  # by snap key
     temps: list[ObjectStat] = field(default_factory=list)
 
@@ -234,7 +234,7 @@ def read_catalogue(tier: SharedTier, cache: ManifestCache | None = None
             elif kind == "seg":
                 cat.segments[obj.key] = obj
             elif kind == "at":
-                cat.markers[obj.key] = obj
+                cat.aliases[obj.key] = obj
             else:
                 cat.used[match.group("k")] = obj
             break
@@ -274,7 +274,7 @@ class ModelPlan:
     model: str
     deleted: dict[str, str] = field(default_factory=dict)  # snap key -> reason
     generations: list[list[str]] = field(default_factory=list)  # manifest keys, leaves first
-    rewrite: dict[str, Alias] = field(default_factory=dict)  # marker key -> new content
+    rewrite: dict[str, Alias] = field(default_factory=dict)  # alias key -> new content
     garbage: list[str] = field(default_factory=list)  # deleted after the manifests
     kept: int = 0
     kept_bytes: int = 0
@@ -361,7 +361,7 @@ def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:
     for k, man in m.items():
         for _n, h in man.aliases:
             listers[alias_key(cat.model, h)].append(k)
-    for key, obj in cat.markers.items():
+    for key, obj in cat.aliases.items():
         kept = [k for k in listers.get(key, ()) if k in live]
         gone = any(k in plan.deleted for k in listers.get(key, ()))
         if kept and gone:  # name a snapshot that stays
@@ -394,7 +394,7 @@ class TierSweepReport:
     manifests: int = 0  # in the catalogue
     deleted: dict[str, list[str]] = field(default_factory=dict)  # reason -> model/key
     objects_deleted: int = 0
-    markers_rewritten: int = 0
+    aliases_rewritten: int = 0
     bytes_freed: int = 0
     kept: int = 0
     kept_bytes: int = 0
@@ -445,7 +445,7 @@ def sweep_tier(tier: SharedTier, limits: TierLimits | None = None, *, dry_run: b
                 _apply(tier, plan, lease, report)
             report.bytes_freed += plan.freed_bytes
             if dry_run:
-                report.markers_rewritten += len(plan.rewrite)
+                report.aliases_rewritten += len(plan.rewrite)
                 report.objects_deleted += sum(map(len, plan.generations)) + len(plan.garbage)
         finished = True
     finally:
@@ -472,7 +472,7 @@ def _apply(tier: SharedTier, plan: ModelPlan, lease: SweepLease,
         lease.renew()
         for key, alias in sorted(plan.rewrite.items()):
             tier.put(key, [alias_bytes(alias)])
-            report.markers_rewritten += 1
+            report.aliases_rewritten += 1
     for generation in plan.generations:
         for chunk in _chunks(generation):
             lease.renew()

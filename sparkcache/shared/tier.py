@@ -131,7 +131,7 @@ class SharedTier:
 
     @property
     def alias_stride(self) -> int:
-        """The tier's alias stride in tokens (``tier.json``): markers lie on it."""
+        """The tier's alias stride in tokens (``tier.json``): aliases lie on it."""
         return self.info.alias_stride
 
     def __repr__(self) -> str:
@@ -158,7 +158,7 @@ class SharedTier:
     # -- objects ---------------------------------------------------------------------
 
     def get(self, key: str, max_bytes: int = MAX_JSON_BYTES) -> bytes | None:
-        """A small object's bytes (a manifest, a marker), or None when there is none.
+        """A small object's bytes (a manifest, an alias), or None when there is none.
         One larger than ``max_bytes`` is refused before it is read."""
         size = self.size(key)
         if size is None:

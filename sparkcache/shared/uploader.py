@@ -12,7 +12,7 @@ that keeps the tier consistent at every instant (docs/shared.md):
 
 1. its parent must be uploaded already (a chain reaches the tier root first);
 2. a manifest already in the tier means the snapshot is there (uploaded by
-   this host before a crash, or by another host): only its use marker is
+   this host before a crash, or by another host): only its use record is
    rewritten (:func:`~sparkcache.shared.sweep.mark_used`: its age restarts);
    otherwise a child's parent must still be in the tier: a parent the tier's
    sweep deleted is queued again (its ``uploaded_at`` cleared) and goes first;
@@ -20,7 +20,7 @@ that keeps the tier consistent at every instant (docs/shared.md):
    verified whole (header, every chunk, and the snapshot key against its
    token ids: a corrupt file is quarantined, never spread) and sent unless an
    object of its key and size is there;
-4. the alias markers of its stride boundaries and breakpoints, unless there
+4. the aliases of its stride boundaries and breakpoints, unless there
    (a child's breakpoint inside its parent's range too: the local index offers
    that prefix from the child, so the tier does; its hash is the index's row,
    the link's own token ids cannot give it);
@@ -252,7 +252,7 @@ def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotI
                 buf = blob.buffer
                 read = read_segment(buf, digest, identity, g.rank, info.snap_key,
                                     g.token_start, g.token_end, layers=False)
-                if g.rank == 0:  # the prefix hashes of its own blocks, for its markers
+                if g.rank == 0:  # the prefix hashes of its own blocks, for its aliases
                     hashes = check_key(
                         identity, read.tokens, info.snap_key, scope=scope,
                         parent_key=None if parent is None else parent.snap_key,
@@ -272,7 +272,7 @@ def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotI
                 for i in alias_blocks(start_blocks, info.n_tokens // bs,
                                       tier.alias_stride // bs, [b // bs for b in marks])]
     for n, prefix in aliases:
-        if tier.exists(alias_key(model, prefix)):  # the first upload's marker stays
+        if tier.exists(alias_key(model, prefix)):  # the first upload's alias stays
             found += 1
             continue
         tier.put(alias_key(model, prefix), [alias_bytes(Alias(prefix, n, info.snap_key,

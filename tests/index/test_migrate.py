@@ -14,7 +14,7 @@ import apsw
 import pytest
 from alembic import command
 
-from sparkcache.core import SnapshotInfo, fetch
+from sparkcache.core import SnapshotInfo, select_all
 from sparkcache.errors import SchemaMismatch
 from sparkcache.index import Database, current_revision, head_revision, queries, upgrade
 from sparkcache.index.migrate import alembic_config, known_revisions, render_sql
@@ -94,7 +94,7 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
         assert db.migrated == ["0004", "0005", "0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
-            rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
+            rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
             assert [(s.id, s.n_tokens, s.state, s.pinned, s.use_count, s.scope_json)
                     for s in rows] == [(1, 512, "ready", True, 3, None),
                                        (2, 768, "quarantined", False, 0, None)]
@@ -122,7 +122,7 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
         assert db.migrated == ["0005", "0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
-            rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
+            rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
             assert [(s.id, s.n_tokens, s.state, s.scope_json) for s in rows] == [
                 (1, 512, "ready", '{"cache_salt":null,"lora":null,"mm":[]}'),
                 (2, 768, "quarantined", None)]
@@ -150,7 +150,7 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
         assert db.migrated == ["0006", "0007"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
-            rows = fetch(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
+            rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
             # 0006: nothing was uploaded before the store had a shared tier.
             assert [(s.id, s.state, s.uploaded_at) for s in rows] == [
                 (1, "ready", None), (2, "quarantined", None)]

@@ -96,9 +96,9 @@ def test_probes_are_bounded_and_never_list(s3_tier: Tier, host: HostFactory) -> 
     with s3_calls(b.shared.backend.fs) as calls:
         hit = b.fetch(IDENT, partial)
     assert (hit.outcome, hit.n_tokens) == ("fetched", 64)
-    # never a listing; one PUT: the use marker the tier's sweep reads
+    # never a listing; one PUT: the use record the tier's sweep reads
     assert set(calls) == {"HeadObject", "GetObject", "PutObject"} and calls["PutObject"] == 1
-    # GETs: the marker and two manifests, each after our HEAD (its size) and
+    # GETs: the alias and two manifests, each after our HEAD (its size) and
     # s3fs's own; two segments streamed, each after our HEAD, in three GETs (its
     # header, its token ids, its layers); the probe: the first stride, a binary
     # search over the other 249 (the end is on a stride)
@@ -107,7 +107,7 @@ def test_probes_are_bounded_and_never_list(s3_tier: Tier, host: HostFactory) -> 
     assert calls["HeadObject"] - 2 * 3 - 2 <= 1 + 8
     again = host("c", s3_tier).fetch(IDENT, prompt(64, total=66))  # the stored tokens
     # the first stride, then a bisection of the other three (the end is the 4th)
-    # (and the use marker's PUT)
+    # (and the use record's PUT)
     assert again.n_tokens == 64 and again.requests == 3 + 2 * 3 + 2 * (1 + segment_gets) + 1
 
 
@@ -184,7 +184,7 @@ def test_a_link_that_compacts_here_is_read_whole_and_verified(tier: Tier, host: 
 
 def test_segments_without_a_manifest_are_invisible(tier: Tier, host: HostFactory) -> None:
     """An upload that died before its manifest (or a manifest swept away): its
-    markers dangle, the next shorter stride is used; without any manifest, a miss."""
+    aliases dangle, the next shorter stride is used; without any manifest, a miss."""
     a = uploaded(host, tier)
     assert a.shared is not None
     a.shared.backend.delete(manifest_key(MODEL, a.snapshot(2).snap_key))
@@ -197,9 +197,9 @@ def test_segments_without_a_manifest_are_invisible(tier: Tier, host: HostFactory
     assert c.lookup(IDENT, prompt(64)) is None
 
 
-def test_a_marker_that_lies_is_refused(tier: Tier, host: HostFactory) -> None:
-    """A marker copied under another prefix's key: parsed strictly, refused; the
-    next shorter stride's marker names the same (intact) root, which is fetched."""
+def test_an_alias_that_lies_is_refused(tier: Tier, host: HostFactory) -> None:
+    """An alias copied under another prefix's key: parsed strictly, refused; the
+    next shorter stride's alias names the same (intact) root, which is fetched."""
     from sparkcache.hashing import prefix_hashes, prefix_seed
 
     a = uploaded(host, tier)
@@ -207,7 +207,7 @@ def test_a_marker_that_lies_is_refused(tier: Tier, host: HostFactory) -> None:
     hashes = prefix_hashes(prefix_seed(IDENT, None), tokens(64, seed=1), IDENT.block_size)
     raw = a.shared.get(alias_key(MODEL, hashes[15].hex()))
     assert raw is not None
-    a.shared.put(alias_key(MODEL, hashes[7].hex()), [raw])  # the 32-token marker, replaced
+    a.shared.put(alias_key(MODEL, hashes[7].hex()), [raw])  # the 32-token alias, replaced
     b = host("b", tier)
     result = b.fetch(IDENT, prompt(40))
     assert (result.outcome, result.n_tokens, len(result.fetched)) == ("fetched", 16, 1)
@@ -299,7 +299,7 @@ def test_stats_sum_the_fetches(file_tier: Tier, host: HostFactory,
 
 def test_a_repeated_prompt_is_found_at_its_end(tier: Tier, host: HostFactory) -> None:
     """A snapshot saved with a breakpoint at its prompt's end (as the connector
-    saves every answer) is found by the marker there: two HEADs, no bisection."""
+    saves every answer) is found by the alias there: two HEADs, no bisection."""
     a = host("a", tier)
     toks = tokens(64, seed=3)
     a.publish(IDENT, 0, toks, pages_for(IDENT, toks), breakpoints=[38])  # the prompt: 38
@@ -307,8 +307,8 @@ def test_a_repeated_prompt_is_found_at_its_end(tier: Tier, host: HostFactory) ->
     b = host("b", tier)
     result = b.fetch(IDENT, toks[:38])  # 9 whole blocks: the end, 36, is no stride
     assert (result.outcome, result.n_tokens) == ("fetched", 36)
-    # then the marker and the manifest (a HEAD and a GET each), the segment (a
-    # HEAD, its header, its token ids, its layers); the use marker's PUT
+    # then the alias and the manifest (a HEAD and a GET each), the segment (a
+    # HEAD, its header, its token ids, its layers); the use record's PUT
     assert result.requests == 2 + 2 * 2 + 4 + 1
     match = b.lookup(IDENT, toks[:36])
     assert match is not None and match.n_tokens == 36

@@ -3,7 +3,7 @@
 A layer that keeps a window stores it only at its snapshot's end, so such a
 snapshot restores only a prompt that reaches exactly its end.  The fetch asks
 for the manifests ending at the prompt's last whole block, at the end of the
-snapshot its best stride marker names (when the prompt holds it whole) and at
+snapshot its best stride alias names (when the prompt holds it whole) and at
 its breakpoints; what it finds is local afterwards as a whole snapshot,
 restored at its end.
 """
@@ -33,7 +33,7 @@ MODEL = IDENT.digest()
 TOKS = tokens(40, seed=11)  # the snapshot host a publishes: 10 blocks
 N = TOKS.size
 #: A snapshot's fetch: its manifest (our HEAD and the GET), its segment (a HEAD,
-#: its header, its token ids, its layers) and the use marker's PUT.
+#: its header, its token ids, its layers) and the use record's PUT.
 HIT = 2 + 4 + 1
 
 
@@ -68,8 +68,8 @@ def test_a_snapshot_ending_at_the_prompts_last_block_is_fetched(s3_tier: Tier,
         result = b.fetch(IDENT, prompt)
     assert (result.outcome, result.n_tokens, len(result.fetched)) == ("fetched", N, 1)
     assert result.requests == HIT
-    # never a marker, never a listing: the manifest (our HEAD, s3fs's own, the
-    # GET), the segment (our HEAD, three ranged GETs), the use marker's PUT
+    # never an alias, never a listing: the manifest (our HEAD, s3fs's own, the
+    # GET), the segment (our HEAD, three ranged GETs), the use record's PUT
     assert calls == {"HeadObject": 2 + 1, "GetObject": 1 + 3, "PutObject": 1}
     pages = restored(b, TOKS)
     assert [p.tobytes() for p in pages] == [p.tobytes() for p in window_pages(IDENT, TOKS)]
@@ -81,8 +81,8 @@ def test_a_snapshot_ending_at_the_prompts_last_block_is_fetched(s3_tier: Tier,
 
 
 def test_a_snapshot_ending_at_a_breakpoint_is_fetched(s3_tier: Tier, host: HostFactory) -> None:
-    """Host a uploads a longer snapshot first (the markers at 16 and 32 name
-    it: the first upload's marker stays), then :data:`TOKS`'s: a prompt that
+    """Host a uploads a longer snapshot first (the aliases at 16 and 32 name
+    it: the first upload's alias stays), then :data:`TOKS`'s: a prompt that
     goes on past :data:`TOKS` another way finds its end only by its breakpoint."""
     a = host("a", s3_tier)
     longer = np.concatenate([TOKS, tokens(20, seed=12)])
@@ -94,17 +94,17 @@ def test_a_snapshot_ending_at_a_breakpoint_is_fetched(s3_tier: Tier, host: HostF
     # breakpoints are rounded down to a block, probed longest first: 41 -> 40
     result = b.fetch(IDENT, prompt, breakpoints=[20, 41])
     assert (result.outcome, result.n_tokens) == ("fetched", N), result
-    # the prompt's end (none); the markers at 16, 48 (none) and 32, a GET of the one at
+    # the prompt's end (none); the aliases at 16, 48 (none) and 32, a GET of the one at
     # 32 (naming the longer one); the breakpoint at 40
     assert result.requests == 1 + 3 + 2 + HIT
     restored(b, prompt[:N])
 
 
-def test_a_new_turn_fetches_the_snapshot_its_stride_marker_names(
+def test_a_new_turn_fetches_the_snapshot_its_stride_alias_names(
     s3_tier: Tier, host: HostFactory,
 ) -> None:
     """A prompt that goes on past the snapshot without a breakpoint at its end
-    (the next turn of a stored conversation): the prompt's best stride marker
+    (the next turn of a stored conversation): the prompt's best stride alias
     names the snapshot, whose key is the prompt's prefix hash at its end, so
     that end is fetched."""
     uploaded(host, s3_tier)
@@ -112,8 +112,8 @@ def test_a_new_turn_fetches_the_snapshot_its_stride_marker_names(
     prompt = np.concatenate([TOKS, tokens(4000, seed=7)])
     result = b.fetch(IDENT, prompt)
     assert (result.outcome, result.n_tokens) == ("fetched", N), result
-    # the last block's manifest (none); the markers of the first stride and of
-    # a bisection of 1010 blocks' 252 strides; the best marker's GET; the fetch
+    # the last block's manifest (none); the aliases of the first stride and of
+    # a bisection of 1010 blocks' 252 strides; the best alias's GET; the fetch
     assert result.requests == 1 + 9 + 2 + HIT, result.requests
     restored(b, prompt[:N])
 
@@ -121,9 +121,9 @@ def test_a_new_turn_fetches_the_snapshot_its_stride_marker_names(
 def test_a_miss_costs_two_heads_and_one_per_breakpoint(s3_tier: Tier,
                                                        host: HostFactory) -> None:
     """A prompt the tier holds nothing of costs the last block's manifest HEAD
-    and the first stride's marker HEAD; one that shares part of the snapshot
-    (its markers at 16 and 32 name it) but not its end (where its window is)
-    reads the best marker too, and is a miss."""
+    and the first stride's alias HEAD; one that shares part of the snapshot
+    (its aliases at 16 and 32 name it) but not its end (where its window is)
+    reads the best alias too, and is a miss."""
     uploaded(host, s3_tier)
     b = host("b", s3_tier)
     assert b.shared is not None
@@ -136,7 +136,7 @@ def test_a_miss_costs_two_heads_and_one_per_breakpoint(s3_tier: Tier,
     marks = [8, 12, 16, 20, 24, 28, 36]
     result = b.fetch(IDENT, other, breakpoints=marks)
     assert result.outcome == "miss" and result.requests == 2 + MAX_BREAKPOINT_PROBES
-    # shares 36 tokens: the markers at 16 and 32 are the snapshot's, its end is not
+    # shares 36 tokens: the aliases at 16 and 32 are the snapshot's, its end is not
     diverging = np.concatenate([TOKS[:36], tokens(4000, seed=9)])
     hashes = prefix_hashes(prefix_seed(IDENT, None), TOKS, BLOCK)
     assert b.shared.exists(alias_key(MODEL, hashes[32 // BLOCK - 1].hex()))
@@ -177,7 +177,7 @@ def test_a_manifest_with_a_parent_is_a_clean_miss(s3_tier: Tier, host: HostFacto
     b = host("b", s3_tier)
     result = b.fetch(IDENT, TOKS)
     assert result.outcome == "miss" and "has a parent" in (result.reason or "")
-    # the manifest's HEAD and GET; the markers of strides 16 and 32, and a GET
+    # the manifest's HEAD and GET; the aliases of strides 16 and 32, and a GET
     # of the one at 32 (naming that snapshot): no segment
     assert result.requests == 2 + 2 + 2
     assert b.lookup(IDENT, TOKS) is None and b.stats()["fetch_refused"] == 1

@@ -73,7 +73,7 @@ def test_alias_blocks_are_the_strides_and_breakpoints_of_the_link() -> None:
 
 @given(st.integers(0, 50), st.integers(1, 80), st.integers(1, 9))
 def test_alias_blocks_match_the_local_index(start: int, n: int, stride: int) -> None:
-    """The markers of a chain, link by link, are the local index's stride rows."""
+    """The aliases of a chain, link by link, are the local index's stride rows."""
     if start >= n:
         return
     blocks = alias_blocks(0, start, stride) + alias_blocks(start, n, stride)
@@ -127,7 +127,7 @@ def test_not_json_and_too_big_are_refused() -> None:
 def test_alias_round_trip() -> None:
     alias = Alias(PARENT, 48, KEY, 64)
     assert parse_alias(alias_bytes(alias), PARENT) == alias
-    with pytest.raises(InvalidArgument, match="not a sparkcache marker"):
+    with pytest.raises(InvalidArgument, match="not a sparkcache alias"):
         parse_alias(alias_bytes(alias), KEY)  # fetched under another hash
     with pytest.raises(InvalidArgument, match="token counts"):
         parse_alias(alias_bytes(Alias(PARENT, 65, KEY, 64)), PARENT)

@@ -107,7 +107,7 @@ def test_age_goes_by_last_use_and_keeps_parents_of_kept_children(
     assert manifests(store.shared) == sorted(chains[1])
     assert all(state_of(store.shared, k) == "whole" for k in chains[1])
     found = kinds(store.shared)
-    # chain 2's segments, markers (at 16, 32, 48, 64 tokens) and manifests went
+    # chain 2's segments, aliases (at 16, 32, 48, 64 tokens) and manifests went
     assert (found["snap"], found["seg"], found["at"], found["used"]) == (2, 2, 4, 1)
     assert report.kept == 2 and report.bytes_freed > 0
     # nothing more goes while chain 1 is in use; everything once it is not
@@ -188,10 +188,10 @@ def test_what_is_not_whole_goes_and_young_garbage_stays(
     assert manifests(shared) == sorted(chains[2])
 
 
-def test_a_marker_shared_with_a_kept_snapshot_is_renamed(
+def test_an_alias_shared_with_a_kept_snapshot_is_renamed(
         tier: Tier, host: HostFactory) -> None:
-    """Two roots sharing their first 16 tokens share that marker: when the one it
-    names goes, the marker names the other (a reader finds it), never nothing."""
+    """Two roots sharing their first 16 tokens share that alias: when the one it
+    names goes, the alias names the other (a reader finds it), never nothing."""
     store = host("a", tier)
     ident = identity()
     toks = tokens(64, seed=5)
@@ -206,13 +206,13 @@ def test_a_marker_shared_with_a_kept_snapshot_is_renamed(
     m1 = parse_manifest(shared.get(manifest_key(MODEL, k1)) or b"", MODEL, k1)
     m2 = parse_manifest(shared.get(manifest_key(MODEL, k2)) or b"", MODEL, k2)
     (common,) = set(m1.aliases) & set(m2.aliases)
-    marker = f"m-{MODEL}/at/{common[1][:2]}/{common[1]}.json"
-    assert json.loads(shared.get(marker) or b"")["snapshot"] == k1  # the first upload's
+    alias = f"m-{MODEL}/at/{common[1][:2]}/{common[1]}.json"
+    assert json.loads(shared.get(alias) or b"")["snapshot"] == k1  # the first upload's
     time.sleep(1.1)
     mark_used(shared, MODEL, k2)
     report = sweep_tier(shared, TierLimits(mb=m2.nbytes / 1e6, max_age_hours=0))
-    assert report.deleted == {"budget": [f"{MODEL}/{k1}"]} and report.markers_rewritten == 1
-    doc = json.loads(shared.get(marker) or b"")
+    assert report.deleted == {"budget": [f"{MODEL}/{k1}"]} and report.aliases_rewritten == 1
+    doc = json.loads(shared.get(alias) or b"")
     assert (doc["snapshot"], doc["snapshot_tokens"], doc["n_tokens"]) == (k2, 48, 16)
     assert not shared.exists(f"m-{MODEL}/at/{m1.aliases[1][1][:2]}/{m1.aliases[1][1]}.json")
 
@@ -264,7 +264,7 @@ sweep_tier(tier, TierLimits(max_age_hours=1), clock=lambda: time.time() + 86400)
 def test_a_sweep_killed_mid_way_leaves_only_whole_snapshots(
         tier: Tier, host: HostFactory, after: int) -> None:
     """A real process dies after ``after`` deletions (the manifests go first: 6 of
-    them, children first; then segments, markers): the tier shows every snapshot
+    them, children first; then segments, aliases): the tier shows every snapshot
     whole or not at all, and the next sweep, past the dead one's lease, finishes."""
     store = host("a", tier)
     chains = publish_chains(store, [1, 2, 3])
@@ -408,7 +408,7 @@ def test_limits_from_the_environment() -> None:
         TierLimits.from_env({"SPARK_KV_CACHE_SHARED_MB": "lots"})
 
 
-def test_a_use_marker_names_its_snapshot() -> None:
+def test_a_use_record_names_its_snapshot() -> None:
     assert used_key(MODEL, "ab" * 16) == f"m-{MODEL}/used/ab/{'ab' * 16}.json"
 
 

@@ -93,7 +93,7 @@ def test_a_chain_goes_parent_first_with_every_rank(tier: Tier, host: HostFactory
         for g, entry in zip(local, m.segments, strict=True):
             with store.backend.open(g.object_key) as blob:
                 assert found[entry.key] == bytes(blob.buffer)  # the same bytes
-    # markers every 16 tokens (4 blocks), each naming the first snapshot that holds it
+    # aliases every 16 tokens (4 blocks), each naming the first snapshot that holds it
     hashes = prefix_hashes(prefix_seed(ident, RequestScope(cache_salt="salt")),
                            tokens(64, seed=1), ident.block_size)
     for n in (16, 32, 48, 64):
@@ -109,7 +109,7 @@ def test_a_chain_goes_parent_first_with_every_rank(tier: Tier, host: HostFactory
 def test_a_second_upload_sends_nothing(s3_tier: Tier, host: HostFactory) -> None:
     """Idempotent: a snapshot whose manifest is there is not sent again, by this
     host (uploaded_at forgotten) or another one holding the same prefix; only
-    its use marker is rewritten."""
+    its use record is rewritten."""
     a = host("a", s3_tier)
     publish_chain(a)
     assert a.shared is not None
@@ -123,7 +123,7 @@ def test_a_second_upload_sends_nothing(s3_tier: Tier, host: HostFactory) -> None
         for store in (a, b):
             report = store.upload()
             assert (report.uploaded, len(report.present), report.objects_put) == ([], 2, 0)
-    # One manifest HEAD per snapshot, and the only writes are the use markers
+    # One manifest HEAD per snapshot, and the only writes are the use records
     # (the snapshot is in use again: its age in the tier restarts).
     assert calls["HeadObject"] == 4 and calls["PutObject"] == 4
     assert not (set(WRITES) - {"PutObject"}) & set(calls)
@@ -162,7 +162,7 @@ def test_a_retry_sends_only_what_is_missing(tier: Tier, host: HostFactory,
     before = store.shared.counts["puts"]
     report = store.upload()
     assert len(report.uploaded) == 2 and report.error is None
-    # root: its manifest only; child: segment, 2 markers, manifest
+    # root: its manifest only; child: segment, 2 aliases, manifest
     assert store.shared.counts["puts"] - before == 1 + 4
 
 
@@ -189,7 +189,7 @@ def test_two_hosts_uploading_the_same_prefix_at_once_agree(
     publish_chain(alone)
     alone.upload()
     assert stores[0].shared is not None and alone.shared is not None
-    # the same objects, but for the use markers of the hosts that found a snapshot there
+    # the same objects, but for the use records of the hosts that found a snapshot there
     assert {k: v for k, v in objects(stores[0].shared).items() if "/used/" not in k} \
         == objects(alone.shared)
 

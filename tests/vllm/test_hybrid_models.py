@@ -32,7 +32,7 @@ block below it).  All engines run in one script process
    2's snapshots) is uploaded, and a byte of turn 2's segment flipped in the
    tier; host 2, an engine with an empty store, answers :data:`TIER_TAIL`
    after turn 1 and its answer (a next turn: no snapshot ends at its last
-   whole block, the tier's stride markers name turn 1's prompt's snapshot,
+   whole block, the tier's stride aliases name turn 1's prompt's snapshot,
    which it holds whole): it fetches that snapshot and restores it,
    answering as plain vLLM; then turn 2, whose snapshot in the tier fails verification: a
    refused fetch, recomputed, answering as plain vLLM.
@@ -328,13 +328,13 @@ def test_host2_restores_a_sliding_window_snapshot_from_the_shared_tier(
     runs: dict[str, Any],
 ) -> None:
     """Host 2's store is empty and its prompt goes on past turn 1's snapshot
-    (a next turn): the snapshot its best stride marker names ends inside the
+    (a next turn): the snapshot its best stride alias names ends inside the
     prompt, so it is fetched from the tier, restored at its end, and the
     answer is plain vLLM's."""
     assert "error" not in runs, runs.get("error", "") + runs["_log"]
     sent, ready, error = runs["uploaded"]
     assert sent == ready >= 2 and error == "", runs["_log"]  # turn 1's and turn 2's, at least
-    # The tier's stride markers name the first snapshot uploaded through them:
+    # The tier's stride aliases name the first snapshot uploaded through them:
     # turn 1's prompt's (published in the request, before prompt and answer).
     n_tokens = TURN1_PROMPT_END
     out = runs["tier"]
