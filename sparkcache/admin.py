@@ -27,13 +27,12 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from sparkcache import catalog, maintenance, rehearsal, transfer, verification
+from sparkcache import transfer
 from sparkcache.backends import known_schemes
 from sparkcache.catalog import ModelRow, SnapshotDetail, SnapshotRow, mb
-from sparkcache.core import INDEX_FILE, Core, SnapshotInfo, select_all
+from sparkcache.core import INDEX_FILE
 from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.folder import resolve_folder
-from sparkcache.index import queries as q
 from sparkcache.indexfile import (
     DbRevision,
     db_current,
@@ -264,35 +263,31 @@ def check_url(url: str) -> None:
 
 def list_models(store: SnapshotStore) -> list[ModelRow]:
     """Every model row, deleted ones included (:func:`sparkcache.catalog.list_models`)."""
-    return catalog.list_models(store.core)
+    return store.catalog.models()
 
 
 def resolve_model(store: SnapshotStore, model: str | int) -> ModelRow:
     """The one model named by ``model`` (:func:`sparkcache.catalog.resolve_model`)."""
-    return catalog.resolve_model(store.core, model)
+    return store.catalog.resolve_model(model)
 
 
 def list_snapshots(store: SnapshotStore, model: str | int | None = None) -> list[SnapshotRow]:
     """Every snapshot (of one model, when given), oldest id first."""
-    return catalog.list_snapshots(store.core, model)
+    return store.catalog.snapshots(model)
 
 
 def show(store: SnapshotStore, snapshot_id: int) -> SnapshotDetail:
     """One snapshot with its segments, its chain (root first), children and leases."""
-    return catalog.show(store.core, snapshot_id)
+    return store.catalog.show(snapshot_id)
 
 
 def stats(store: SnapshotStore, model: str | int | None = None) -> Stats:
     """Counters (all models, or one) plus the snapshots quarantined now."""
     models = {m.id: m.name for m in list_models(store)}
     model_id = None if model is None else resolve_model(store, model).id
-    totals = store.core.counter_totals(model_id)
-    with store.core.read() as conn:
-        quarantined = [
-            catalog.snapshot_row(info, models)
-            for info in select_all(conn, q.ADMIN_QUARANTINED, into=SnapshotInfo)
-            if model_id is None or info.model_id == model_id
-        ]
+    totals = store.catalog.counters(model_id)
+    quarantined = [row for row in store.catalog.snapshots(model_id)
+                   if row.state == "quarantined"]
 
     def by_prefix(prefix: str) -> dict[str, int]:
         return {k[len(prefix):]: v for k, v in sorted(totals.items()) if k.startswith(prefix)}
@@ -344,13 +339,13 @@ def request_summary(store: SnapshotStore, *, model: str | int | None = None) -> 
 
 def verify(store: SnapshotStore, progress: Progress | None = None) -> VerifyReport:
     """Re-hash every written segment (:func:`sparkcache.verification.verify`)."""
-    return verification.verify(store.core, progress)
+    return store.verify(progress)
 
 
 def requeue(store: SnapshotStore) -> RequeueReport:
     """Give back quarantined snapshots whose files verify whole again
     (:func:`sparkcache.verification.requeue`)."""
-    return verification.requeue(store.core, store.alias_stride)
+    return store.requeue()
 
 
 @overload
@@ -365,7 +360,7 @@ def check(store: SnapshotStore, *, fix: bool = False,
 
     With ``fix`` and ``dry_run`` the repair is rehearsed (see :class:`DryRun`).
     """
-    return rehearsal.run(store, dry_run, lambda core: maintenance.check(core, fix=fix))
+    return store.check(fix=fix, dry_run=True) if dry_run else store.check(fix=fix)
 
 
 # -- deleting and pinning -------------------------------------------------------------------
@@ -387,12 +382,11 @@ def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = F
     go after the commit.  ``dry_run``: see :class:`DryRun`.
     """
     row = resolve_model(store, model)
-
-    def clear(core: Core) -> ClearReport:
-        deleted, leased, pinned = maintenance.clear_model(core, row.id, keep_pinned=keep_pinned)
-        return ClearReport(row.name, row.id, deleted, leased, pinned)
-
-    return rehearsal.run(store, dry_run, clear)
+    if dry_run:
+        rehearsed = store.clear_model(row.id, keep_pinned=keep_pinned, dry_run=True)
+        return DryRun(ClearReport(row.name, row.id, *rehearsed.report), rehearsed.files,
+                      rehearsed.folders)
+    return ClearReport(row.name, row.id, *store.clear_model(row.id, keep_pinned=keep_pinned))
 
 
 @overload
@@ -409,13 +403,11 @@ def delete_model(store: SnapshotStore, model: str | int, *,
     ``dry_run``: see :class:`DryRun`.
     """
     row = resolve_model(store, model)
-
-    def delete(core: Core) -> DeleteModelReport:
-        complete = maintenance.delete_model(core, row.id)
-        remaining = [] if complete else [s.id for s in catalog.list_snapshots(core, row.id)]
-        return DeleteModelReport(row.name, row.id, complete, remaining)
-
-    return rehearsal.run(store, dry_run, delete)
+    if dry_run:
+        rehearsed = store.delete_model(row.id, dry_run=True)
+        return DryRun(DeleteModelReport(row.name, row.id, *rehearsed.report), rehearsed.files,
+                      rehearsed.folders)
+    return DeleteModelReport(row.name, row.id, *store.delete_model(row.id))
 
 
 def pin(store: SnapshotStore, snapshot_id: int, pinned: bool = True) -> SnapshotRow:
@@ -425,17 +417,9 @@ def pin(store: SnapshotStore, snapshot_id: int, pinned: bool = True) -> Snapshot
     again, so a pin would only keep its files forever.  Unpinning always works.
     """
     try:
-        with store.core.write() as conn:
-            info = store.core.snapshot(conn, snapshot_id)
-            if pinned and info is not None and info.state == "quarantined":
-                raise InvalidArgument(
-                    f"snapshot {snapshot_id} is quarantined ({info.reason}): it will never be "
-                    "restored again, so pinning it would only keep its files forever. Leave "
-                    "it: eviction (`sparkcache sweep`) removes quarantined snapshots first"
-                )
-            store.pin(snapshot_id, pinned)
+        store.pin(snapshot_id, pinned)
     except NotFound:
-        raise catalog.no_snapshot(store.core, snapshot_id) from None
+        raise store.catalog.no_snapshot(snapshot_id) from None
     return show(store, snapshot_id).snapshot
 
 
@@ -465,7 +449,7 @@ def sweep(store: SnapshotStore, retention: Retention | RetentionSettings, *,
     """
     if isinstance(retention, RetentionSettings):
         retention = Retention(retention)
-    return rehearsal.run(store, dry_run, retention.sweep)
+    return store.sweep(retention, dry_run=True) if dry_run else store.sweep(retention)
 
 
 # -- the shared tier (sparkcache.shared) ---------------------------------------------------

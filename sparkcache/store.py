@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 
 from sparkcache import lookup as lookups
-from sparkcache import maintenance, reader, requestlog
+from sparkcache import reader, requestlog
 from sparkcache.backends import Backend
+from sparkcache.catalog import Catalog
 from sparkcache.core import (
     DEFAULT_INDEX_RESERVE,
     INDEX_FILE,
@@ -44,20 +45,17 @@ from sparkcache.core import (
     Match,
     SnapshotInfo,
     ids,
-    scalar,
     select_all,
 )
 from sparkcache.errors import InvalidArgument, NotFound
-from sparkcache.holders import this_holder
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 from sparkcache.index.db import Database
-from sparkcache.maintenance import CheckReport
 from sparkcache.publish import PublishResult
 from sparkcache.publish import publish as publish_segment
 from sparkcache.recorded import open_shared, recorded_storage
 from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
-from sparkcache.retention import Retention, Sweeper, SweepReport
+from sparkcache.retention import Retention, Sweeper
 from sparkcache.shared import (
     DEFAULT_POLL_SECONDS,
     FetchResult,
@@ -67,6 +65,7 @@ from sparkcache.shared import (
     fetch_prefix,
     upload_pending,
 )
+from sparkcache.upkeep import StoreUpkeep
 
 __all__ = ["Match", "PublishResult", "SnapshotInfo", "SnapshotStore"]
 
@@ -78,7 +77,7 @@ DEFAULT_MAX_CHAIN = 8
 DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
 
 
-class SnapshotStore:
+class SnapshotStore(StoreUpkeep):
     """The one API over the index and the payload backend.
 
     ``root`` is a local folder (the index must be on a local filesystem);
@@ -142,10 +141,13 @@ class SnapshotStore:
         except BaseException:
             db.close()
             raise
-        #: The narrow core the store's helpers take (index, backend, clock, counters).
-        self.core = Core(root, db, backend, clock, index_reserve=index_reserve)
+        # The narrow core the store's helpers take (index, backend, clock, counters);
+        # nothing above the store reads it (tests/test_layers.py).
+        self._core = Core(root, db, backend, clock, index_reserve=index_reserve)
         self.alias_stride = self._fixed_setting("alias_stride", alias_stride, DEFAULT_ALIAS_STRIDE)
         self.max_chain = self._fixed_setting("max_chain", max_chain, DEFAULT_MAX_CHAIN)
+        #: What the store holds, for people (read-only): models, snapshots, counters.
+        self.catalog = Catalog(self._core)
         #: The shared tier this process uploads to, or None.
         self.shared: SharedTier | None = None
         self._uploader: Uploader | None = None
@@ -153,35 +155,35 @@ class SnapshotStore:
         self._upload_wait = DEFAULT_UPLOAD_WAIT_SECONDS
         if shared is not None:
             try:
-                self.shared = open_shared(self.core, shared, shared_options,
+                self.shared = open_shared(self._core, shared, shared_options,
                                            alias_stride=self.alias_stride, relocate=relocate,
                                            record=upgrade)
             except BaseException:
-                self.core.close()
+                self._core.close()
                 raise
-        self.core.keep_reserve()
+        self._core.keep_reserve()
 
     @property
     def root(self) -> Path:
-        return self.core.root
+        return self._core.root
 
     @property
     def backend(self) -> Backend:
-        return self.core.backend
+        return self._core.backend
 
     @property
     def db(self) -> Database:
         """The index connection (raises StoreClosed once closed)."""
-        return self.core.db
+        return self._core.db
 
     def _fixed_setting(self, key: str, given: int | None, default: int) -> int:
         if given is not None and (not isinstance(given, int) or given <= 0):
             raise InvalidArgument(f"{key} must be a positive integer, got {given!r}")
-        with self.core.write() as conn:
+        with self._core.write() as conn:
             found = ids(conn, q.GET_SETTING, (key,))
             if not found:
                 value = default if given is None else given
-                conn.execute(q.PUT_SETTING, (key, str(value), self.core.clock()))
+                conn.execute(q.PUT_SETTING, (key, str(value), self._core.clock()))
                 return value
         stored = found[0]
         if given is not None and given != stored:
@@ -203,7 +205,7 @@ class SnapshotStore:
             if uploader is not None:
                 uploader.close(self._upload_wait)
         finally:
-            self.core.close()
+            self._core.close()
             if self.shared is not None:
                 self.shared.close()
 
@@ -240,7 +242,7 @@ class SnapshotStore:
         blocks) get alias rows.  Returns once this rank's bytes are durable; the
         snapshot is restorable when every rank has published.
         """
-        result = publish_segment(self.core, identity, rank, token_ids, pages, parent=parent,
+        result = publish_segment(self._core, identity, rank, token_ids, pages, parent=parent,
                                  scope=scope, breakpoints=breakpoints,
                                  alias_stride=self.alias_stride, max_chain=self.max_chain,
                                  policy=self.retention)
@@ -273,7 +275,7 @@ class SnapshotStore:
         binary search over strides.  Read-only: it takes no write lock.  Token
         ids are compared on ``read``.
         """
-        return lookups.lookup(self.core, identity, token_ids, alias_stride=self.alias_stride,
+        return lookups.lookup(self._core, identity, token_ids, alias_stride=self.alias_stride,
                               scope=scope, ranks=ranks, hashes=hashes, whole_first=whole_first,
                               ends_only=ends_only)
 
@@ -297,7 +299,7 @@ class SnapshotStore:
         its checks is quarantined and raises CorruptSnapshot (a vanished
         snapshot NotFound): the match itself is then no longer a hit.
         """
-        return lookups.extend(self.core, match, token_ids, ranks=ranks)
+        return lookups.extend(self._core, match, token_ids, ranks=ranks)
 
     def grow(
         self, match: Match, token_ids: Sequence[int] | np.ndarray, *,
@@ -316,7 +318,7 @@ class SnapshotStore:
         its checks is quarantined and raises CorruptSnapshot (a vanished snapshot
         NotFound): the match is then no longer a hit.
         """
-        return lookups.grow(self.core, match, token_ids, alias_stride=self.alias_stride,
+        return lookups.grow(self._core, match, token_ids, alias_stride=self.alias_stride,
                             ranks=ranks)
 
     # -- read (sparkcache.reader) -----------------------------------------------------
@@ -327,7 +329,7 @@ class SnapshotStore:
         One uint8 array ``[n_blocks, page_nbytes]`` per layer (fresh memory).
         Raises CorruptSnapshot (snapshot quarantined) or NotFound: both a miss.
         """
-        return reader.read_pages(self.core, match, rank, n_tokens, touch=True)
+        return reader.read_pages(self._core, match, rank, n_tokens, touch=True)
 
     def read_into(
         self, match: Match, rank: int, out: Sequence[Any], *, n_tokens: int | None = None,
@@ -360,87 +362,9 @@ class SnapshotStore:
         quarantined) or NotFound are a miss, and may leave ``out`` partly
         written with *verified* bytes only.
         """
-        return reader.read_into(self.core, match, rank, out, n_tokens=n_tokens,
+        return reader.read_into(self._core, match, rank, out, n_tokens=n_tokens,
                                 start_tokens=start_tokens, on_layer=on_layer, threads=threads,
                                 cpus=cpus)
-
-    # -- maintenance (sparkcache.maintenance, sparkcache.retention) ----------------------
-
-    def quarantine(self, snapshot_id: int, reason: str) -> None:
-        """Never offer this snapshot (nor its descendants) again; count the reason."""
-        maintenance.quarantine(self.core, snapshot_id, reason)
-
-    def pin(self, snapshot_id: int, pinned: bool = True) -> None:
-        """Pinned snapshots are never evicted."""
-        with self.core.write() as conn:
-            conn.execute(q.SET_PINNED, (int(pinned), snapshot_id))
-            if conn.changes() != 1:
-                raise NotFound(f"no snapshot {snapshot_id}")
-
-    def acquire_lease(
-        self, snapshot_id: int, *, kind: str = "read", ttl: float = 60.0, holder: str | None = None
-    ) -> int:
-        """Protect a snapshot from eviction and deletion for ``ttl`` seconds (or
-        until its holder, by default this process, dies).
-
-        Returns the lease id for :meth:`release_lease`.
-        """
-        if not ttl > 0:
-            raise InvalidArgument(f"ttl must be positive seconds, got {ttl!r}")
-        now = self.core.clock()
-        with self.core.write() as conn:
-            if self.core.snapshot(conn, snapshot_id) is None:
-                raise NotFound(f"no snapshot {snapshot_id}")
-            return scalar(conn, q.INSERT_LEASE,
-                          (snapshot_id, holder or this_holder(), kind, now, now + ttl))
-
-    def release_lease(self, lease_id: int) -> bool:
-        """Release a lease; False when it had already gone."""
-        with self.core.write() as conn:
-            conn.execute(q.DELETE_LEASE, (lease_id,))
-            return bool(conn.changes())
-
-    def delete(self, snapshot_id: int, *, force: bool = False) -> list[int]:
-        """Delete a snapshot and its descendants (they cannot be restored without it).
-
-        Refuses (LeaseError) while any of them holds an unexpired lease, unless
-        ``force``.  Files go after the commit.  Returns the deleted ids.
-        """
-        return maintenance.delete_snapshots(self.core, [snapshot_id], force=force,
-                                            reason="deleted")
-
-    def evict(
-        self, *, model: ModelIdentity | None = None, count: int | None = 1,
-        free_bytes: int | None = None, older_than: float | None = None, reason: str = "lru",
-    ) -> list[int]:
-        """Delete least recently used evictable snapshots: see
-        :func:`sparkcache.maintenance.evict_lru` for the rules."""
-        return maintenance.evict_lru(self.core, model=model, count=count, free_bytes=free_bytes,
-                                     older_than=older_than, reason=reason)
-
-    def check(self, *, fix: bool = False) -> CheckReport:
-        """Compare index and files; with ``fix`` repair (see :mod:`sparkcache.maintenance`)."""
-        return maintenance.check(self.core, fix=fix)
-
-    def sweep(self, retention: Retention | None = None) -> SweepReport:
-        """One retention pass (deleted models, age, disk margin, total) with
-        ``retention``, by default the store's own; see :meth:`Retention.sweep`."""
-        retention = retention or self.retention
-        if retention is None:
-            raise InvalidArgument("this store has no retention limits; pass retention=")
-        return retention.sweep(self.core)
-
-    def start_sweeper(self) -> Sweeper:
-        """Start :meth:`sweep` with the store's retention every ``sweep_seconds``
-        in the background (:class:`~sparkcache.retention.Sweeper`), once per host:
-        the connector does it in its scheduler process, on a store of its own (a
-        long sweep never holds the lock its lookups take).  ``close`` stops it.
-        Needs ``retention``; a second call returns the running sweeper."""
-        if self.retention is None:
-            raise InvalidArgument("this store has no retention limits: open it with retention=")
-        if self._sweeper is None:
-            self._sweeper = Sweeper(self.core, self.retention).start()
-        return self._sweeper
 
     # -- the shared tier (sparkcache.shared) ---------------------------------------------
 
@@ -454,7 +378,7 @@ class SnapshotStore:
     def upload(self, *, limit: int | None = None) -> UploadReport:
         """Upload the ready snapshots not uploaded yet, parents first, now: see
         :func:`sparkcache.shared.upload_pending`.  Needs ``shared``."""
-        return upload_pending(self.core, self._tier(), limit=limit)
+        return upload_pending(self._core, self._tier(), limit=limit)
 
     def fetch(
         self,
@@ -484,7 +408,7 @@ class SnapshotStore:
         verification: nothing of it is published).  Raises a SparkCacheError
         when the tier is unreachable or refuses access.  Needs ``shared``.
         """
-        return fetch_prefix(self.core, self._tier(), identity, token_ids, scope=scope,
+        return fetch_prefix(self._core, self._tier(), identity, token_ids, scope=scope,
                             breakpoints=breakpoints, hashes=hashes,
                             alias_stride=self.alias_stride, max_chain=self.max_chain,
                             policy=self.retention, min_tokens=min_tokens)
@@ -500,7 +424,7 @@ class SnapshotStore:
             raise InvalidArgument(f"wait_seconds must be >= 0, got {wait_seconds!r}")
         if self._uploader is None:
             self._uploader = Uploader(
-                self.core, tier,
+                self._core, tier,
                 poll_seconds=DEFAULT_POLL_SECONDS if poll_seconds is None else poll_seconds,
             ).start()
         self._upload_wait = wait_seconds
@@ -509,52 +433,57 @@ class SnapshotStore:
     # -- inspection ---------------------------------------------------------------------
 
     def snapshots(self, model: ModelIdentity | None = None) -> list[SnapshotInfo]:
-        with self.core.read() as conn:
+        with self._core.read() as conn:
             if model is None:
                 return select_all(conn, q.LIST_SNAPSHOTS, into=SnapshotInfo)
-            model_id = self.core.model_id(conn, model)
+            model_id = self._core.model_id(conn, model)
             if model_id is None:
                 return []
             return select_all(conn, q.ADMIN_MODEL_SNAPSHOTS, (model_id,), into=SnapshotInfo)
 
     def snapshot(self, snapshot_id: int) -> SnapshotInfo:
-        with self.core.read() as conn:
-            info = self.core.snapshot(conn, snapshot_id)
+        with self._core.read() as conn:
+            info = self._core.snapshot(conn, snapshot_id)
         if info is None:
             raise NotFound(f"no snapshot {snapshot_id}")
         return info
+
+    def ensure_model(self, identity: ModelIdentity) -> int:
+        """The id of the model row of ``identity``, created when there is none."""
+        with self._core.write() as conn:
+            return self._core.ensure_model(conn, identity)
 
     def stats(self, model: ModelIdentity | None = None) -> dict[str, int]:
         """Counters (hits, misses, written/restored tokens and bytes, evictions.*,
         quarantined.*), summed over models unless ``model`` is given."""
         if model is None:
-            return self.core.counter_totals()
-        with self.core.read() as conn:
-            model_id = self.core.model_id(conn, model)
-        return {} if model_id is None else self.core.counter_totals(model_id)
+            return self._core.counter_totals()
+        with self._core.read() as conn:
+            model_id = self._core.model_id(conn, model)
+        return {} if model_id is None else self._core.counter_totals(model_id)
 
     # -- the request log (sparkcache.requestlog) ------------------------------------------
 
     def log_requests(self, rows: Sequence[Mapping[str, Any]], *, keep: int) -> None:
         """Record request log rows and keep the newest ``keep``: see
         :func:`sparkcache.requestlog.record`."""
-        requestlog.record(self.core, rows, keep=keep)
+        requestlog.record(self._core, rows, keep=keep)
 
     def requests(self, *, model_id: int | None = None, limit: int = 50,
                  after_seq: int | None = None) -> list[RequestRow]:
         """The newest logged requests, or those after ``after_seq`` oldest first:
         see :func:`sparkcache.requestlog.requests`."""
-        return requestlog.requests(self.core, model_id=model_id, limit=limit,
+        return requestlog.requests(self._core, model_id=model_id, limit=limit,
                                    after_seq=after_seq)
 
     def request(self, request_id: str) -> RequestRow | None:
         """One logged request, or None."""
-        return requestlog.request(self.core, request_id)
+        return requestlog.request(self._core, request_id)
 
     def request_summary(self, *, model_id: int | None = None) -> LogSummary:
         """Requests and token sums over the request log (of one model)."""
-        return requestlog.summary(self.core, model_id=model_id)
+        return requestlog.summary(self._core, model_id=model_id)
 
     def requests_by_key(self, *, model_id: int | None = None) -> list[KeySummary]:
         """The request log summed per ``prompt_cache_key``, most requests first."""
-        return requestlog.by_cache_key(self.core, model_id=model_id)
+        return requestlog.by_cache_key(self._core, model_id=model_id)

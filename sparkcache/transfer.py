@@ -23,11 +23,9 @@ from sparkcache import segment as seg
 from sparkcache.backends import Backend, Blob, known_schemes, open_backend
 from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX
 from sparkcache.backends.local import root_from_url
-from sparkcache.catalog import model_identity, resolve_model
-from sparkcache.core import INDEX_FILE, SegmentInfo, ids
+from sparkcache.core import INDEX_FILE, SegmentInfo
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
-from sparkcache.index import queries as q
 from sparkcache.manifest import (
     MANIFEST,
     manifest_bytes,
@@ -182,8 +180,8 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
     is left out (reason ``scope``): an import could not rebuild its keys.  The
     snapshots are leased while they are copied.
     """
-    row = resolve_model(store.core, model)
-    identity = model_identity(store.core, row.id)
+    row = store.catalog.resolve_model(model)
+    identity = store.catalog.model_identity(row.id)
     _check_destination(dest)
     out = open_backend(dest)
     try:
@@ -205,9 +203,8 @@ def _export_all(store: SnapshotStore, out: Backend, identity: ModelIdentity,
     their manifest entries.  Each is leased while the export runs."""
     infos = sorted((s for s in store.snapshots(identity) if s.state == "ready"),
                    key=lambda s: (s.depth, s.id))  # parents first
-    with store.core.read() as conn:
-        segments = {s.id: store.core.segments(conn, s.id) for s in infos}
-        breakpoints = {s.id: ids(conn, q.BREAKPOINTS_OF, (s.id,)) for s in infos}
+    segments = {s.id: store.catalog.segments(s.id) for s in infos}
+    breakpoints = {s.id: store.catalog.breakpoints(s.id) for s in infos}
     total = sum(g.nbytes for segs in segments.values() for g in segs)
     done = 0
     tick(0, total)
