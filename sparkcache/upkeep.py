@@ -135,8 +135,15 @@ class StoreUpkeep:
         self, *, model: ModelIdentity | None = None, count: int | None = 1,
         free_bytes: int | None = None, older_than: float | None = None, reason: str = "lru",
     ) -> list[int]:
-        """Delete least recently used evictable snapshots; the arguments and rules are
-        :func:`sparkcache.maintenance.evict_lru`'s.
+        """Delete evictable snapshots, quarantined ones first, then least recently
+        used; never pinned or leased ones (:func:`sparkcache.maintenance.evict_lru`).
+
+        Args:
+            model: only this model's (default: every model's).
+            count: stop after this many (None: no count).
+            free_bytes: stop once this many bytes are freed.
+            older_than: keep the snapshots used since this time.
+            reason: counted as ``evictions.<reason>``.
 
         Returns:
             The deleted ids.
