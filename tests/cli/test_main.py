@@ -26,10 +26,10 @@ from sparkcache.cli import EXIT_CODES, build_parser, commands, main
 from sparkcache.index import migrate
 from sparkcache.shared import SharedTier, SweepLease
 
-from .index.helpers import DATA
-from .store.helpers import identity, pages_for, tokens
+from ..index.helpers import DATA
+from ..store.helpers import identity, pages_for, tokens
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
