@@ -22,7 +22,7 @@ from sparkcache.retention import (
     Sweeper,
 )
 
-from .store.helpers import Clock, identity, pages_for, tokens
+from .helpers import Clock, identity, pages_for, tokens
 
 
 class FakeDisk:

@@ -17,7 +17,7 @@ from sparkcache.core import lease_blocks, model_folder
 from sparkcache.holders import this_holder
 from sparkcache.index import queries as q
 
-from .store.helpers import identity, pages_for, tokens
+from .helpers import identity, pages_for, tokens
 
 
 def test_counts_are_saved_by_the_next_write(tmp_path: Path) -> None:
