@@ -138,8 +138,9 @@ def calibrated_task(target_s: float) -> Callable[[], None]:
     return task
 
 
-def bench_lookup(root: Path, sz: Sizes, rng: np.random.Generator) -> list[Row]:
-    fx = lookup_fixture(root, sz, rng)
+def _probes(fx: LookupFixture, sz: Sizes) -> tuple[dict[str, Callable[[], None]], int]:
+    """The timed lookups, each checking its answer, by name; and the token at which
+    the growing prompt leaves the real snapshot."""
     store, ident, bs = fx.store, fx.ident, fx.ident.block_size
     seed = prefix_seed(ident)
 
@@ -185,6 +186,20 @@ def bench_lookup(root: Path, sz: Sizes, rng: np.random.Generator) -> list[Row]:
         if m is None or m.n_tokens != sz.hit_tokens:
             raise SystemExit(f"the probe prompt should hit: {m}")
 
+    probes = {"hit": hit, "miss": miss, "system_only": system_only, "hashing": hashing,
+              "ends_only": ends_only, "hit_and_grow": hit_and_grow,
+              "hit_with_hashing": hit_with_hashing}
+    return probes, shared
+
+
+def bench_lookup(root: Path, sz: Sizes, rng: np.random.Generator) -> list[Row]:
+    fx = lookup_fixture(root, sz, rng)
+    store = fx.store
+    probe, shared = _probes(fx, sz)
+    hit, miss, system_only, hashing = (probe["hit"], probe["miss"], probe["system_only"],
+                                       probe["hashing"])
+    ends_only, hit_and_grow, hit_with_hashing = (probe["ends_only"], probe["hit_and_grow"],
+                                                 probe["hit_with_hashing"])
     with trace_sql(fx.index) as statements:
         hit()
         miss()

@@ -102,7 +102,7 @@ with in_process_engine(args["model"], kv_transfer_config=connector_config(folder
         llm.llm_engine.step()
         time.sleep(0.01)
 (snap,) = ready(store)
-ident = model_identity(store.core, snap.model_id)
+ident = model_identity(store._core, snap.model_id)
 res["snapshot"] = {"n_tokens": snap.n_tokens, "nbytes": snap.nbytes,
                    "page_nbytes": ident.page_nbytes, "block_size": ident.block_size,
                    "window_blocks": list(ident.window_blocks), "num_layers": ident.num_layers}

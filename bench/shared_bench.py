@@ -86,8 +86,8 @@ def throughput(work: Path, server: S3Server, n_tokens: int, reps: int) -> dict[s
         with SnapshotStore(one, shared=url, shared_options=opts) as a:
             a.publish(ident, 0, toks, pages(ident, toks.size))
             (snap,) = a.snapshots()
-            with a.core.read() as conn:
-                (seg,) = a.core.segments(conn, snap.id)
+            with a._core.read() as conn:
+                (seg,) = a._core.segments(conn, snap.id)
             with a.backend.open(seg.object_key) as blob:
                 data = bytes(blob.buffer)
             nbytes = len(data)

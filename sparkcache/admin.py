@@ -23,20 +23,24 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
-import apsw
-
-from sparkcache import catalog, maintenance, rehearsal, transfer, verification
+from sparkcache import transfer
 from sparkcache.backends import known_schemes
 from sparkcache.catalog import ModelRow, SnapshotDetail, SnapshotRow, mb
-from sparkcache.core import INDEX_FILE, Core, SnapshotInfo, select_all
+from sparkcache.core import INDEX_FILE
 from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.folder import resolve_folder
-from sparkcache.index import migrate
-from sparkcache.index import queries as q
+from sparkcache.indexfile import (
+    DbRevision,
+    db_current,
+    db_downgrade,
+    db_upgrade,
+    index_path,
+    read_revision,
+)
 from sparkcache.maintenance import CheckReport
 from sparkcache.rehearsal import DryRun
 from sparkcache.requestlog import KeySummary, RequestRow
@@ -163,19 +167,6 @@ class RequestSummary:
     by_cache_key: list[KeySummary]  # most requests first
 
 
-@dataclass(frozen=True)
-class DbRevision:
-    path: str
-    current: str | None
-    head: str
-    applied: list[str]  # revisions upgraded to, oldest first
-    undone: list[str] = field(default_factory=list)  # revisions downgraded from, newest first
-
-    @property
-    def up_to_date(self) -> bool:
-        return self.current == self.head
-
-
 def to_dict(result: Any) -> Any:
     """A JSON-serialisable form of any result of this module (lists included).
 
@@ -232,7 +223,7 @@ def open_store(folder: str | os.PathLike[str], *, storage: str | None = None,
                 f"no sparkcache store in {root} (no {INDEX_FILE}); pass --folder, or set "
                 "SPARK_KV_CACHE_FOLDER (or SPARK_STORAGE) to the folder vLLM uses"
             )
-        _read_revision(path, behind_ok=upgrade)
+        read_revision(path, behind_ok=upgrade)
     for url in (storage, shared):
         if url is not None:
             check_url(url)
@@ -272,35 +263,31 @@ def check_url(url: str) -> None:
 
 def list_models(store: SnapshotStore) -> list[ModelRow]:
     """Every model row, deleted ones included (:func:`sparkcache.catalog.list_models`)."""
-    return catalog.list_models(store.core)
+    return store.catalog.models()
 
 
 def resolve_model(store: SnapshotStore, model: str | int) -> ModelRow:
     """The one model named by ``model`` (:func:`sparkcache.catalog.resolve_model`)."""
-    return catalog.resolve_model(store.core, model)
+    return store.catalog.resolve_model(model)
 
 
 def list_snapshots(store: SnapshotStore, model: str | int | None = None) -> list[SnapshotRow]:
     """Every snapshot (of one model, when given), oldest id first."""
-    return catalog.list_snapshots(store.core, model)
+    return store.catalog.snapshots(model)
 
 
 def show(store: SnapshotStore, snapshot_id: int) -> SnapshotDetail:
     """One snapshot with its segments, its chain (root first), children and leases."""
-    return catalog.show(store.core, snapshot_id)
+    return store.catalog.show(snapshot_id)
 
 
 def stats(store: SnapshotStore, model: str | int | None = None) -> Stats:
     """Counters (all models, or one) plus the snapshots quarantined now."""
     models = {m.id: m.name for m in list_models(store)}
     model_id = None if model is None else resolve_model(store, model).id
-    totals = store.core.counter_totals(model_id)
-    with store.core.read() as conn:
-        quarantined = [
-            catalog.snapshot_row(info, models)
-            for info in select_all(conn, q.ADMIN_QUARANTINED, into=SnapshotInfo)
-            if model_id is None or info.model_id == model_id
-        ]
+    totals = store.catalog.counters(model_id)
+    quarantined = [row for row in store.catalog.snapshots(model_id)
+                   if row.state == "quarantined"]
 
     def by_prefix(prefix: str) -> dict[str, int]:
         return {k[len(prefix):]: v for k, v in sorted(totals.items()) if k.startswith(prefix)}
@@ -352,13 +339,13 @@ def request_summary(store: SnapshotStore, *, model: str | int | None = None) -> 
 
 def verify(store: SnapshotStore, progress: Progress | None = None) -> VerifyReport:
     """Re-hash every written segment (:func:`sparkcache.verification.verify`)."""
-    return verification.verify(store.core, progress)
+    return store.verify(progress)
 
 
 def requeue(store: SnapshotStore) -> RequeueReport:
     """Give back quarantined snapshots whose files verify whole again
     (:func:`sparkcache.verification.requeue`)."""
-    return verification.requeue(store.core, store.alias_stride)
+    return store.requeue()
 
 
 @overload
@@ -373,7 +360,7 @@ def check(store: SnapshotStore, *, fix: bool = False,
 
     With ``fix`` and ``dry_run`` the repair is rehearsed (see :class:`DryRun`).
     """
-    return rehearsal.run(store, dry_run, lambda core: maintenance.check(core, fix=fix))
+    return store.check(fix=fix, dry_run=True) if dry_run else store.check(fix=fix)
 
 
 # -- deleting and pinning -------------------------------------------------------------------
@@ -395,12 +382,11 @@ def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = F
     go after the commit.  ``dry_run``: see :class:`DryRun`.
     """
     row = resolve_model(store, model)
-
-    def clear(core: Core) -> ClearReport:
-        deleted, leased, pinned = maintenance.clear_model(core, row.id, keep_pinned=keep_pinned)
-        return ClearReport(row.name, row.id, deleted, leased, pinned)
-
-    return rehearsal.run(store, dry_run, clear)
+    if dry_run:
+        rehearsed = store.clear_model(row.id, keep_pinned=keep_pinned, dry_run=True)
+        return DryRun(ClearReport(row.name, row.id, *rehearsed.report), rehearsed.files,
+                      rehearsed.folders)
+    return ClearReport(row.name, row.id, *store.clear_model(row.id, keep_pinned=keep_pinned))
 
 
 @overload
@@ -417,13 +403,11 @@ def delete_model(store: SnapshotStore, model: str | int, *,
     ``dry_run``: see :class:`DryRun`.
     """
     row = resolve_model(store, model)
-
-    def delete(core: Core) -> DeleteModelReport:
-        complete = maintenance.delete_model(core, row.id)
-        remaining = [] if complete else [s.id for s in catalog.list_snapshots(core, row.id)]
-        return DeleteModelReport(row.name, row.id, complete, remaining)
-
-    return rehearsal.run(store, dry_run, delete)
+    if dry_run:
+        rehearsed = store.delete_model(row.id, dry_run=True)
+        return DryRun(DeleteModelReport(row.name, row.id, *rehearsed.report), rehearsed.files,
+                      rehearsed.folders)
+    return DeleteModelReport(row.name, row.id, *store.delete_model(row.id))
 
 
 def pin(store: SnapshotStore, snapshot_id: int, pinned: bool = True) -> SnapshotRow:
@@ -433,17 +417,9 @@ def pin(store: SnapshotStore, snapshot_id: int, pinned: bool = True) -> Snapshot
     again, so a pin would only keep its files forever.  Unpinning always works.
     """
     try:
-        with store.core.write() as conn:
-            info = store.core.snapshot(conn, snapshot_id)
-            if pinned and info is not None and info.state == "quarantined":
-                raise InvalidArgument(
-                    f"snapshot {snapshot_id} is quarantined ({info.reason}): it will never be "
-                    "restored again, so pinning it would only keep its files forever. Leave "
-                    "it: eviction (`sparkcache sweep`) removes quarantined snapshots first"
-                )
-            store.pin(snapshot_id, pinned)
+        store.pin(snapshot_id, pinned)
     except NotFound:
-        raise catalog.no_snapshot(store.core, snapshot_id) from None
+        raise store.catalog.no_snapshot(snapshot_id) from None
     return show(store, snapshot_id).snapshot
 
 
@@ -473,7 +449,7 @@ def sweep(store: SnapshotStore, retention: Retention | RetentionSettings, *,
     """
     if isinstance(retention, RetentionSettings):
         retention = Retention(retention)
-    return rehearsal.run(store, dry_run, retention.sweep)
+    return store.sweep(retention, dry_run=True) if dry_run else store.sweep(retention)
 
 
 # -- the shared tier (sparkcache.shared) ---------------------------------------------------
@@ -532,73 +508,3 @@ def import_into(folder: str | os.PathLike[str], src: str, *, storage: str | None
         if url is not None:
             check_url(url)
     return transfer.import_into(folder, src, storage=storage, progress=progress)
-
-
-# -- the index's schema ---------------------------------------------------------------------
-
-
-def index_path(root: str | os.PathLike[str]) -> Path:
-    """The index file of the store in ``root``; NotFound when there is none."""
-    path = Path(root).expanduser() / INDEX_FILE
-    if not path.is_file():
-        raise NotFound(f"no sparkcache index at {path}; pass the store's folder (--folder)")
-    return path
-
-
-def _read_revision(path: Path, *, behind_ok: bool = True) -> str | None:
-    """The revision of the index at ``path``, read through a read-only connection;
-    SchemaMismatch when it is not one this sparkcache can use (or, unless
-    ``behind_ok``, is behind): see :func:`sparkcache.index.migrate.check_revision`."""
-    conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
-    try:
-        return migrate.check_revision(conn, empty_ok=False, behind_ok=behind_ok)
-    finally:
-        conn.close()
-
-
-def db_current(root: str | os.PathLike[str]) -> DbRevision:
-    """The index's schema revision and the newest this sparkcache knows (read-only).
-
-    Raises SchemaMismatch, saying which, for an index written by a newer
-    sparkcache and for a file that is not a sparkcache index at all.
-    """
-    path = index_path(root)
-    return DbRevision(str(path), _read_revision(path), migrate.head_revision(), [])
-
-
-def db_upgrade(root: str | os.PathLike[str], *, busy_timeout_ms: int = 10_000) -> DbRevision:
-    """Upgrade the index to the newest revision (a no-op at head).
-
-    Raises SchemaMismatch for an index written by a newer sparkcache or a file
-    that is not a sparkcache index (both left untouched).
-    """
-    path = index_path(root)
-    conn = apsw.Connection(str(path))
-    try:
-        conn.set_busy_timeout(busy_timeout_ms)
-        migrate.check_revision(conn, empty_ok=False)
-        applied = migrate.upgrade(conn, "head")
-        current = migrate.current_revision(conn)
-    finally:
-        conn.close()
-    return DbRevision(str(path), current, migrate.head_revision(), applied)
-
-
-def db_downgrade(root: str | os.PathLike[str], revision: str, *,
-                 busy_timeout_ms: int = 10_000) -> DbRevision:
-    """Take the index back to an older ``revision`` (see
-    :func:`sparkcache.index.migrate.downgrade`): for going back to an older
-    sparkcache.  Stop every process using the store first.
-
-    Refuses (InvalidArgument) an unknown revision, one newer than the index and
-    a revision that cannot be undone; nothing is changed then.
-    """
-    path = index_path(root)
-    conn = apsw.Connection(str(path))
-    try:
-        conn.set_busy_timeout(busy_timeout_ms)
-        undone = migrate.downgrade(conn, revision)
-        current = migrate.current_revision(conn)
-    finally:
-        conn.close()
-    return DbRevision(str(path), current, migrate.head_revision(), [], undone)

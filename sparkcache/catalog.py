@@ -19,6 +19,7 @@ from sparkcache.index import queries as q
 
 __all__ = [
     "MB",
+    "Catalog",
     "LinkRow",
     "ModelRow",
     "SnapshotDetail",
@@ -204,3 +205,55 @@ def show(core: Core, snapshot_id: int) -> SnapshotDetail:
         snapshot_row(info, {k: m.name for k, m in models.items()}),
         model.digest if model else "", segments, chain, children, leases,
     )
+
+
+class Catalog:
+    """What a store holds, for people: this module's functions bound to one core.
+
+    :attr:`SnapshotStore.catalog <sparkcache.store.SnapshotStore.catalog>` is the
+    store's; it only reads.  Each method is the function of the same name (or the
+    one its docstring names) applied to the store's core.
+    """
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+
+    def models(self) -> list[ModelRow]:
+        """Every model row, deleted ones included (:func:`list_models`)."""
+        return list_models(self._core)
+
+    def resolve_model(self, model: str | int) -> ModelRow:
+        """The one model named by ``model`` (:func:`resolve_model`)."""
+        return resolve_model(self._core, model)
+
+    def model_identity(self, model_id: int) -> ModelIdentity:
+        """The identity a model row was created with (:func:`model_identity`)."""
+        return model_identity(self._core, model_id)
+
+    def snapshots(self, model: str | int | None = None) -> list[SnapshotRow]:
+        """Every snapshot (of one model, when given), oldest id first
+        (:func:`list_snapshots`)."""
+        return list_snapshots(self._core, model)
+
+    def show(self, snapshot_id: int) -> SnapshotDetail:
+        """One snapshot in detail (:func:`show`)."""
+        return show(self._core, snapshot_id)
+
+    def no_snapshot(self, snapshot_id: int) -> NotFound:
+        """The error for a snapshot id that names nothing (:func:`no_snapshot`)."""
+        return no_snapshot(self._core, snapshot_id)
+
+    def segments(self, snapshot_id: int) -> list[SegmentInfo]:
+        """The segment rows of one snapshot, by rank (none for an unknown id)."""
+        with self._core.read() as conn:
+            return self._core.segments(conn, snapshot_id)
+
+    def breakpoints(self, snapshot_id: int) -> list[int]:
+        """The token counts of one snapshot's breakpoint rows, in order."""
+        with self._core.read() as conn:
+            return ids(conn, q.BREAKPOINTS_OF, (snapshot_id,))
+
+    def counters(self, model_id: int | None = None) -> dict[str, int]:
+        """Every counter, summed over models unless ``model_id`` is given, unsaved
+        counts included."""
+        return self._core.counter_totals(model_id)

@@ -3,7 +3,9 @@
 :func:`run` runs the real operation (``check --fix``, ``clear``, ``rm``,
 ``sweep``) on a core whose storage only records deletions and refuses writes,
 inside one write transaction that is then rolled back: the rehearsal follows
-the very rules the real run follows, and changes nothing.
+the very rules the real run follows, and changes nothing.  The store's
+deleting methods (:meth:`SnapshotStore.check <sparkcache.store.SnapshotStore.check>`
+with ``fix``, ``sweep``, ``clear_model``, ``delete_model``) take ``dry_run``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import Generic, TypeVar
 from sparkcache.backends import Backend, Blob, BufferLike, DiskUsage
 from sparkcache.core import Core
 from sparkcache.errors import NotFound
-from sparkcache.store import SnapshotStore
 
 __all__ = ["DryRun", "run"]
 
@@ -36,7 +37,6 @@ class DryRun(Generic[ReportT]):
     report: ReportT
     files: list[str]
     folders: list[str]
-
 
 
 # -- dry runs ---------------------------------------------------------------------------------
@@ -126,21 +126,21 @@ class _RolledBack(Exception):
     """Ends a dry run's transaction by rolling it back."""
 
 
-def run(store: SnapshotStore, dry_run: bool,
+def run(core: Core, dry_run: bool,
         action: Callable[[Core], ReportT]) -> ReportT | DryRun[ReportT]:
-    """``action(store.core)``, or with ``dry_run`` its rehearsal: ``action`` runs on
-    a :class:`_Rehearsal` core inside one write transaction that is rolled back.
+    """``action(core)``, or with ``dry_run`` its rehearsal: ``action`` runs on a
+    :class:`_Rehearsal` core inside one write transaction that is rolled back.
 
-    The transaction is the index's own (``Database.write``), not the store's
-    core's, so counts the store has not saved yet are not rolled back with it.
-    It holds the write lock while the operation runs, as the real one would.
+    The transaction is the index's own (``Database.write``), not ``core``'s, so
+    counts the store has not saved yet are not rolled back with it.  It holds
+    the write lock while the operation runs, as the real one would.
     """
     if not dry_run:
-        return action(store.core)
-    backend = _DryBackend(store.core.backend)
-    core = _Rehearsal(store.core.root, store.core.db, backend, store.core.clock)
+        return action(core)
+    backend = _DryBackend(core.backend)
+    rehearsal = _Rehearsal(core.root, core.db, backend, core.clock)
     reports: list[ReportT] = []
-    with contextlib.suppress(_RolledBack), store.core.db.write():
-        reports.append(action(core))
+    with contextlib.suppress(_RolledBack), core.db.write():
+        reports.append(action(rehearsal))
         raise _RolledBack
     return DryRun(reports[0], sorted(backend.gone), sorted(backend.folders_gone))

@@ -13,43 +13,37 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from sparkcache import segment as seg
-from sparkcache.backends import Backend, Blob, known_schemes, open_backend, validate_key
+from sparkcache.backends import Backend, Blob, known_schemes, open_backend
 from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX
 from sparkcache.backends.local import root_from_url
-from sparkcache.catalog import model_identity, resolve_model
-from sparkcache.core import INDEX_FILE, SegmentInfo, ids
+from sparkcache.core import INDEX_FILE, SegmentInfo
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
-from sparkcache.index import queries as q
+from sparkcache.manifest import (
+    MANIFEST,
+    manifest_bytes,
+    manifest_entry,
+    read_manifest,
+    scope_from_dict,
+    segment_key,
+)
 from sparkcache.store import SnapshotInfo, SnapshotStore
 from sparkcache.verification import Problem, Progress, check_key, read_segment, same_tokens
-from sparkcache.version import VERSION
 
 __all__ = [
-    "EXPORT_FORMAT", "EXPORT_VERSION", "MANIFEST", "ExportReport", "ImportReport", "Imported",
+    "MANIFEST", "ExportReport", "ImportReport", "Imported",
     "export_model", "import_into", "import_model",
 ]
 
-MANIFEST = "manifest.json"
-EXPORT_FORMAT = "sparkcache-export"
-#: Version 2 added each snapshot's ``breakpoints`` and ``scope``; version 1 exports
-#: (no breakpoints, the default scope) still import.
-EXPORT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-#: A manifest larger than this is refused before it is read.
-MAX_MANIFEST_BYTES = 64 << 20
 #: How long an export protects the snapshots it copies from eviction.
 EXPORT_LEASE_SECONDS = 3600.0
-_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass
@@ -84,10 +78,6 @@ def _no_progress(done: int, total: int) -> None:
 
 
 # -- export ----------------------------------------------------------------------
-
-
-def _segment_key(snap_key: str, rank: int) -> str:
-    return f"segments/{snap_key}.r{rank}.safetensors"
 
 
 def _not_empty(dest: str) -> InvalidArgument:
@@ -190,9 +180,8 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
     is left out (reason ``scope``): an import could not rebuild its keys.  The
     snapshots are leased while they are copied.
     """
-    tick = progress or _no_progress
-    row = resolve_model(store.core, model)
-    identity = model_identity(store.core, row.id)
+    row = store.catalog.resolve_model(model)
+    identity = store.catalog.model_identity(row.id)
     _check_destination(dest)
     out = open_backend(dest)
     try:
@@ -201,63 +190,48 @@ def export_model(store: SnapshotStore, model: str | int, dest: str,
         if next(iter(out.list()), None) is not None:
             raise _not_empty(dest)
         report = ExportReport(row.name, dest)
-        infos = sorted((s for s in store.snapshots(identity) if s.state == "ready"),
-                       key=lambda s: (s.depth, s.id))  # parents first
-        with store.core.read() as conn:
-            segments = {s.id: store.core.segments(conn, s.id) for s in infos}
-            breakpoints = {s.id: ids(conn, q.BREAKPOINTS_OF, (s.id,)) for s in infos}
-        total = sum(g.nbytes for segs in segments.values() for g in segs)
-        done = 0
-        tick(0, total)
-        entries: list[dict[str, Any]] = []
-        exported: dict[int, RequestScope] = {}  # snapshot id -> its scope
-        leases: list[int] = []
-        try:
-            for info in infos:
-                segs = segments[info.id]
-                size = sum(g.nbytes for g in segs)
-                done_or_problem = _export_one(store, out, identity, info, segs, exported, leases)
-                if isinstance(done_or_problem, RequestScope):
-                    exported[info.id] = done_or_problem
-                    report.snapshots.append(info.id)
-                    report.segments += len(segs)
-                    report.nbytes += size
-                    entries.append(_manifest_entry(info, segs, breakpoints[info.id],
-                                                   done_or_problem))
-                else:
-                    report.skipped.append(done_or_problem)
-                done += size
-                tick(done, total)
-        finally:
-            for lease_id in leases:
-                with contextlib.suppress(SparkCacheError):
-                    store.release_lease(lease_id)
-        manifest = {
-            "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "sparkcache": VERSION,
-            "created_at": time.time(),
-            "model": {"digest": row.digest, "name": row.name, "identity": identity.to_dict()},
-            "snapshots": entries,
-            "skipped": [asdict(p) for p in report.skipped],
-        }
-        out.put(MANIFEST, [json.dumps(manifest, indent=1, sort_keys=True).encode()])
+        entries = _export_all(store, out, identity, report, progress or _no_progress)
+        out.put(MANIFEST, [manifest_bytes(row.name, identity, entries, report.skipped)])
     finally:
         out.close()
     return report
 
 
-def _manifest_entry(info: SnapshotInfo, segs: list[SegmentInfo], breakpoints: list[int],
-                    scope: RequestScope) -> dict[str, Any]:
-    return {
-        "id": info.id, "parent": info.parent_id, "start_token": info.start_token,
-        "n_tokens": info.n_tokens, "snap_key": info.snap_key, "pinned": info.pinned,
-        "breakpoints": breakpoints, "scope": json.loads(scope.canonical()),
-        "segments": [
-            {"rank": g.rank, "key": _segment_key(info.snap_key, g.rank),
-             "token_start": g.token_start, "token_end": g.token_end, "nbytes": g.nbytes,
-             "digest": g.digest}
-            for g in segs
-        ],
-    }
+def _export_all(store: SnapshotStore, out: Backend, identity: ModelIdentity,
+                report: ExportReport, tick: Progress) -> list[dict[str, Any]]:
+    """Copy the model's ready snapshots, parents first, into ``out`` and ``report``;
+    their manifest entries.  Each is leased while the export runs."""
+    infos = sorted((s for s in store.snapshots(identity) if s.state == "ready"),
+                   key=lambda s: (s.depth, s.id))  # parents first
+    segments = {s.id: store.catalog.segments(s.id) for s in infos}
+    breakpoints = {s.id: store.catalog.breakpoints(s.id) for s in infos}
+    total = sum(g.nbytes for segs in segments.values() for g in segs)
+    done = 0
+    tick(0, total)
+    entries: list[dict[str, Any]] = []
+    exported: dict[int, RequestScope] = {}  # snapshot id -> its scope
+    leases: list[int] = []
+    try:
+        for info in infos:
+            segs = segments[info.id]
+            size = sum(g.nbytes for g in segs)
+            done_or_problem = _export_one(store, out, identity, info, segs, exported, leases)
+            if isinstance(done_or_problem, RequestScope):
+                exported[info.id] = done_or_problem
+                report.snapshots.append(info.id)
+                report.segments += len(segs)
+                report.nbytes += size
+                entries.append(manifest_entry(info, segs, breakpoints[info.id],
+                                              done_or_problem))
+            else:
+                report.skipped.append(done_or_problem)
+            done += size
+            tick(done, total)
+    finally:
+        for lease_id in leases:
+            with contextlib.suppress(SparkCacheError):
+                store.release_lease(lease_id)
+    return entries
 
 
 def _export_scope(info: SnapshotInfo, exported: dict[int, RequestScope]) -> RequestScope | None:
@@ -270,7 +244,7 @@ def _export_scope(info: SnapshotInfo, exported: dict[int, RequestScope]) -> Requ
     if info.scope_json is None:
         return RequestScope()
     try:
-        return _scope_from_dict(json.loads(info.scope_json))
+        return scope_from_dict(json.loads(info.scope_json))
     except ValueError:
         return None
 
@@ -304,8 +278,8 @@ def _export_one(
                                     g.token_start, g.token_end, layers=False)
                 if g.rank == 0:
                     _check_key(identity, store, info, scope, read.tokens)
-                out.put(_segment_key(info.snap_key, g.rank), [buf])
-                written.append(_segment_key(info.snap_key, g.rank))
+                out.put(segment_key(info.snap_key, g.rank), [buf])
+                written.append(segment_key(info.snap_key, g.rank))
                 del buf
         except CorruptSnapshot as exc:
             if exc.reason != "scope":
@@ -331,114 +305,6 @@ def _check_key(identity: ModelIdentity, store: SnapshotStore, info: SnapshotInfo
               reason="scope", message=wrong)
 
 
-def _scope_from_dict(doc: Any) -> RequestScope | None:
-    """The RequestScope whose canonical JSON is ``doc`` (parsed), or None."""
-    try:
-        return RequestScope.from_dict(doc)
-    except InvalidArgument:
-        return None
-
-
-def _require(cond: bool, what: str) -> None:
-    if not cond:
-        raise InvalidArgument(f"the export manifest is invalid: {what}; export the model again")
-
-
-def _is_int(value: Any, minimum: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _read_manifest(src: Backend, where: str) -> tuple[ModelIdentity, list[dict[str, Any]]]:
-    """Load and strictly validate ``manifest.json`` (JSON only, every field checked).
-
-    The snapshot entries come back in the newest version's form, with ``scope``
-    a RequestScope: a version 1 entry gets the fields it lacks with their old
-    meaning (no breakpoints, the default scope)."""
-    try:
-        size = src.size(MANIFEST)
-    except NotFound:
-        raise NotFound(f"{where} holds no {MANIFEST}: it is not a sparkcache export") from None
-    _require(size <= MAX_MANIFEST_BYTES, f"{MANIFEST} is {size} bytes")
-    with src.open(MANIFEST) as blob:
-        raw = bytes(blob.buffer)
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"{where}/{MANIFEST} is not JSON ({exc}); export again") from exc
-    except RecursionError as exc:  # nested deeper than any manifest ever is
-        raise InvalidArgument(f"{where}/{MANIFEST} is nested too deeply to be a manifest; "
-                              "export again") from exc
-    _require(isinstance(doc, dict) and doc.get("format") == EXPORT_FORMAT,
-             f"format is not {EXPORT_FORMAT!r}")
-    version = doc.get("version")
-    _require(version in READABLE_VERSIONS and _is_int(version),
-             f"version {version!r} is not one of {list(READABLE_VERSIONS)} (a newer "
-             "sparkcache wrote it? upgrade sparkcache)")
-    model, snaps = doc.get("model"), doc.get("snapshots")
-    _require(isinstance(model, dict) and isinstance(model.get("identity"), dict),
-             "model.identity is missing")
-    _require(isinstance(snaps, list), "snapshots is not a list")
-    try:
-        identity = ModelIdentity.from_dict(model["identity"])
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"the export manifest is invalid: model.identity: {exc}") from exc
-    _require(identity.digest() == model.get("digest"),
-             "model.digest does not match model.identity")
-    bs, seen = identity.block_size, dict[int, int]()
-    snap_keys = {"id", "parent", "start_token", "n_tokens", "snap_key", "pinned", "segments"}
-    if version >= 2:
-        snap_keys |= {"breakpoints", "scope"}
-    scopes: dict[int, str] = {}  # snapshot id -> its scope's canonical JSON
-    seg_keys = {"rank", "key", "token_start", "token_end", "nbytes", "digest"}
-    entries: list[dict[str, Any]] = []
-    for snap in snaps:
-        _require(isinstance(snap, dict) and set(snap) == snap_keys,
-                 f"a snapshot entry must have exactly the fields {sorted(snap_keys)}")
-        sid, parent, start, end = (snap["id"], snap["parent"], snap["start_token"],
-                                   snap["n_tokens"])
-        _require(_is_int(sid, 1) and sid not in seen, f"snapshot id {sid!r} is bad or repeated")
-        _require(parent is None or (_is_int(parent, 1) and parent in seen),
-                 f"snapshot {sid}: parent {parent!r} does not come before it")
-        _require(_is_int(start) and _is_int(end, 1) and start < end
-                 and start % bs == 0 and end % bs == 0
-                 and start == (0 if parent is None else seen[parent]),
-                 f"snapshot {sid}: token range [{start!r}, {end!r}) is inconsistent")
-        _require(isinstance(snap["snap_key"], str) and bool(_HEX32.fullmatch(snap["snap_key"])),
-                 f"snapshot {sid}: snap_key is not 32 hex digits")
-        _require(isinstance(snap["pinned"], bool), f"snapshot {sid}: pinned is not a boolean")
-        marks = snap.get("breakpoints", [])
-        _require(isinstance(marks, list)
-                 and all(_is_int(b, bs) and b % bs == 0 and b < end for b in marks)
-                 and marks == sorted(set(marks)),
-                 f"snapshot {sid}: breakpoints must be increasing multiples of the block size "
-                 "below its end")
-        scope = _scope_from_dict(snap["scope"]) if version >= 2 else RequestScope()
-        _require(scope is not None,
-                 f"snapshot {sid}: scope must be an object with exactly the fields "
-                 "cache_salt, lora (strings or null) and mm (a list of strings)")
-        assert scope is not None
-        _require(parent is None or scopes[parent] == scope.canonical(),
-                 f"snapshot {sid}: its scope is not its parent's")
-        segs = snap["segments"]
-        _require(isinstance(segs, list)
-                 and all(isinstance(g, dict) and set(g) == seg_keys for g in segs)
-                 and [g["rank"] for g in segs] == list(range(identity.world_size)),
-                 f"snapshot {sid}: segments must list ranks 0..{identity.world_size - 1} "
-                 f"with the fields {sorted(seg_keys)}")
-        for g in segs:
-            key = g["key"]
-            _require(isinstance(key, str) and key == _segment_key(snap["snap_key"], g["rank"]),
-                     f"snapshot {sid}: segment key {key!r} is not the expected one")
-            validate_key(key)
-            _require((g["token_start"], g["token_end"]) == (start, end)
-                     and _is_int(g["nbytes"], 1)
-                     and isinstance(g["digest"], str) and bool(_HEX32.fullmatch(g["digest"])),
-                     f"snapshot {sid} rank {g['rank']}: range, nbytes or digest is bad")
-        seen[sid], scopes[sid] = end, scope.canonical()
-        entries.append({**snap, "breakpoints": marks, "scope": scope})
-    return identity, entries
-
-
 def _open_source(src: str) -> Backend:
     """The backend of an export, without creating a missing local folder."""
     path = _local_path(src)
@@ -458,7 +324,7 @@ def import_model(store: SnapshotStore, src: str,
     """
     source = _open_source(src)
     try:
-        identity, snaps = _read_manifest(source, src)
+        identity, snaps = read_manifest(source, src)
         report = ImportReport(identity.model, src)
         _import_all(store, source, identity, snaps, report, progress)
     finally:
@@ -479,7 +345,7 @@ def import_into(folder: str | os.PathLike[str], src: str, *, storage: str | None
     root = Path(folder).expanduser().absolute()
     source = _open_source(src)
     try:
-        identity, snaps = _read_manifest(source, src)
+        identity, snaps = read_manifest(source, src)
         report = ImportReport(identity.model, src)
         made = [p for p in (root, *root.parents) if not p.exists()]  # folders we would make
         new = not (root / INDEX_FILE).exists()
@@ -547,32 +413,14 @@ def _import_one(
     sid, parent = snap["id"], snap["parent"]
     if parent is not None and parent not in new_ids:
         return Problem(sid, None, "parent", f"its parent {parent} was refused")
-    scope: RequestScope = snap["scope"]
     blobs: list[Blob] = []
-    pages: list[list[np.ndarray]] = []
+    pages: list[list[np.ndarray]] = []  # views of the blobs: cleared before they close
     try:
-        tokens: np.ndarray | None = None
-        for g in snap["segments"]:
-            try:
-                size = source.size(g["key"])
-                if size != g["nbytes"]:
-                    return Problem(sid, g["rank"], "truncated",
-                                   f"{g['key']} is {size} bytes, the manifest says {g['nbytes']}")
-                blobs.append(source.open(g["key"]))
-            except NotFound:
-                return Problem(sid, g["rank"], "missing", f"{g['key']} is missing")
-            try:
-                read = read_segment(blobs[-1].buffer, g["digest"], identity, g["rank"],
-                                    snap["snap_key"], g["token_start"], g["token_end"])
-                same_tokens(tokens, read.tokens, snap["snap_key"])
-            except CorruptSnapshot as exc:
-                return Problem(sid, g["rank"], exc.reason, str(exc))
-            tokens = tokens if tokens is not None else read.tokens
-            pages.append(list(read.layers))
-            del read
-        assert tokens is not None
+        tokens = _read_files(source, identity, snap, blobs, pages)
+        if isinstance(tokens, Problem):
+            return tokens
         try:
-            check_key(identity, tokens, snap["snap_key"], scope=scope,
+            check_key(identity, tokens, snap["snap_key"], scope=snap["scope"],
                       parent_key=None if parent is None else keys[parent], reason="scope",
                       message="its key is not the hash of its tokens in its scope (the "
                               "manifest was edited?)")
@@ -582,7 +430,7 @@ def _import_one(
         new_parent = None if parent is None else new_ids[parent]
         try:
             results = [store.publish(identity, rank, full, layer_pages, parent=new_parent,
-                                     scope=scope, breakpoints=snap["breakpoints"])
+                                     scope=snap["scope"], breakpoints=snap["breakpoints"])
                        for rank, layer_pages in enumerate(pages)]
         except NotFound as exc:  # the parent was evicted meanwhile (retention, a sweep)
             return Problem(sid, None, "missing", str(exc))
@@ -593,9 +441,7 @@ def _import_one(
             raise SparkCacheError(
                 f"snapshot {sid} was published as {result.state!r}, not ready; run "
                 "`sparkcache check --fix` and import again")
-        new_ids[sid] = result.snapshot_id
-        full_tokens[sid] = full
-        keys[sid] = snap["snap_key"]
+        new_ids[sid], full_tokens[sid], keys[sid] = result.snapshot_id, full, snap["snap_key"]
         if snap["pinned"]:
             store.pin(result.snapshot_id)
         report.model_id = store.snapshot(result.snapshot_id).model_id
@@ -608,3 +454,30 @@ def _import_one(
             blob.close()
 
 
+def _read_files(source: Backend, identity: ModelIdentity, snap: dict[str, Any],
+                blobs: list[Blob], pages: list[list[np.ndarray]]) -> np.ndarray | Problem:
+    """Open (into ``blobs``, which the caller closes) and verify every rank's file of
+    one snapshot: its token ids, each rank's layers appended to ``pages``, or the
+    Problem found."""
+    sid = snap["id"]
+    tokens: np.ndarray | None = None
+    for g in snap["segments"]:
+        try:
+            size = source.size(g["key"])
+            if size != g["nbytes"]:
+                return Problem(sid, g["rank"], "truncated",
+                               f"{g['key']} is {size} bytes, the manifest says {g['nbytes']}")
+            blobs.append(source.open(g["key"]))
+        except NotFound:
+            return Problem(sid, g["rank"], "missing", f"{g['key']} is missing")
+        try:
+            read = read_segment(blobs[-1].buffer, g["digest"], identity, g["rank"],
+                                snap["snap_key"], g["token_start"], g["token_end"])
+            same_tokens(tokens, read.tokens, snap["snap_key"])
+        except CorruptSnapshot as exc:
+            return Problem(sid, g["rank"], exc.reason, str(exc))
+        tokens = tokens if tokens is not None else read.tokens
+        pages.append(list(read.layers))
+        del read
+    assert tokens is not None
+    return tokens

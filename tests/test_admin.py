@@ -142,7 +142,7 @@ def test_check_url_refuses_only_unknown_schemes() -> None:
 def test_dry_run_keeps_the_counts_not_yet_saved(filled: Filled) -> None:
     store = filled.store
     before = admin.stats(store).hits
-    store.core.count(0, "hits", 5)  # counted in memory, saved with the next write
+    store._core.count(0, "hits", 5)  # counted in memory, saved with the next write
     dry = admin.clear_model(store, "tiny-llama", dry_run=True)
     assert dry.report.deleted == [filled.root, filled.child] and len(dry.files) == 2
     assert len(store.snapshots()) == 3

@@ -24,7 +24,7 @@ def test_a_constraint_failure_is_corrupt_index(tmp_path: Path) -> None:
     with SnapshotStore(tmp_path / "s") as store:
         ident, toks = identity(), tokens(8)
         store.publish(ident, 0, toks, pages_for(ident, toks))
-        with pytest.raises(CorruptIndex, match="check --fix"), store.core.write() as conn:
+        with pytest.raises(CorruptIndex, match="check --fix"), store._core.write() as conn:
             conn.execute("INSERT INTO models (id, digest, name, folder, identity_json, "
                          "created_at) SELECT id, digest, name, folder, identity_json, "
                          "created_at FROM models")  # the same primary keys again

@@ -185,6 +185,34 @@ def test_no_module_reaches_into_another_objects_private_members() -> None:
     assert found == [], "\n".join(found)
 
 
+#: The modules that hold a store's core: the facade (store.py and its upkeep half)
+#: opens it, core.py defines it.
+CORE_HOLDERS = ("store.py", "upkeep.py", "core.py")
+#: ``<name>.core`` read elsewhere: an object's own core (``self.core``: the sweeper and
+#: the uploader keep the Core they are given) and fsspec's module ``fsspec.core``.
+CORE_READERS = ("self", "fsspec")
+
+
+def core_reads_of(path: Path) -> list[str]:
+    """``x.core`` (or ``x._core``) where ``x`` is not one of :data:`CORE_READERS`:
+    a module reaching through the facade for the core it wraps."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr in ("core", "_core")
+                and not (isinstance(node.value, ast.Name) and node.value.id in CORE_READERS)):
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_store_holds_its_core() -> None:
+    """Nothing above the store takes ``SnapshotStore``'s core: it calls the facade
+    (or ``store.catalog``), and the helpers below it are handed the Core."""
+    found = [hit for path in package_modules().values()
+             if path.relative_to(PACKAGE).as_posix() not in CORE_HOLDERS
+             for hit in core_reads_of(path)]
+    assert found == [], "\n".join(found)
+
+
 # -- the checker itself catches what it must ---------------------------------------------
 
 
@@ -206,6 +234,9 @@ def test_the_checker_sees_function_level_and_private_uses(fake: Path) -> None:
         ("store", ""), ("core", "_hidden"), ("admin", "open_store"), ("store", "_helper")}
     fake.write_text("def f(store):\n    with store._read():\n        return self._ok\n")
     assert [hit.split()[-1] for hit in foreign_private_members_of(fake)] == ["store._read"]
+    fake.write_text("import fsspec.core\ndef f(store, x):\n"
+                    "    return store.core.db, self.core, fsspec.core, x.y.core\n")
+    assert sorted(hit.split()[-1] for hit in core_reads_of(fake)) == ["store.core", "x.y.core"]
 
 
 def test_the_layers_block_is_parsed_in_order() -> None:

@@ -182,7 +182,7 @@ def test_the_log_outlives_a_deleted_model(store: SnapshotStore) -> None:
     (snap,) = store.snapshots()
     store.log_requests([{"request_id": "a", "model_id": snap.model_id}], keep=10)
     store.delete(snap.id)
-    with store.core.write() as conn:
+    with store._core.write() as conn:
         conn.execute("DELETE FROM models WHERE id = ?", (snap.model_id,))
     assert ids(store.requests(model_id=snap.model_id)) == ["a"]
 

@@ -197,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
                             parents=[common], formatter_class=fmt, epilog=EPILOG)
         p.set_defaults(func=func)
         sub[name] = p
+    _reading_arguments(sub)
+    _deleting_arguments(sub)
+    _copying_arguments(sub)
+    _add_serve(subs, fmt)
+    _add_db(sub["db"], common, fmt)
+    return parser
+
+
+def _reading_arguments(sub: dict[str, argparse.ArgumentParser]) -> None:
+    """The arguments of the commands that read a store (and of pin, unpin)."""
     sub["ls"].add_argument("model", nargs="?", help=MODEL_HELP + "; default: every model")
     sub["stats"].add_argument("model", nargs="?", help=MODEL_HELP + "; default: every model")
     sub["log"].add_argument("--model", help=MODEL_HELP + "; default: every model")
@@ -208,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
                                  "throughout")
     for name in ("show", "pin", "unpin"):
         sub[name].add_argument("id", type=_ids, help="snapshot id (see `sparkcache ls`)")
+    sub["shell"].add_argument("sql", nargs="*", help="SQL or dot-commands to run instead of "
+                                                     "the interactive shell")
+    sub["shell"].add_argument("--write", action="store_true",
+                              help="open the index read-write (bypasses the store's "
+                                   "bookkeeping; prefer the admin commands)")
+
+
+def _deleting_arguments(sub: dict[str, argparse.ArgumentParser]) -> None:
+    """The arguments of the commands that check a store or delete from it."""
     sub["verify"].add_argument("--requeue", action="store_true",
                                help="verify the quarantined snapshots instead, and give back "
                                     "those whose files are whole again")
@@ -239,19 +258,21 @@ def build_parser() -> argparse.ArgumentParser:
     shared_sweep.add_argument("--max-age-hours", type=float, metavar="H",
                               help="override SPARK_KV_CACHE_SHARED_MAX_AGE_HOURS (else "
                                    "SPARK_KV_CACHE_MAX_AGE_HOURS, 168; 0 keeps)")
+
+
+def _copying_arguments(sub: dict[str, argparse.ArgumentParser]) -> None:
+    """The arguments of the commands that copy snapshots: export, import, upload."""
     sub["export"].add_argument("model", help=MODEL_HELP)
     sub["export"].add_argument("dest", help="an empty folder, or any fsspec URL "
                                             "(memory://x, s3://bucket/path)")
     sub["import"].add_argument("src", help="a folder or URL written by `sparkcache export`")
     sub["upload"].add_argument("--limit", type=_limit, metavar="N",
                                help="look at N snapshots at most (default: all)")
-    sub["shell"].add_argument("sql", nargs="*", help="SQL or dot-commands to run instead of "
-                                                     "the interactive shell")
-    sub["shell"].add_argument("--write", action="store_true",
-                              help="open the index read-write (bypasses the store's "
-                                   "bookkeeping; prefer the admin commands)")
-    # `sparkcache serve ...` goes to the launcher unparsed (main); this parser is
-    # for `sparkcache --folder DIR serve ...` and the command list.
+
+
+def _add_serve(subs: Any, fmt: type[argparse.HelpFormatter]) -> None:
+    """``serve``: its arguments go to the launcher unparsed (:func:`main`); this
+    parser is for ``sparkcache --folder DIR serve ...`` and the command list."""
     # No option prefix: every argument after `serve`, --help included, is the launcher's.
     serve = subs.add_parser("serve", add_help=False, prefix_chars="\x01", help=launch.SUMMARY,
                             description=launch.SUMMARY[0].upper() + launch.SUMMARY[1:] + ".",
@@ -259,8 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("serve_args", nargs=argparse.REMAINDER,
                        help="MODEL, sparkcache's options and vLLM's (sparkcache serve --help)")
     serve.set_defaults(func=cmd_serve)
-    db_subs = sub["db"].add_subparsers(dest="db_command", metavar="ACTION", required=True,
-                                       title="actions")
+
+
+def _add_db(db: argparse.ArgumentParser, common: argparse.ArgumentParser,
+            fmt: type[argparse.HelpFormatter]) -> None:
+    """``db``'s actions: current, upgrade, downgrade."""
+    db_subs = db.add_subparsers(dest="db_command", metavar="ACTION", required=True,
+                                title="actions")
     for name, func, text in (
         ("current", cmd_db_current, "print the index's schema revision and the newest known"),
         ("upgrade", cmd_db_upgrade, "upgrade the index to the newest schema revision"),
@@ -273,7 +299,6 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "downgrade":
             p.add_argument("revision", help="the revision to go back to (see docs/index.md; "
                                             "`sparkcache db current` shows the index's)")
-    return parser
 
 
 def _error(err: IO[str], message: str, *, as_json: bool = False, kind: str = "Error",

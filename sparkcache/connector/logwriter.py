@@ -41,8 +41,7 @@ class LogWriter:
         self.keep = keep
         self.counters = counters
         self.store = SnapshotStore(folder)  # its own index connection
-        with self.store.core.write() as conn:
-            self.model_id = self.store.core.ensure_model(conn, identity)
+        self.model_id = self.store.ensure_model(identity)
         self._rows: queue.Queue[dict[str, Any] | None] = queue.Queue(MAX_QUEUED_ROWS)
         self._thread = threading.Thread(target=self._run, name="sparkcache-log", daemon=True)
         self._thread.start()

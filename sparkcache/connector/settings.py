@@ -208,34 +208,10 @@ class ConnectorSettings:
                 f"unknown sparkcache settings {unknown} in kv_connector_extra_config; "
                 f"known: {sorted(known)}"
             )
-        folder = extra.get("folder")
-        if folder is not None and not isinstance(folder, str):
-            raise InvalidArgument(
-                "kv_connector_extra_config['folder'] must be a path string, got "
-                f"{folder!r}; or leave it out for SPARK_KV_CACHE_FOLDER"
-            )
-        mode = str(extra.get("mode", "read-write")).lower().replace("_", "-")
-        if mode not in MODES:
-            raise InvalidArgument(f"kv_connector_extra_config['mode'] must be one of "
-                                  f"{sorted(MODES)}, got {extra.get('mode')!r}")
-        revision = extra.get("revision")
-        if revision is not None and not isinstance(revision, str):
-            raise InvalidArgument("kv_connector_extra_config['revision'] must be a string")
+        folder, mode, revision = _folder_mode_revision(extra)
         min_tokens = extra.get("min_tokens")
         log_rows = extra.get("log_rows")
-        shared = extra.get("shared")
-        if shared is not None and not isinstance(shared, str):
-            raise InvalidArgument("kv_connector_extra_config['shared'] must be a URL string "
-                                  f"(s3://bucket/prefix, file:///path), got {shared!r}")
-        try:
-            shared_options = check_options(extra.get("shared_options"))
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"kv_connector_extra_config['shared_options']: {exc}") from None
-        shared = resolve_shared(shared)
-        shared_sweep = _as_bool("shared_sweep", extra.get("shared_sweep", False))
-        if shared_sweep and shared is None:
-            raise InvalidArgument("kv_connector_extra_config['shared_sweep'] sweeps the shared "
-                                  "tier: give 'shared' (or SPARK_KV_CACHE_SHARED) too")
+        shared, shared_options, shared_sweep = _shared_settings(extra)
         return cls(
             folder=str(resolve_folder(folder)),
             mode=mode,
@@ -270,3 +246,39 @@ class ConnectorSettings:
                 "shared_deadline_seconds",
                 extra.get("shared_deadline_seconds", DEFAULT_SHARED_DEADLINE_SECONDS)),
         )
+
+
+def _folder_mode_revision(extra: Mapping[str, Any]) -> tuple[str | None, str, str | None]:
+    """The ``folder``, ``mode`` and ``revision`` of the extra config, checked."""
+    folder = extra.get("folder")
+    if folder is not None and not isinstance(folder, str):
+        raise InvalidArgument(
+            "kv_connector_extra_config['folder'] must be a path string, got "
+            f"{folder!r}; or leave it out for SPARK_KV_CACHE_FOLDER"
+        )
+    mode = str(extra.get("mode", "read-write")).lower().replace("_", "-")
+    if mode not in MODES:
+        raise InvalidArgument(f"kv_connector_extra_config['mode'] must be one of "
+                              f"{sorted(MODES)}, got {extra.get('mode')!r}")
+    revision = extra.get("revision")
+    if revision is not None and not isinstance(revision, str):
+        raise InvalidArgument("kv_connector_extra_config['revision'] must be a string")
+    return folder, mode, revision
+
+
+def _shared_settings(extra: Mapping[str, Any]) -> tuple[str | None, dict[str, Any], bool]:
+    """The shared tier's URL (or SPARK_KV_CACHE_SHARED), its options and ``shared_sweep``."""
+    shared = extra.get("shared")
+    if shared is not None and not isinstance(shared, str):
+        raise InvalidArgument("kv_connector_extra_config['shared'] must be a URL string "
+                              f"(s3://bucket/prefix, file:///path), got {shared!r}")
+    try:
+        shared_options = check_options(extra.get("shared_options"))
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"kv_connector_extra_config['shared_options']: {exc}") from None
+    shared = resolve_shared(shared)
+    shared_sweep = _as_bool("shared_sweep", extra.get("shared_sweep", False))
+    if shared_sweep and shared is None:
+        raise InvalidArgument("kv_connector_extra_config['shared_sweep'] sweeps the shared "
+                              "tier: give 'shared' (or SPARK_KV_CACHE_SHARED) too")
+    return shared, shared_options, shared_sweep

@@ -195,23 +195,7 @@ def run_demo(folder: Path, plan: Plan) -> int:
                                          "questions": [QUESTIONS[-1]], "recompute": True})
     print(f"[engine 2] pid {two['pid']}, started in {two['start_s']:.0f} s")
     (restored,), again = two["turns"], two["recompute"]
-    label = f"turn {len(QUESTIONS)}"
-    print(_turn_line(label, restored) + "  <- restored")
-    print(_turn_line(label, again) + "  <- same prompt, recomputed")
-    print("  (recomputed: the identical tokens under a cache salt, on which vLLM's "
-          "prefix cache\n   and the store both key: nothing is reused)")
-    same = restored["answer_tokens"] == again["answer_tokens"]
-    head = ", ".join(map(str, restored["answer_tokens"][:6]))
-    print(f"  greedy answers equal: {'yes' if same else 'NO'} "
-          f"({len(restored['answer_tokens'])} tokens each: [{head}, ...])")
-
-    speedup = again["ttft_s"] / restored["ttft_s"] if restored["ttft_s"] else float("inf")
-    print()
-    print(f"  {'':<20}{'prompt':>8}{'restored':>10}{'TTFT recompute':>16}"
-          f"{'TTFT restored':>15}{'speedup':>9}")
-    print(f"  {label + ' after restart':<20}{restored['prompt_tokens']:>8}"
-          f"{restored['from_disk']:>10}{again['ttft_s']:>14.2f} s{restored['ttft_s']:>13.2f} s"
-          f"{speedup:>8.1f}x")
+    same = _print_restart(restored, again)
     print()
     _print_stats(store)
     print(f"demo took {time.perf_counter() - started:.0f} s")
@@ -223,3 +207,26 @@ def run_demo(folder: Path, plan: Plan) -> int:
         print("FAILED: the restored answer differs from the recomputed one")
         return 1
     return 0
+
+
+def _print_restart(restored: dict[str, Any], again: dict[str, Any]) -> bool:
+    """Print engine 2's restored turn beside the same prompt recomputed; whether
+    their greedy answers are equal."""
+    label = f"turn {len(QUESTIONS)}"
+    print(_turn_line(label, restored) + "  <- restored")
+    print(_turn_line(label, again) + "  <- same prompt, recomputed")
+    print("  (recomputed: the identical tokens under a cache salt, on which vLLM's "
+          "prefix cache\n   and the store both key: nothing is reused)")
+    same = bool(restored["answer_tokens"] == again["answer_tokens"])
+    head = ", ".join(map(str, restored["answer_tokens"][:6]))
+    print(f"  greedy answers equal: {'yes' if same else 'NO'} "
+          f"({len(restored['answer_tokens'])} tokens each: [{head}, ...])")
+
+    speedup = again["ttft_s"] / restored["ttft_s"] if restored["ttft_s"] else float("inf")
+    print()
+    print(f"  {'':<20}{'prompt':>8}{'restored':>10}{'TTFT recompute':>16}"
+          f"{'TTFT restored':>15}{'speedup':>9}")
+    print(f"  {label + ' after restart':<20}{restored['prompt_tokens']:>8}"
+          f"{restored['from_disk']:>10}{again['ttft_s']:>14.2f} s{restored['ttft_s']:>13.2f} s"
+          f"{speedup:>8.1f}x")
+    return same

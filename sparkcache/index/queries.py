@@ -293,9 +293,6 @@ ADMIN_MODELS = (
 ADMIN_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots ORDER BY id"
 ADMIN_MODEL_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE model_id = ? ORDER BY id"
 ADMIN_CHILDREN = "SELECT id FROM snapshots WHERE parent_id = ? ORDER BY id"
-ADMIN_QUARANTINED = (
-    f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE state = 'quarantined' ORDER BY id"
-)
 # Every written segment of every snapshot not already quarantined, with what its
 # header must say (the model's identity and the snapshot key).
 ADMIN_VERIFY_SEGMENTS = (

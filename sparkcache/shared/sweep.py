@@ -281,7 +281,7 @@ class ModelPlan:
     freed_bytes: int = 0
 
 
-def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:
+def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:  # noqa: C901
     """Decide what goes (pure: reads ``cat`` only).  Every set of snapshots it
     deletes holds the descendants of each of them that ``cat`` lists."""
     plan = ModelPlan(cat.model)

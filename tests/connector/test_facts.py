@@ -120,8 +120,8 @@ def test_a_ttl_keeps_the_snapshot_from_retention_not_from_clear(tmp_path: Path) 
 
 
 def _leases(store: SnapshotStore, snapshot_id: int) -> list[Any]:
-    with store.core.read() as conn:
-        return store.core.leases(conn, snapshot_id)
+    with store._core.read() as conn:
+        return store._core.leases(conn, snapshot_id)
 
 
 def test_the_log_writer_commits_rows_off_the_caller(tmp_path: Path) -> None:

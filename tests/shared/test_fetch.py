@@ -60,7 +60,7 @@ def test_a_second_host_restores_the_first_ones_prefix(tier: Tier, host: HostFact
     assert np.array_equal(b.read(match, 0)[0], np.concatenate(
         [pages_for(IDENT, toks[:64])[0]]))  # the very rows host a computed
     # fetched snapshots are local now, and known to be in the tier: nothing to upload
-    assert pending_uploads(b.core) == 0
+    assert pending_uploads(b._core) == 0
     assert b.stats()["fetches"] == 2
     # the fetch renewed the snapshot's age in the tier (the sweep's last use)
     assert b.shared is not None and b.shared.exists(used_key(MODEL, a.snapshot(2).snap_key))

@@ -67,8 +67,8 @@ def test_a_chain_goes_parent_first_with_every_rank(tier: Tier, host: HostFactory
     store = host("a", tier)
     root, child = publish_chain(store, world=2, scope=RequestScope(cache_salt="salt"))
     assert store.shared is not None
-    assert pending_uploads(store.core) == 2
-    assert upload_snapshot(store.core, store.shared, child).outcome == "waiting"
+    assert pending_uploads(store._core) == 2
+    assert upload_snapshot(store._core, store.shared, child).outcome == "waiting"
     report = store.upload()
     assert (report.uploaded, report.error, report.pending) == ([root, child], None, 0)
     assert all(store.snapshot(s).uploaded_at is not None for s in (root, child))
@@ -86,8 +86,8 @@ def test_a_chain_goes_parent_first_with_every_rank(tier: Tier, host: HostFactory
     assert m_child.scope == RequestScope(cache_salt="salt")
     assert found[model_key(model)] == ident.canonical().encode()
     for m, sid in ((m_root, root), (m_child, child)):
-        with store.core.read() as conn:
-            local = store.core.segments(conn, sid)
+        with store._core.read() as conn:
+            local = store._core.segments(conn, sid)
         assert [(g.rank, g.nbytes, g.digest) for g in m.segments] == [
             (g.rank, g.nbytes, g.digest) for g in local]
         for g, entry in zip(local, m.segments, strict=True):
@@ -115,7 +115,7 @@ def test_a_second_upload_sends_nothing(s3_tier: Tier, host: HostFactory) -> None
     assert a.shared is not None
     assert len(a.upload().uploaded) == 2
     before = objects(a.shared)
-    with a.core.write() as conn:
+    with a._core.write() as conn:
         conn.execute("UPDATE snapshots SET uploaded_at = NULL")
     b = host("b", s3_tier)
     publish_chain(b)  # the same prefix on another host: the same bytes
@@ -156,8 +156,8 @@ def test_a_retry_sends_only_what_is_missing(tier: Tier, host: HostFactory,
     assert not [k for k in left if "/snap/" in k]  # nothing visible
     assert [k for k in left if "/seg/" in k]  # but the segments went
     assert store.stats()["upload_failures"] == 1
-    with store.core.read() as conn:  # the upload lease went with the failure
-        assert [x for x in store.core.leases(conn, root) if x.kind == "upload"] == []
+    with store._core.read() as conn:  # the upload lease went with the failure
+        assert [x for x in store._core.leases(conn, root) if x.kind == "upload"] == []
     monkeypatch.undo()
     before = store.shared.counts["puts"]
     report = store.upload()
@@ -233,8 +233,8 @@ def test_other_bytes_for_the_same_prefix_never_mix(tier: Tier, host: HostFactory
 def test_a_corrupt_segment_is_quarantined_not_uploaded(tier: Tier, host: HostFactory) -> None:
     store = host("a", tier)
     root, child = publish_chain(store)
-    with store.core.read() as conn:
-        (g,) = store.core.segments(conn, child)
+    with store._core.read() as conn:
+        (g,) = store._core.segments(conn, child)
     path = store.root / g.object_key
     data = bytearray(path.read_bytes())
     data[-300] ^= 0xFF  # a payload byte
@@ -248,7 +248,7 @@ def test_a_corrupt_segment_is_quarantined_not_uploaded(tier: Tier, host: HostFac
     child_key = store.snapshot(child).snap_key
     assert not store.shared.exists(manifest_key(model, child_key))
     assert not store.shared.exists(segment_key(model, child_key, 0, str(g.digest)))
-    assert pending_uploads(store.core) == 0
+    assert pending_uploads(store._core) == 0
 
 
 def test_a_snapshot_evicted_meanwhile_is_gone(tier: Tier, host: HostFactory) -> None:
@@ -256,7 +256,7 @@ def test_a_snapshot_evicted_meanwhile_is_gone(tier: Tier, host: HostFactory) -> 
     root, child = publish_chain(store)
     store.delete(child)
     assert store.shared is not None
-    assert upload_snapshot(store.core, store.shared, child).outcome == "gone"
+    assert upload_snapshot(store._core, store.shared, child).outcome == "gone"
     assert store.upload().uploaded == [root]
 
 
@@ -275,8 +275,8 @@ def test_a_large_segment_goes_in_parts(s3_tier: Tier, host: HostFactory) -> None
     with s3_calls(store.shared.backend.fs) as calls:
         assert store.upload().uploaded == [1]
     assert calls["UploadPart"] >= 2 and calls["CompleteMultipartUpload"] == 1
-    with store.core.read() as conn:
-        (g,) = store.core.segments(conn, 1)
+    with store._core.read() as conn:
+        (g,) = store._core.segments(conn, 1)
     key = segment_key(ident.digest(), store.snapshot(1).snap_key, 0, str(g.digest))
     assert g.nbytes > 12 << 20
     with store.backend.open(g.object_key) as local, store.shared.backend.open(key) as remote:

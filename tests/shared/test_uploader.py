@@ -100,7 +100,7 @@ def test_failures_are_counted_logged_once_and_never_block_a_publish(
     store = SnapshotStore(tmp_path / "a", alias_stride=16, shared=f"s3://{bucket}/kv",
                           shared_options=options)
     assert store.shared is not None
-    uploader = Uploader(store.core, store.shared, poll_seconds=0.05, backoff=(0.05, 0.2))
+    uploader = Uploader(store._core, store.shared, poll_seconds=0.05, backoff=(0.05, 0.2))
     try:
         uploader.start()
         first = publish(store, 1)
@@ -146,8 +146,8 @@ def test_a_refused_snapshot_does_not_keep_the_uploader_busy(
         tier: Tier, host: HostFactory) -> None:
     store = host("a", tier)
     sid = publish(store, 4)
-    with store.core.read() as conn:
-        (g,) = store.core.segments(conn, sid)
+    with store._core.read() as conn:
+        (g,) = store._core.segments(conn, sid)
     path = store.root / g.object_key
     data = bytearray(path.read_bytes())
     data[-100] ^= 1

@@ -198,7 +198,7 @@ def test_extend_while_the_parent_is_deleted_is_a_clean_error(
             except BaseException as exc:
                 outcome.append(exc)
 
-        with other.core.write():  # hold the index write lock
+        with other._core.write():  # hold the index write lock
             worker = threading.Thread(target=extend)
             worker.start()
             assert planned.wait(30), "the publish never checked its parent"

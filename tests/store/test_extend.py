@@ -83,7 +83,7 @@ def test_extend_reads_the_given_rank(tmp_path: object) -> None:
         assert grown is not None and grown.n_tokens == 20
         with pytest.raises(InvalidArgument):
             store.extend(m, toks[:18], ranks=[2])  # no such rank
-        with store.core.read() as conn:
+        with store._core.read() as conn:
             (key,) = conn.execute("SELECT object_key FROM segments WHERE rank = 0").fetchone()
         store.backend.delete(key)  # rank 0's segment is gone
         assert store.extend(m, toks[:18], ranks=[1]) is not None  # rank 1 reads its own

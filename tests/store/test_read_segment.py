@@ -54,8 +54,8 @@ def stored(store: SnapshotStore) -> Stored:
     pages = [rng.integers(0, 256, (N_TOKENS // BLOCK, ident.page_nbytes), np.uint8)
              for _ in range(ident.num_layers)]
     sid = store.publish(ident, 0, toks, pages).snapshot_id
-    with store.core.read() as conn:
-        (g,) = store.core.segments(conn, sid)
+    with store._core.read() as conn:
+        (g,) = store._core.segments(conn, sid)
     assert g.digest is not None
     return Stored(ident, toks, pages, store.snapshot(sid).snap_key, g.digest,
                   (store.root / g.object_key).read_bytes())

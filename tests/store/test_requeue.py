@@ -37,7 +37,7 @@ def test_a_storage_holding_none_of_the_objects_changes_nothing(store: SnapshotSt
     shutil.move(objects, store.root / "elsewhere")  # as an unmounted disk would look
     before = [(s.id, s.state) for s in store.snapshots()]
     for run in (lambda: store.check(fix=True), lambda: store.check(),
-                lambda: verify(store.core)):
+                lambda: verify(store._core)):
         with pytest.raises(StorageMismatch, match="storage looks wrong"):
             run()
     assert [(s.id, s.state) for s in store.snapshots()] == before
@@ -57,9 +57,9 @@ def test_requeue_gives_back_what_verifies_again(store: SnapshotStore, tmp_path: 
         root: "quarantined", child: "quarantined", other.snapshot_id: "ready"}
     assert store.lookup(ident, toks) is None
 
-    assert requeue(store.core, store.alias_stride).requeued == []  # still gone: stays
+    assert requeue(store._core, store.alias_stride).requeued == []  # still gone: stays
     shutil.move(tmp_path / "away", store.root / root_key)
-    done = requeue(store.core, store.alias_stride)
+    done = requeue(store._core, store.alias_stride)
     assert done.requeued == [root, child] and done.still_quarantined == []
     assert all(s.state == "ready" and s.reason is None for s in store.snapshots())
     match = store.lookup(ident, toks)
@@ -79,8 +79,8 @@ def test_requeue_keeps_what_is_still_damaged(store: SnapshotStore) -> None:
     data = bytearray(path.read_bytes())
     data[-300] ^= 0x01
     path.write_bytes(bytes(data))
-    assert [p.snapshot_id for p in verify(store.core).corrupt] == [child]
-    done = requeue(store.core, store.alias_stride)
+    assert [p.snapshot_id for p in verify(store._core).corrupt] == [child]
+    done = requeue(store._core, store.alias_stride)
     assert done.requeued == [] and [p.reason for p in done.still_quarantined] == ["digest"]
     assert store.snapshot(root).state == "ready"
 
@@ -90,12 +90,12 @@ def test_requeue_in_a_request_scope(store: SnapshotStore) -> None:
     scope = RequestScope(cache_salt="salt")
     sid = store.publish(ident, 0, toks, pages_for(ident, toks), scope=scope).snapshot_id
     store.quarantine(sid, "missing")
-    assert requeue(store.core, store.alias_stride).requeued == [sid]
+    assert requeue(store._core, store.alias_stride).requeued == [sid]
     assert store.lookup(ident, toks) is None  # another scope: a miss, as before
     match = store.lookup(ident, toks, scope=scope)
     assert match is not None and match.snapshot_id == sid
 
 
 def _segments(store: SnapshotStore, snapshot_id: int) -> list:  # type: ignore[type-arg]
-    with store.core.read() as conn:
-        return store.core.segments(conn, snapshot_id)
+    with store._core.read() as conn:
+        return store._core.segments(conn, snapshot_id)

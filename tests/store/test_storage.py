@@ -34,7 +34,7 @@ def test_the_storage_is_recorded_and_found_again(tmp_path: Path) -> None:
     root, payloads = tmp_path / "s", tmp_path / "payloads"
     with SnapshotStore(root, storage=payloads) as store:
         _publish(store)
-        with store.core.read() as conn:
+        with store._core.read() as conn:
             (recorded,) = conn.execute(q.GET_SETTING, ("storage",)).fetchone()
         assert recorded == str(payloads)
     with SnapshotStore(root) as store:  # no storage given: the recorded one

@@ -34,14 +34,14 @@ def _chain(store: SnapshotStore) -> tuple[np.ndarray, int, int, int]:
 
 
 def _keys_of(store: SnapshotStore, *snapshot_ids: int) -> set[str]:
-    with store.core.read() as conn:
-        return {g.object_key for sid in snapshot_ids for g in store.core.segments(conn, sid)}
+    with store._core.read() as conn:
+        return {g.object_key for sid in snapshot_ids for g in store._core.segments(conn, sid)}
 
 
 @pytest.mark.parametrize("into", [True, False], ids=["read_into", "read"])
 def test_a_chain_with_a_gap_is_corrupt_not_zeros(store: SnapshotStore, into: bool) -> None:
     toks, _root, child, short = _chain(store)
-    with store.core.write() as conn:  # the child now claims to continue the 8-token one
+    with store._core.write() as conn:  # the child now claims to continue the 8-token one
         conn.execute("UPDATE snapshots SET parent_id = ? WHERE id = ?", (short, child))
     match = store.lookup(identity(), toks)
     assert match is not None and match.snapshot_id == child
@@ -62,7 +62,7 @@ def test_a_chain_with_a_gap_is_corrupt_not_zeros(store: SnapshotStore, into: boo
 
 def test_a_key_outside_the_root_quarantines_and_check_repairs(store: SnapshotStore) -> None:
     _toks, root, _child, _short = _chain(store)
-    with store.core.write() as conn:
+    with store._core.write() as conn:
         conn.execute("UPDATE segments SET object_key = '../../etc/passwd' WHERE snapshot_id = ?",
                      (root,))
     report = store.check()
@@ -81,7 +81,7 @@ def test_reading_a_bad_key_is_a_quarantining_miss(tmp_path: Path) -> None:
         sid = store.publish(ident, 0, toks, pages_for(ident, toks)).snapshot_id
         match = store.lookup(ident, toks)
         assert match is not None
-        with store.core.write() as conn:
+        with store._core.write() as conn:
             conn.execute("UPDATE segments SET object_key = '/abs/path' WHERE snapshot_id = ?",
                          (sid,))
         with pytest.raises(CorruptSnapshot) as info:
@@ -137,7 +137,7 @@ def test_a_verified_read_is_a_hit_while_another_process_holds_the_lock(
         locked, release = threading.Event(), threading.Event()
 
         def hold() -> None:
-            with other.core.write():
+            with other._core.write():
                 locked.set()
                 release.wait(30)
 

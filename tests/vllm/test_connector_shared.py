@@ -42,8 +42,8 @@ def test_an_answer_reaches_the_tier_by_a_clean_exit(
     with SnapshotStore(folder) as store:
         snaps = [s for s in store.snapshots() if s.state == "ready"]
         assert snaps and all(s.uploaded_at is not None for s in snaps), result["_log"]
-        with store.core.read() as conn:
-            model = store.core.model(conn, snaps[0].model_id)
+        with store._core.read() as conn:
+            model = store._core.model(conn, snaps[0].model_id)
     assert model is not None
     shared = SharedTier(f"file://{tier}", alias_stride=256)
     try:

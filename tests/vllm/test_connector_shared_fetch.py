@@ -41,8 +41,8 @@ def two_hosts(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         snaps = sorted((s for s in store.snapshots() if s.state == "ready"), key=lambda s: s.id)
         assert len(snaps) == 2 and all(s.uploaded_at for s in snaps), one["_log"]
         other = snaps[1]  # OTHER_PROMPT's, answered second
-        with store.core.read() as conn:
-            model = store.core.model(conn, other.model_id)
+        with store._core.read() as conn:
+            model = store._core.model(conn, other.model_id)
     assert model is not None
     tier = SharedTier(url, {"endpoint_url": server.endpoint}, alias_stride=256)
     try:

@@ -125,7 +125,7 @@ try:
         settle(llm, store, 2)  # its prompt's last whole block, and prompt and answer
         snaps = ready(store)
         rec["published"] = [[s.id, s.n_tokens, s.nbytes, s.model_id] for s in snaps]
-        ident = model_identity(store.core, snaps[0].model_id)
+        ident = model_identity(store._core, snaps[0].model_id)
         rec["identity"] = {"extra": dict(ident.extra), "page_nbytes": ident.page_nbytes,
                            "window_blocks": list(ident.window_blocks)}
         rec["q0"] = gen(llm, store, args["questions"][0], args["marks"])
@@ -144,7 +144,7 @@ try:
         sent = up.upload()
     rec["uploaded"] = [len(sent.uploaded), len(ready(store)), str(sent.error or "")]
     second = max(ready(store), key=lambda s: s.n_tokens)
-    digest = model_identity(store.core, second.model_id).digest()
+    digest = model_identity(store._core, second.model_id).digest()
     shared = SharedTier(tier["shared"], tier["shared_options"], alias_stride=256)
     raw = shared.get(manifest_key(digest, second.snap_key))
     (piece,) = parse_manifest(raw, digest, second.snap_key).segments

@@ -104,7 +104,7 @@ def settle(llm, n):
 
 def pages(snap, tokens, name):
     # The snapshot's first STORED tokens, verified, as [layer, block, bytes].
-    ident = model_identity(store.core, snap.model_id)
+    ident = model_identity(store._core, snap.model_id)
     match = store.lookup(ident, tokens)
     assert match is not None and match.snapshot_id == snap.id, (match, snap)
     layers = store.read(match, 0, n_tokens=args["stored"])
@@ -209,7 +209,7 @@ if "identity" in bf16 and "error" not in bf16:
             settle(llm, len(ready()) + 1)
         snap = ready()[-1]
         other["model_id"] = snap.model_id
-        other["cpu_attn"] = dict(model_identity(store.core, snap.model_id).extra)["cpu_attn"]
+        other["cpu_attn"] = dict(model_identity(store._core, snap.model_id).extra)["cpu_attn"]
     except Exception:
         other["error"] = traceback.format_exc()
     finally:

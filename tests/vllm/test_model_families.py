@@ -101,7 +101,7 @@ def gen(llm, store, prompt):
 def identities(store):
     out = {}
     for s in ready(store):
-        ident = model_identity(store.core, s.model_id)
+        ident = model_identity(store._core, s.model_id)
         out[str(s.model_id)] = {"num_kv_heads": ident.num_kv_heads,
                                 "head_size": ident.head_size,
                                 "page_shape": list(ident.page_shape),

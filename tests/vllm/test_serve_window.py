@@ -205,7 +205,7 @@ def test_a_breakpoint_on_a_sliding_window_model_is_a_snapshot_ending_there(
     assert whole(BOUNDARY) == 576
     assert server_a["ends"] == [whole(BOUNDARY), *[prompt_ends] * 3, *[answered] * 3]
     with SnapshotStore(store_dir) as store:
-        identity = model_identity(store.core, store.snapshots()[0].model_id)
+        identity = model_identity(store._core, store.snapshots()[0].model_id)
     # The server ran the model with its sliding-window group: each sliding
     # layer's stored window is the blocks its 64-token window reaches.
     window = -(-(WINDOW - 1) // BLOCK_SIZE)

@@ -9,8 +9,8 @@ import pytest
 from sparkcache import admin
 from sparkcache.errors import InvalidArgument, NotFound
 
-from .filled import Filled, restored
-from .store.helpers import identity, pages_for
+from ..filled import Filled, restored
+from .helpers import identity, pages_for
 
 # -- listing ---------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from sparkcache.retention import (
     Sweeper,
 )
 
-from .store.helpers import Clock, identity, pages_for, tokens
+from .helpers import Clock, identity, pages_for, tokens
 
 
 class FakeDisk:
@@ -263,7 +263,7 @@ def test_deleted_models_and_orphan_folders(tmp_path: Path, clock: Clock, disk: F
         leased = publish(store, 3, model="gone")
         lease = store.acquire_lease(leased, ttl=60)
         model_id = store.snapshot(gone).model_id
-        assert delete_model(store.core, model_id) is False  # one snapshot is leased
+        assert delete_model(store._core, model_id) is False  # one snapshot is leased
         assert store.lookup(identity(model="gone"), tokens(64, seed=3)) is None
         store.release_lease(lease)
         orphan = store.root / "objects" / ("m-" + "0" * 32)
@@ -282,7 +282,7 @@ def test_sweeper_thread_starts_and_stops(tmp_path: Path, clock: Clock, disk: Fak
     with make_store(tmp_path, clock, disk, max_age_hours=1, sweep_seconds=0.05) as store:
         old = publish(store, 1)
         clock.now += 7200
-        sweeper = Sweeper(store.core, store.retention)  # type: ignore[arg-type]
+        sweeper = Sweeper(store._core, store.retention)  # type: ignore[arg-type]
         with sweeper:
             assert sweeper.running
             assert sweeper.wait(3, timeout=10)

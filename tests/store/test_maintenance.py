@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sparkcache import admin
 
-from .filled import Filled, flip_byte, segment_path
-from .store.helpers import pages_for, tokens
+from ..filled import Filled, flip_byte, segment_path
+from .helpers import pages_for, tokens
 
 # -- verify and check ----------------------------------------------------------------------
 

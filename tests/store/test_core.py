@@ -17,7 +17,7 @@ from sparkcache.core import lease_blocks, model_folder
 from sparkcache.holders import this_holder
 from sparkcache.index import queries as q
 
-from .store.helpers import identity, pages_for, tokens
+from .helpers import identity, pages_for, tokens
 
 
 def test_counts_are_saved_by_the_next_write(tmp_path: Path) -> None:
@@ -25,16 +25,16 @@ def test_counts_are_saved_by_the_next_write(tmp_path: Path) -> None:
         store.lookup(identity(), tokens(16))  # no model yet: nothing counted
         res = store.publish(identity(), 0, tokens(16), pages_for(identity(), tokens(16)))
         model_id = store.snapshot(res.snapshot_id).model_id
-        store.core.count(model_id, "test.thing", 2)
-        assert "test.thing" not in other.core.counter_totals()  # only in this process
-        with store.core.write():
+        store._core.count(model_id, "test.thing", 2)
+        assert "test.thing" not in other._core.counter_totals()  # only in this process
+        with store._core.write():
             pass
-        assert other.core.counter_totals()["test.thing"] == 2
-        assert other.core.counter_totals(model_id + 1) == {}
+        assert other._core.counter_totals()["test.thing"] == 2
+        assert other._core.counter_totals(model_id + 1) == {}
 
 
 def _hold_the_write_lock(folder: str, held: Any, release: Any) -> None:
-    with SnapshotStore(folder) as holder, holder.core.write():
+    with SnapshotStore(folder) as holder, holder._core.write():
         held.set()
         release.wait(30)
 
@@ -61,7 +61,7 @@ def test_a_hit_counted_while_another_process_writes_is_saved_soon(tmp_path: Path
         holder.start()
         try:
             assert held.wait(60)
-            store.core.record_use([res.snapshot_id], model_id, {"test.hits": 1})
+            store._core.record_use([res.snapshot_id], model_id, {"test.hits": 1})
             time.sleep(1.0)  # the first retry, still locked out
             assert "test.hits" not in saved()
         finally:
@@ -76,7 +76,7 @@ def test_a_hit_counted_while_another_process_writes_is_saved_soon(tmp_path: Path
 
 def test_files_are_deleted_after_commit_never_on_rollback(tmp_path: Path) -> None:
     with SnapshotStore(tmp_path / "s") as store:
-        core = store.core
+        core = store._core
         for key in ("objects/a", "objects/b"):
             core.backend.put(key, [b"x"])
         with pytest.raises(RuntimeError), core.write():
@@ -96,15 +96,15 @@ def test_rows_come_as_named_types(tmp_path: Path) -> None:
     with SnapshotStore(tmp_path / "s") as store:
         res = store.publish(ident, 0, toks, pages_for(ident, toks))
         store.pin(res.snapshot_id)
-        with store.core.read() as conn:
-            info = store.core.snapshot(conn, res.snapshot_id)
-            (segment,) = store.core.segments(conn, res.snapshot_id)
-            (link,) = store.core.chain(conn, res.snapshot_id)
+        with store._core.read() as conn:
+            info = store._core.snapshot(conn, res.snapshot_id)
+            (segment,) = store._core.segments(conn, res.snapshot_id)
+            (link,) = store._core.chain(conn, res.snapshot_id)
             assert info is not None
-            model = store.core.model(conn, info.model_id)
-            assert store.core.usage(conn, info.model_id) == (1, info.nbytes)
-            assert store.core.usage(conn) == (1, info.nbytes)
-            assert store.core.snapshot(conn, res.snapshot_id + 1) is None
+            model = store._core.model(conn, info.model_id)
+            assert store._core.usage(conn, info.model_id) == (1, info.nbytes)
+            assert store._core.usage(conn) == (1, info.nbytes)
+            assert store._core.snapshot(conn, res.snapshot_id + 1) is None
         assert info.pinned is True and info.state == "ready" and info.n_tokens == 16
         assert segment.rank == 0 and segment.object_key.startswith(model_folder(ident) + "/")
         assert (link.id, link.start, link.end, link.state) == (res.snapshot_id, 0, 16, "ready")
@@ -133,10 +133,10 @@ def test_leased_reads_the_lease_rows(tmp_path: Path) -> None:
     with SnapshotStore(tmp_path / "s") as store:
         sid = store.publish(ident, 0, toks, pages_for(ident, toks)).snapshot_id
         lease = store.acquire_lease(sid, kind="read", ttl=60)
-        now = store.core.clock()
-        with store.core.write() as conn:
-            assert store.core.leased(conn, sid, now) == [this_holder()]
-            assert store.core.leased(conn, sid, now, kind="export") == []
-            assert store.core.leased(conn, sid, now + 120) == []  # expired by then
+        now = store._core.clock()
+        with store._core.write() as conn:
+            assert store._core.leased(conn, sid, now) == [this_holder()]
+            assert store._core.leased(conn, sid, now, kind="export") == []
+            assert store._core.leased(conn, sid, now + 120) == []  # expired by then
             conn.execute(q.DELETE_LEASE, (lease,))
-            assert store.core.leases(conn, sid) == []
+            assert store._core.leases(conn, sid) == []
