@@ -39,7 +39,7 @@ from sparkcache.index import migrate
 from sparkcache.index import queries as q
 from sparkcache.maintenance import CheckReport
 from sparkcache.rehearsal import DryRun
-from sparkcache.requestlog import KeySummary, RequestRow
+from sparkcache.requestlog import KeySummary, RequestRow, printable
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
 from sparkcache.shared import (
     SharedTier,
@@ -93,6 +93,7 @@ __all__ = [
     "mb",
     "open_store",
     "pin",
+    "printable",
     "request_log",
     "request_summary",
     "resolve_folder",
