@@ -43,7 +43,7 @@ from sparkcache.indexfile import (
 )
 from sparkcache.maintenance import CheckReport
 from sparkcache.rehearsal import DryRun
-from sparkcache.requestlog import KeySummary, RequestRow
+from sparkcache.requestlog import KeySummary, RequestRow, printable
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
 from sparkcache.shared import (
     SharedTier,
@@ -97,6 +97,7 @@ __all__ = [
     "mb",
     "open_store",
     "pin",
+    "printable",
     "request_log",
     "request_summary",
     "resolve_folder",

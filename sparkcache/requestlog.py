@@ -31,11 +31,13 @@ __all__ = [
     "DEFAULT_LOG_ROWS",
     "LOG_FIELDS",
     "LOG_ROWS_VARIABLE",
+    "MAX_TEXT",
     "KeySummary",
     "LogSummary",
     "RequestRow",
     "by_cache_key",
     "log_rows_setting",
+    "printable",
     "record",
     "request",
     "requests",
@@ -52,6 +54,11 @@ LOG_FIELDS: Final[tuple[str, ...]] = tuple(q.REQUEST_FIELDS.split(", "))
 _COUNTS: Final = frozenset({"model_id", "prompt_tokens", "live_tokens", "restored_tokens",
                             "written_tokens", "output_tokens", "status", "remote_tokens"})
 _TIMES: Final = frozenset({"created_at", "queue_s", "restore_s", "ttft_s", "total_s"})
+#: The longest model name or prompt_cache_key stored (longer ones are cut, marked
+#: with a trailing "..."); a request id longer than MAX_ID is refused.
+MAX_TEXT: Final = 1024
+MAX_ID: Final = 256
+_CUT: Final = "..."
 
 
 # -- rows ---------------------------------------------------------------------------
@@ -143,8 +150,32 @@ def _read_breakpoints(stored: object) -> tuple[int, ...]:
 # -- writing ------------------------------------------------------------------------
 
 
+def _shown(value: object) -> str:
+    """``repr(value)``, at most 80 characters (an error never repeats a whole input)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + _CUT
+
+
 def _bad(name: str, value: object, what: str) -> InvalidArgument:
-    return InvalidArgument(f"request log field {name}={value!r} must be {what}")
+    return InvalidArgument(f"request log field {name}={_shown(value)} must be {what}")
+
+
+def _text(value: str) -> str:
+    """``value`` as the index stores client text: valid UTF-8 (a lone surrogate
+    written as ``\\udXXX``), at most :data:`MAX_TEXT` characters."""
+    if len(value) > MAX_TEXT:
+        value = value[:MAX_TEXT - len(_CUT)] + _CUT
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def printable(text: str | None) -> str | None:
+    """``text`` safe to print on a terminal: control and format characters
+    (escape sequences, newlines, bidirectional overrides) written as ``\\xNN``
+    / ``\\uNNNN`` escapes, so that a row can never forge another line."""
+    if text is None:
+        return None
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def _whole(value: object) -> bool:
@@ -175,25 +206,31 @@ def _field(name: str, value: Any) -> Any:
         if not isinstance(points, (list, tuple)) or not all(_whole(n) for n in points):
             raise _bad(name, value, "a list of token positions (whole numbers >= 0)")
         return json.dumps([int(n) for n in points], separators=(",", ":"))
-    if not isinstance(value, str) or not value:
-        raise _bad(name, value, "a non-empty string")
+    if name in ("model", "cache_key"):  # a client's text, as it sent it (even empty)
+        if not isinstance(value, str):
+            raise _bad(name, value, "a string")
+        return _text(value)
+    if not isinstance(value, str) or not value or (name == "request_id"
+                                                   and len(value) > MAX_ID):
+        raise _bad(name, value, "a non-empty string" + (
+            f" of at most {MAX_ID} characters" if name == "request_id" else ""))
     if name == "api" and value not in REQUEST_APIS:
         raise _bad(name, value, f"one of {', '.join(REQUEST_APIS)} (None: not the server)")
-    return value
+    return _text(value)
 
 
 def _params(row: Mapping[str, Any], now: float) -> dict[str, Any]:
     """The named parameters of UPDATE_REQUEST and INSERT_REQUEST for one row."""
     if not isinstance(row, Mapping):
-        raise InvalidArgument(f"a request log row is a mapping of fields, got {row!r}")
+        raise InvalidArgument(f"a request log row is a mapping of fields, got {_shown(row)}")
     unknown = [key for key in row if key not in LOG_FIELDS]
     if unknown:
         raise InvalidArgument(
-            f"unknown request log field(s) {', '.join(map(repr, unknown))}: a row names "
+            f"unknown request log field(s) {', '.join(map(_shown, unknown[:5]))}: a row names "
             f"{', '.join(LOG_FIELDS)}")
     params = {name: _field(name, row.get(name)) for name in LOG_FIELDS}
     if params["request_id"] is None:
-        raise InvalidArgument(f"a request log row needs its request_id: {dict(row)!r}")
+        raise InvalidArgument(f"a request log row needs its request_id: {_shown(dict(row))}")
     params["now"] = now
     return params
 
@@ -214,7 +251,8 @@ def record(core: Core, rows: Sequence[Mapping[str, Any]], *, keep: int) -> None:
     ``created_at`` arrived now (the core's clock).  ``breakpoints`` is a list of
     token positions (or that list as JSON text), stored as JSON.  An unknown
     field, or a value its column cannot hold, raises InvalidArgument and nothing
-    of the batch is written.
+    of the batch is written.  A model name or cache key is stored as valid UTF-8
+    and cut to :data:`MAX_TEXT` characters (print it through :func:`printable`).
     Trimming is one range delete on the primary key: the log costs the same
     whatever it held before.
     """

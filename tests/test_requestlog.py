@@ -292,3 +292,48 @@ def test_log_rows_setting_reads_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert log_rows_setting() == 42
     monkeypatch.delenv("SPARK_KV_CACHE_LOG_ROWS")
     assert log_rows_setting() == 10_000
+
+
+# -- a client's text ----------------------------------------------------------------
+
+
+def test_a_huge_model_name_or_key_is_stored_cut(store: SnapshotStore) -> None:
+    store.log_requests([{"request_id": "big", "model": "m" * 1_000_000,
+                         "cache_key": "k" * 5000}], keep=10)
+    (row,) = store.requests()
+    assert row.model is not None and row.cache_key is not None
+    assert len(row.model) == len(row.cache_key) == requestlog.MAX_TEXT
+    assert row.model.endswith("...") and row.model.startswith("m" * 1000)
+
+
+def test_an_empty_model_or_key_keeps_its_row(store: SnapshotStore) -> None:
+    store.log_requests([{"request_id": "e", "model": "", "cache_key": "", "status": 200}],
+                       keep=10)
+    (row,) = store.requests()
+    assert (row.model, row.cache_key, row.status) == ("", "", 200)
+
+
+def test_an_error_never_repeats_a_whole_input(store: SnapshotStore) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        store.log_requests([{"request_id": "x", "api": "z" * 100_000}], keep=10)
+    assert len(str(caught.value)) < 300
+    with pytest.raises(InvalidArgument, match="at most 256"):
+        store.log_requests([{"request_id": "r" * 257}], keep=10)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(model=st.text(max_size=40), key=st.text(max_size=40))
+def test_any_text_is_stored_and_printable_keeps_it_on_one_line(
+        store: SnapshotStore, model: str, key: str) -> None:
+    """Lone surrogates, escape sequences, newlines: the row is written, and
+    what the CLI prints of it is one line without control characters."""
+    store.log_requests([{"request_id": "any", "model": model, "cache_key": key}], keep=10)
+    row = store.request("any")
+    assert row is not None and row.model is not None and row.cache_key is not None
+    if model.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == model:
+        assert row.model == model  # valid text is stored as it was sent
+    for text in (row.model, row.cache_key):
+        shown = requestlog.printable(text) or ""
+        assert shown.isprintable(), shown
+    assert requestlog.printable(None) is None

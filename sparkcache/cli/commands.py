@@ -177,9 +177,11 @@ class _LogTable:
             return
         if not rows:
             return
-        cells = [[when(r.created_at), self.model(r), r.api, r.prompt_tokens, r.cached_tokens,
-                  f"{r.live_tokens or 0}+{r.restored_tokens or 0}", r.written_tokens,
-                  ",".join(map(str, r.breakpoints)) or None, r.cache_key, _seconds(r.ttft_s),
+        # A client's text is printed escaped: it can never forge a line of the table.
+        cells = [[when(r.created_at), admin.printable(self.model(r)), r.api, r.prompt_tokens,
+                  r.cached_tokens, f"{r.live_tokens or 0}+{r.restored_tokens or 0}",
+                  r.written_tokens, ",".join(map(str, r.breakpoints)) or None,
+                  admin.printable(r.cache_key), _seconds(r.ttft_s),
                   _seconds(r.total_s)] for r in rows]
         self.widths = [max(width, *(len("-" if c is None else str(c)) for c in column))
                        for width, column in zip(self.widths, zip(*cells, strict=True),

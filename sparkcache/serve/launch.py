@@ -32,7 +32,8 @@ from sparkcache.errors import InvalidArgument
 from sparkcache.folder import resolve_folder
 from sparkcache.requestlog import LOG_ROWS_VARIABLE, log_rows_setting
 
-__all__ = ["EPILOG", "MIDDLEWARE", "SUMMARY", "ServeCommand", "build", "main", "parser"]
+__all__ = ["EPILOG", "MIDDLEWARE", "SUMMARY", "ServeCommand", "build", "check_token", "main",
+           "parser"]
 
 MIDDLEWARE = "sparkcache.serve.middleware.SparkCacheMiddleware"
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
@@ -91,8 +92,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--admin-token", default=None,
-                   help="opens the /sparkcache page to clients that present it (default: "
-                   "SPARKCACHE_ADMIN_TOKEN; without one the page answers loopback only)")
+                   help="opens the /sparkcache page to clients that present it, printable "
+                   "ASCII (default: SPARKCACHE_ADMIN_TOKEN; without one the page answers "
+                   "loopback only)")
     p.add_argument("--log-rows", type=int, default=None,
                    help="newest requests the request log keeps (default: "
                    "SPARK_KV_CACHE_LOG_ROWS, else 10000)")
@@ -137,6 +139,16 @@ def _connector_config(text: str | None) -> dict[str, object]:
     return extra
 
 
+def check_token(token: str, where: str) -> str:
+    """``token`` if it can be an admin token (printable ASCII, no spaces at its
+    ends), else InvalidArgument naming ``where`` it came from."""
+    if not token or token != token.strip() or not all(" " <= c <= "~" for c in token):
+        raise InvalidArgument(
+            f"{where}: the admin token must be printable ASCII without leading or trailing "
+            "spaces (HTTP headers cannot carry other characters as a Bearer token)")
+    return token
+
+
 def _log_rows(given: int | None, env: dict[str, str]) -> None:
     """``--log-rows`` into ``env``; serve reads usage from the log, so it must be on."""
     if given is not None:
@@ -163,7 +175,7 @@ def build(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
     _log_rows(args.log_rows, env)
     token = args.admin_token or env.get("SPARKCACHE_ADMIN_TOKEN")
     if token:
-        env["SPARKCACHE_ADMIN_TOKEN"] = token
+        env["SPARKCACHE_ADMIN_TOKEN"] = check_token(token, "--admin-token")
     env["SPARKCACHE_SERVE_FOLDER"] = folder
     transfer = {
         "kv_connector": "SparkCacheConnector",

@@ -2,7 +2,11 @@
 
 vLLM adds it with ``--middleware sparkcache.serve.middleware.SparkCacheMiddleware``
 (:mod:`sparkcache.serve.launch` does that); its settings come from the
-environment the launcher sets (:class:`ServeSettings`).  For every request to
+environment the launcher sets (:class:`ServeSettings`).  A request vLLM will
+refuse for its ``--api-key`` passes straight to vLLM, unread and unlogged
+(:class:`~sparkcache.serve.access.ApiKeys`).  For every other request to a
+route that reaches the engine (:data:`ROUTES`) the body is read bounded and
+parsed off the event loop (:mod:`sparkcache.serve.bodies`), then
 
 * ``POST /v1/messages`` (Anthropic): validates ``cache_control`` (a 400 in
   Anthropic's error format when malformed), renders the prompt up to each
@@ -12,16 +16,16 @@ environment the launcher sets (:class:`ServeSettings`).  For every request to
   connector did (:mod:`sparkcache.serve.usage`): from the finished request's
   ``kv_transfer_params`` when the answer is whole, from the request log row
   the connector writes when the prompt has been scheduled when it streams;
-* ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``
-  (OpenAI): accepts ``prompt_cache_key`` (recorded in the log; it isolates
-  nothing: a ``cache_salt`` does that);
+* ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
+  SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key`` (recorded
+  in the log; it isolates nothing: a ``cache_salt`` does that);
 
-it names the request in the request log (``kv_transfer_params["sparkcache"]["id"]``)
-and records the API, the model, the key, the status and the total time there;
-the connector records the tokens and the engine's timings in the same row.
-``/sparkcache`` is the page (:mod:`sparkcache.serve.page`), served only to
-loopback clients unless an admin token is set.  Everything else passes
-through untouched.
+it names the request in the request log (``kv_transfer_params["sparkcache"]["id"]``,
+always its own, whatever the client sent) and records the API, the model, the
+key, the status and the total time there; the connector records the tokens
+and the engine's timings in the same row.  ``/sparkcache`` is the page
+(:mod:`sparkcache.serve.page`), served only to loopback clients unless an
+admin token is set.  Everything else passes through untouched.
 """
 
 from __future__ import annotations
@@ -31,43 +35,65 @@ import concurrent.futures
 import copy
 import hashlib
 import hmac
-import ipaddress
-import json
 import logging
 import os
 import secrets
+import sys
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, quote, unquote
+from urllib.parse import parse_qs, quote
 
-from sparkcache.errors import SparkCacheError
+from sparkcache.errors import InvalidArgument, SparkCacheError
 from sparkcache.requestlog import log_rows_setting
 from sparkcache.serve import page
-from sparkcache.serve.cache_control import CacheControlError, Cut, common_prefix, cuts, strip
+from sparkcache.serve.access import ATTEMPTS, SESSION_S, WINDOW_S, Admin, ApiKeys
+from sparkcache.serve.access import loopback as is_loopback
+from sparkcache.serve.bodies import (
+    MAX_FORM,
+    BadBody,
+    Gone,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    TooLarge,
+    dumps,
+    header,
+    off_loop,
+    parse_json,
+    read_body,
+    replay_lazy,
+    respond,
+    without_length,
+)
+from sparkcache.serve.cache_control import Cut, common_prefix, strip
+from sparkcache.serve.checks import Refused, api_of, error_body, prepare, transfer_params
+from sparkcache.serve.launch import check_token
 from sparkcache.serve.usage import SseRewriter, anthropic_usage, facts_of
 from sparkcache.store import SnapshotStore
 
-__all__ = ["ServeSettings", "SparkCacheMiddleware"]
+__all__ = ["ROUTES", "ServeSettings", "SparkCacheMiddleware"]
 
 logger = logging.getLogger("sparkcache.serve")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 T = TypeVar("T")
 
-#: The endpoints whose requests are logged, and the API each speaks.
-APIS = {
+#: The routes that reach the engine and the API each speaks in the request log
+#: (``/invocations``: chat or completions, as its body says; None: a route the
+#: log names no API for).
+ROUTES: dict[str, str | None] = {
     "/v1/messages": "messages",
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
+    "/invocations": None,
+    "/inference/v1/generate": None,
+    "/cohere/v2/chat": None,
 }
 #: A streamed Anthropic answer waits at most this long for the connector's
 #: facts (they are written while the prompt's last chunk is computed, so
@@ -75,7 +101,8 @@ APIS = {
 FACTS_WAIT_S = 10.0
 #: Renders of request prefixes remembered (a shared system prompt is rendered once).
 RENDER_CACHE = 256
-MAX_CACHE_KEY = 1024
+#: The largest API request body, in MB, unless SPARKCACHE_MAX_BODY_MB says otherwise.
+MAX_BODY_MB = 64
 
 #: Sent with the page and its login form: no caching, no framing, no scripts.
 PAGE_HEADERS = [
@@ -84,10 +111,24 @@ PAGE_HEADERS = [
      b"default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
      b"frame-ancestors 'none'"),
 ]
+TEXT = "text/plain; charset=utf-8"
 
 # -- environment the launcher sets ---------------------------------------------------------
 ENV_FOLDER = "SPARKCACHE_SERVE_FOLDER"
 ENV_ADMIN_TOKEN = "SPARKCACHE_ADMIN_TOKEN"  # noqa: S105 - the variable's name, not a secret
+ENV_MAX_BODY = "SPARKCACHE_MAX_BODY_MB"
+
+
+def _max_body(env: MutableMapping[str, str]) -> int:
+    raw = env.get(ENV_MAX_BODY, "").strip() or str(MAX_BODY_MB)
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not 0 < mb <= 1 << 20:
+        raise InvalidArgument(f"{ENV_MAX_BODY}={raw[:40]!r} is not valid: give the largest "
+                              f"request body in MB, a number > 0 (default {MAX_BODY_MB})")
+    return int(mb * (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -97,6 +138,11 @@ class ServeSettings:
     folder: str
     admin_token: str | None = None
     log_rows: int = 10_000
+    max_body: int = MAX_BODY_MB << 20  # bytes
+
+    def __post_init__(self) -> None:
+        if self.admin_token is not None:
+            check_token(self.admin_token, ENV_ADMIN_TOKEN)
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | None = None) -> ServeSettings:
@@ -106,101 +152,37 @@ class ServeSettings:
             raise SparkCacheError(f"{ENV_FOLDER} is not set: start the server with "
                                   "`sparkcache serve`, which sets it")
         return cls(folder=folder, admin_token=env.get(ENV_ADMIN_TOKEN) or None,
-                   log_rows=log_rows_setting(env))
+                   log_rows=log_rows_setting(env), max_body=_max_body(env))
 
 
-class _Gone(Exception):
-    """The client went away while its request was read."""
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """sparkcache's own handler in the server process."""
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Gone
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
+def _own_logging() -> None:
+    """Give the ``sparkcache`` loggers their own handler and level: vLLM's
+    SageMaker support sets the root logger to ERROR, which would hide every
+    warning of the middleware."""
+    ours = logging.getLogger("sparkcache")
+    if any(isinstance(h, _Handler) for h in ours.handlers):
+        return
+    handler = _Handler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that yields ``body`` once, then the client's own messages
-    (vLLM listens for the disconnect to cancel a request)."""
-    sent = False
-
-    async def again() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return again
-
-
-def _replay_lazy(make: Callable[[], Awaitable[bytes]], receive: Receive) -> Receive:
-    """:func:`_replay` of a body made when it is first read."""
-    sent = False
-
-    async def again() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": await make(), "more_body": False}
-        return await receive()
-
-    return again
-
-
-def _with_body(scope: Scope, body: bytes) -> Scope:
-    new = _without_length(scope)
-    new["headers"].append((b"content-length", str(len(body)).encode()))
-    return new
-
-
-def _without_length(scope: Scope) -> Scope:
-    """The scope without a content-length (the body read will differ in length)."""
-    new = dict(scope)
-    new["headers"] = [(k, v) for k, v in scope.get("headers", [])
-                      if k.lower() != b"content-length"]
-    return new
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return str(value.decode("latin-1"))
-    return None
-
-
-async def _respond(send: Send, status: int, body: bytes, content_type: str,
-                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()),
-        (b"x-content-type-options", b"nosniff"), *(headers or []),
-    ]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _json(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _anthropic_error(message: str) -> bytes:
-    return _json({"type": "error", "error": {"type": "invalid_request_error",
-                                             "message": message}})
-
-
-def _openai_error(message: str, param: str) -> bytes:
-    return _json({"error": {"message": message, "type": "invalid_request_error",
-                            "param": param, "code": None}})
+async def _ready(body: bytes) -> bytes:
+    return body
 
 
 class SparkCacheMiddleware:
     """See the module docstring.  One per server process (vLLM adds it)."""
 
     def __init__(self, app: ASGIApp, settings: ServeSettings | None = None) -> None:
+        if settings is None:  # in vLLM's server (which passes none), not in a test's process
+            _own_logging()
         self.app = app
         self.settings = settings or ServeSettings.from_env()
         # One thread owns the index connection: its calls never interleave.
@@ -208,6 +190,9 @@ class SparkCacheMiddleware:
         self._store: SnapshotStore | None = None
         self._renders: OrderedDict[str, list[int]] = OrderedDict()
         self._secret = secrets.token_bytes(32)  # CSRF tokens of this server process
+        self._keys = ApiKeys(app)  # vLLM's --api-key, when it has one
+        token = self.settings.admin_token
+        self._admin = Admin(token) if token else None
 
     # -- the index, on its own thread ---------------------------------------------------
 
@@ -256,71 +241,68 @@ class SparkCacheMiddleware:
         path = scope.get("path", "")
         if path == page.PATH or path.startswith(page.PATH + "/"):
             return await self._page(scope, receive, send)
-        api = APIS.get(path)
-        if api is None or scope.get("method") != "POST":
+        if path not in ROUTES or scope.get("method") != "POST" or self._keys.refuses(scope):
+            # A request vLLM refuses for its --api-key goes to vLLM unread: its 401.
             return await self.app(scope, receive, send)
-        try:
-            body = await _read_body(receive)
-        except _Gone:
-            return None
-        return await self._api(api, scope, body, receive, send)
+        return await self._api(ROUTES[path], scope, receive, send)
 
     # -- the APIs -------------------------------------------------------------------------
 
-    async def _api(self, api: str, scope: Scope, raw: bytes, receive: Receive,
+    async def _api(self, route: str | None, scope: Scope, receive: Receive,
                    send: Send) -> None:
-        started, wall = time.monotonic(), time.time()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):  # vLLM answers that one itself
-            return await self.app(_with_body(scope, raw), _replay(raw, receive), send)
-        request_id = f"sc-{uuid.uuid4().hex}"
-        row: dict[str, Any] = {"request_id": request_id, "created_at": wall, "api": api,
-                               "model": body.get("model") if isinstance(body.get("model"),
-                                                                        str) else None}
-        marks: list[Cut] = []
-        if api == "messages":
-            try:
-                marks = cuts(body)
-            except CacheControlError as exc:
-                await _respond(send, 400, _anthropic_error(str(exc)), "application/json")
-                await self._log({**row, "status": 400, "total_s": time.monotonic() - started})
-                return None
-        else:
-            key = body.pop("prompt_cache_key", None) if api != "responses" \
-                else body.get("prompt_cache_key")
-            if key is not None and not (isinstance(key, str) and len(key) <= MAX_CACHE_KEY):
-                message = f"prompt_cache_key must be a string of at most {MAX_CACHE_KEY} " \
-                          f"characters, got {type(key).__name__}"
-                await _respond(send, 400, _openai_error(message, "prompt_cache_key"),
-                               "application/json")
-                await self._log({**row, "status": 400, "total_s": time.monotonic() - started})
-                return None
-            row["cache_key"] = key
+        """Read, check and forward one API request; log its row whatever happens
+        (but a client that went away while sending it)."""
+        started = time.monotonic()
+        request_id = f"sc-{uuid.uuid4().hex}"  # the row's key: never the client's
+        row: dict[str, Any] = {"request_id": request_id, "created_at": time.time(),
+                               "api": route}
 
+        async def log(status: int) -> None:
+            await self._log({**row, "status": status, "total_s": time.monotonic() - started})
+
+        try:
+            raw = await read_body(scope, receive, self.settings.max_body)
+            body = await parse_json(raw)
+            if not isinstance(body, dict):  # vLLM answers that one itself
+                return await log(await self._forward(
+                    route, scope, lambda: _ready(raw), receive, send, request_id))
+            row["api"] = api = api_of(route, scope.get("path", ""), body)
+            if isinstance(body.get("model"), str):
+                row["model"] = body["model"]
+            marks, row["cache_key"] = await off_loop(len(raw), lambda: prepare(api, body))
+        except Gone:
+            return None
+        except TooLarge as exc:
+            refused = Refused(413, str(exc))
+        except BadBody as exc:
+            refused = Refused(400, str(exc))
+        except Refused as exc:
+            refused = exc
+        else:
+            final = self._final(scope, body, marks, request_id, len(raw))
+            return await log(await self._forward(api, scope, final, receive, send, request_id))
+        await respond(send, refused.status, error_body(row["api"], refused), "application/json")
+        return await log(refused.status)
+
+    def _final(self, scope: Scope, body: dict[str, Any], marks: list[Cut], request_id: str,
+               size: int) -> Callable[[], Awaitable[bytes]]:
+        """The body vLLM reads: the request named for the log, its breakpoints set."""
         async def final_body() -> bytes:
-            # Runs when vLLM's route reads the body: after vLLM's own checks
-            # (--api-key), so an unauthenticated request renders nothing.
+            # Runs when vLLM's route reads the body, after vLLM's own checks.
             breakpoints = await self._positions(scope, body, marks) if marks else []
-            params = body.get("kv_transfer_params")
-            params = dict(params) if isinstance(params, dict) else {}
-            ours = params.get("sparkcache")
-            ours = dict(ours) if isinstance(ours, dict) else {}
+            params, ours = transfer_params(body)  # checked already: they are objects
             ours["id"] = request_id
             if breakpoints:
                 ours["breakpoints"] = [*(ours.get("breakpoints") or []), *breakpoints]
             params["sparkcache"] = ours
             body["kv_transfer_params"] = params
-            return _json(body)
+            return await off_loop(size, lambda: dumps(body))
 
-        status = await self._forward(api, scope, final_body, receive, send, request_id)
-        await self._log({**row, "status": status, "total_s": time.monotonic() - started})
-        return None
+        return final_body
 
-    async def _forward(self, api: str, scope: Scope, body: Callable[[], Awaitable[bytes]],
-                       receive: Receive, send: Send, request_id: str) -> int:
+    async def _forward(self, api: str | None, scope: Scope,
+                       body: Callable[[], Awaitable[bytes]], receive: Receive, send: Send,
+                       request_id: str) -> int:
         """Pass the request to vLLM (its body made when vLLM reads it); rewrite an
         Anthropic answer's usage.  Returns the status sent."""
         status = 500
@@ -358,7 +340,7 @@ class SparkCacheMiddleware:
             buffered.append(message.get("body", b""))
             if message.get("more_body"):
                 return None
-            whole = self._rewrite_whole(b"".join(buffered))
+            whole = await self._rewrite_whole(b"".join(buffered))
             headers = [(k, v) for k, v in start.get("headers", [])
                        if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(whole)).encode()))
@@ -366,14 +348,14 @@ class SparkCacheMiddleware:
             await send({"type": "http.response.body", "body": whole, "more_body": False})
             return None
 
-        await self.app(_without_length(scope), _replay_lazy(body, receive), relay)
+        await self.app(without_length(scope), replay_lazy(body, receive), relay)
         return status
 
     @staticmethod
-    def _rewrite_whole(body: bytes) -> bytes:
+    async def _rewrite_whole(body: bytes) -> bytes:
         try:
-            answer = json.loads(body)
-        except ValueError:
+            answer = await parse_json(body)
+        except BadBody:
             return body
         if not isinstance(answer, dict):
             return body
@@ -381,7 +363,7 @@ class SparkCacheMiddleware:
         if facts is None:
             return body
         answer["usage"] = anthropic_usage(answer.get("usage"), facts)
-        return _json(answer)
+        return dumps(answer)
 
     # -- breakpoints ----------------------------------------------------------------------
 
@@ -410,7 +392,7 @@ class SparkCacheMiddleware:
         body = copy.deepcopy(body)
         body.pop("kv_transfer_params", None)
         body["stream"] = False
-        key = hashlib.sha256(_json(body)).hexdigest()
+        key = hashlib.sha256(dumps(body)).hexdigest()
         if key in self._renders:
             self._renders.move_to_end(key)
             return self._renders[key]
@@ -441,36 +423,32 @@ class SparkCacheMiddleware:
 
     # -- the page -------------------------------------------------------------------------
 
-    def _allowed(self, scope: Scope) -> str | None:
-        """Why this client may not use the page (None: it may)."""
-        token = self.settings.admin_token
-        if token:
-            given = None
-            auth = _header(scope, b"authorization")
-            if auth and auth.lower().startswith("bearer "):
-                given = auth[7:].strip()
-            cookie = _header(scope, b"cookie") or ""
-            for part in cookie.split(";"):
-                name, _, value = part.strip().partition("=")
-                if name == page.COOKIE:
-                    given = given or unquote(value)
-            if given is not None and hmac.compare_digest(given.encode(), token.encode()):
-                return None
-            return "login"
-        client = scope.get("client")
-        try:
-            loopback = client is not None and ipaddress.ip_address(client[0]).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
+    def _admit(self, scope: Scope) -> str | None:
+        """Why this client may not use the page (None: it may; "login": it needs
+        the admin token).  A wrong Bearer token counts as a failed attempt."""
+        if self._admin is not None:
+            given = self._admin.presented(scope)
+            if given is False:
+                self._failed(scope)
+            return None if given else "login"
+        if not is_loopback(scope):
             return ("the page is served to loopback clients only; set an admin token "
                     "(sparkcache serve --admin-token) to open it to others")
-        host = (_header(scope, b"host") or "").lower()
+        host = (header(scope, b"host") or "").lower()
         name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
         if name not in ("127.0.0.1", "localhost", "[::1]"):
             # A page of another site whose name resolves to 127.0.0.1 (DNS rebinding).
-            return f"the page answers only to 127.0.0.1 or localhost, not {host!r}"
+            return f"the page answers only to 127.0.0.1 or localhost, not {host[:80]!r}"
         return None
+
+    def _failed(self, scope: Scope) -> None:
+        """Count a failed admin attempt; say so once a client reaches the bound."""
+        assert self._admin is not None  # only called with a token
+        if self._admin.failed(scope) == ATTEMPTS:
+            client = scope.get("client")
+            logger.warning("sparkcache: %d failed admin attempts from %s within %.0f s: its "
+                           "attempts are refused (429) until they are older than that",
+                           ATTEMPTS, client[0] if client else "?", WINDOW_S)
 
     def csrf(self, action: str) -> str:
         """The form token of an action: only a page this server rendered has it."""
@@ -479,52 +457,62 @@ class SparkCacheMiddleware:
     def _same_origin(self, scope: Scope) -> bool:
         """Whether a POST comes from this server's own page (browsers send Origin
         and Sec-Fetch-Site with every cross-site form)."""
-        site = _header(scope, b"sec-fetch-site")
+        site = header(scope, b"sec-fetch-site")
         if site is not None and site not in ("same-origin", "none"):
             return False
-        origin = _header(scope, b"origin")
+        origin = header(scope, b"origin")
         if origin is None or origin == "null":
             return origin is None
-        host = _header(scope, b"host") or ""
+        host = header(scope, b"host") or ""
         return origin.split("://", 1)[-1] == host
 
     async def _page(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope.get("method", "GET"), scope.get("path", "")
-        why = self._allowed(scope)
+        if self._admin is not None and self._admin.locked(scope):
+            return await respond(send, 429, b"too many failed attempts: wait a minute\n", TEXT,
+                                 [(b"retry-after", str(int(WINDOW_S)).encode())])
+        why = self._admit(scope)
         if why == "login" and path == page.PATH + "/login" and method == "POST":
             return await self._login(scope, receive, send)
         if why == "login":
-            return await _respond(send, 401, page.login_form().encode(), page.HTML,
-                                  PAGE_HEADERS)
+            return await respond(send, 401, page.login_form().encode(), page.HTML,
+                                 PAGE_HEADERS)
         if why is not None:
-            return await _respond(send, 403, why.encode() + b"\n", "text/plain; charset=utf-8")
+            return await respond(send, 403, why.encode() + b"\n", TEXT)
         if method == "GET" and path == page.PATH:
-            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            query = parse_qs(scope.get("query_string", b"")[:4096].decode("latin-1"))
             note = (query.get("note") or [""])[0][:200]
             html = await self.db(lambda store: page.render(store, csrf=self.csrf("clear"),
                                                            note=note))
-            return await _respond(send, 200, html.encode(), page.HTML, PAGE_HEADERS)
+            return await respond(send, 200, html.encode(), page.HTML, PAGE_HEADERS)
         if method == "POST" and path == page.PATH + "/clear":
             return await self._clear(scope, receive, send)
-        return await _respond(send, 404, b"not found\n", "text/plain; charset=utf-8")
+        return await respond(send, 404, b"not found\n", TEXT)
 
-    async def _form(self, receive: Receive) -> dict[str, str]:
-        raw = await _read_body(receive)
-        return {k: v[0] for k, v in parse_qs(raw.decode("utf-8", "replace")).items()}
+    async def _form(self, scope: Scope, receive: Receive, send: Send) -> dict[str, str] | None:
+        """The posted form (at most MAX_FORM bytes: a 413 beyond); None when answered."""
+        try:
+            raw = await read_body(scope, receive, MAX_FORM)
+        except Gone:
+            return None
+        except TooLarge as exc:
+            await respond(send, 413, f"{exc}\n".encode(), TEXT)
+            return None
+        fields = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=32)
+        return {k: v[0] for k, v in fields.items()}
 
     async def _clear(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            form = await self._form(receive)
-        except _Gone:
+        form = await self._form(scope, receive, send)
+        if form is None:
             return None
         if not self._same_origin(scope) or not hmac.compare_digest(
                 form.get("csrf", "").encode(), self.csrf("clear").encode()):
-            return await _respond(send, 403, b"this form did not come from this server's page\n",
-                                  "text/plain; charset=utf-8")
+            return await respond(send, 403, b"this form did not come from this server's page\n",
+                                 TEXT)
         try:
             model_id = int(form.get("model", ""))
         except ValueError:
-            return await _respond(send, 400, b"no model chosen\n", "text/plain; charset=utf-8")
+            return await respond(send, 400, b"no model chosen\n", TEXT)
         try:
             note = await self.db(lambda store: page.clear(store, model_id))
         except SparkCacheError as exc:
@@ -545,17 +533,17 @@ class SparkCacheMiddleware:
         return None
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            form = await self._form(receive)
-        except _Gone:
+        """The token form: a session cookie for the right token, a counted failure else."""
+        assert self._admin is not None  # a login is asked only then
+        form = await self._form(scope, receive, send)
+        if form is None:
             return None
-        token = self.settings.admin_token or ""
-        if not self._same_origin(scope) or not hmac.compare_digest(
-                form.get("token", "").encode(), token.encode()):
-            return await _respond(send, 401, page.login_form("wrong token").encode(), page.HTML,
-                                  PAGE_HEADERS)
-        # Quoted: a token may hold what a cookie value cannot (";", spaces, non-ASCII).
-        cookie = f"{page.COOKIE}={_quote(token)}; Path={page.PATH}; HttpOnly; SameSite=Strict"
+        if not self._same_origin(scope) or not self._admin.token_ok(form.get("token", "")):
+            self._failed(scope)
+            return await respond(send, 401, page.login_form("wrong token").encode(), page.HTML,
+                                 PAGE_HEADERS)
+        cookie = (f"{page.COOKIE}={self._admin.session()}; Path={page.PATH}; "
+                  f"Max-Age={SESSION_S}; HttpOnly; SameSite=Strict")
         await send({"type": "http.response.start", "status": 303, "headers": [
             (b"location", page.PATH.encode()), (b"set-cookie", cookie.encode()),
             (b"content-length", b"0")]})

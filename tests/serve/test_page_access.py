@@ -313,24 +313,30 @@ def test_login_sets_a_cookie_that_opens_the_page(guarded: Server) -> None:
     assert r.header("location") == "/sparkcache"
     cookie = r.header("set-cookie") or ""
     attributes = [a.strip() for a in cookie.split(";")]
-    assert attributes[0] == f"sparkcache_admin={TOKEN}"
-    assert {"HttpOnly", "SameSite=Strict", "Path=/sparkcache"} <= set(attributes[1:])
+    # A session derived from the token (its expiry and an HMAC), never the token.
+    assert re.fullmatch(r"sparkcache_admin=\d+\.[0-9a-f]{64}", attributes[0]), attributes[0]
+    assert TOKEN not in cookie
+    assert {"HttpOnly", "SameSite=Strict", "Path=/sparkcache", "Max-Age=43200"} \
+        <= set(attributes[1:])
     r = guarded.page(client=client, host=host,
                      headers=[("cookie", f"theme=dark; {attributes[0]}; other=1")])
     assert r.status == 200
     assert "Clear KV snapshots" in r.text
-    r = guarded.page(client=client, host=host, headers=[("cookie", "sparkcache_admin=nope")])
-    assert r.status == 401
+    for wrong in ("nope", TOKEN, "1.ab", "99999999999." + "0" * 64):
+        r = guarded.page(client=client, host=host,
+                         headers=[("cookie", f"sparkcache_admin={wrong}")])
+        assert r.status == 401, wrong
 
 
 def test_a_token_a_cookie_cannot_hold_as_is_still_logs_in(stored: Stored) -> None:
-    odd = "correct horse; battery=staple,\u00e9"
+    odd = "correct horse; battery=staple,\"x\""
     with _server(stored, odd) as server:
         r = server.post_form("/sparkcache/login", {"token": odd})
         assert r.status == 303
         cookie = (r.header("set-cookie") or "").split(";")[0]
-        assert re.fullmatch(r"sparkcache_admin=[A-Za-z0-9%._~-]+", cookie), cookie
+        assert re.fullmatch(r"sparkcache_admin=[0-9a-f.]+", cookie), cookie
         assert server.page(headers=[("cookie", cookie)]).status == 200
+        assert server.page(headers=[("authorization", f"Bearer {odd}")]).status == 200
         assert server.page(headers=[("cookie", "sparkcache_admin=correct horse")]).status \
             == 401
 
