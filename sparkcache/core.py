@@ -214,6 +214,10 @@ class Match:
     identity: ModelIdentity
     token_ids: np.ndarray  # the prompt's first n_tokens, uint32
     scope: RequestScope | None = None
+    #: Made by the store's own lookup (or grown from one; a worker rebuilding
+    #: its scheduler's match says so too): stored token ids that differ from
+    #: ``token_ids`` are then damage (quarantined), not the caller's mistake.
+    from_lookup: bool = False
 
     @property
     def n_blocks(self) -> int:

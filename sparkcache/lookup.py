@@ -88,7 +88,8 @@ def lookup(
                 found.sort(key=lambda c: (-c[1], -c[0]))
             for snapshot_id, n in found:
                 if restorable(core, conn, snapshot_id, n, ranks_json, len(expected)):
-                    return Match(snapshot_id, n, identity, tokens[:n].copy(), scope)
+                    return Match(snapshot_id, n, identity, tokens[:n].copy(), scope,
+                                 from_lookup=True)
             unrestorable = unrestorable or bool(found)
         if unrestorable:
             core.count(model_id, "misses.unrestorable")
@@ -120,7 +121,8 @@ def extend(
     if stored.size < bs or not np.array_equal(stored[:tokens.size - n], tokens[n:]):
         return None
     return Match(match.snapshot_id, n + bs, identity,
-                 np.concatenate([tokens, stored[tokens.size - n:]]), match.scope)
+                 np.concatenate([tokens, stored[tokens.size - n:]]), match.scope,
+                 from_lookup=match.from_lookup)
 
 
 def grow(
@@ -154,7 +156,8 @@ def grow(
     grown = n + shared // bs * bs
     if grown == n:
         return match
-    return Match(match.snapshot_id, grown, identity, tokens[:grown].copy(), match.scope)
+    return Match(match.snapshot_id, grown, identity, tokens[:grown].copy(), match.scope,
+                 from_lookup=match.from_lookup)
 
 
 def _matched_strides(

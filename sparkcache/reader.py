@@ -252,12 +252,7 @@ def _read_chain(
                     opened = stack.enter_context(_open_verified(core, link, identity, rank))
                     stored = _verified_tokens(opened, (stop - link.start) * 4)
                     if not np.array_equal(stored.view("<u4"), match.token_ids[link.start:stop]):
-                        # The stored ids passed their digests: they are what was
-                        # published.  The match is not for them (a caller's mistake,
-                        # or a prefix-hash collision): a miss, nothing quarantined.
-                        raise InvalidArgument(
-                            f"snapshot {match.snapshot_id} holds other token ids than the "
-                            "match: pass the Match that lookup returned for this prompt")
+                        _other_tokens(match)
                     del stored
                     n_layers = opened.header.n_layers
                     if dests is None:
@@ -281,6 +276,21 @@ def _read_chain(
     if touch:
         _touch(core, model_id, links, n - low, copied)
     return n_blocks
+
+
+def _other_tokens(match: Match) -> None:
+    """Raise for stored token ids (they passed their digests) unlike the match's.
+
+    A match of the store's own lookup was found by prefix hashes of the
+    prompt, so the snapshot's index rows and its file disagree: damage, and
+    the link is quarantined (else it would be offered and fail forever).  A
+    Match the caller made is the caller's mistake: nothing is quarantined.
+    """
+    if match.from_lookup:
+        raise CorruptSnapshot(f"snapshot {match.snapshot_id} holds other token ids than its "
+                              "index rows were made from", "tokens")
+    raise InvalidArgument(f"snapshot {match.snapshot_id} holds other token ids than the "
+                          "match: pass the Match that lookup returned for this prompt")
 
 
 def _link_copy(identity: ModelIdentity, link: _Link, opened: _Opened, stop: int,

@@ -179,12 +179,17 @@ class SnapshotStore(StoreUpkeep):
     def _fixed_setting(self, key: str, given: int | None, default: int) -> int:
         if given is not None and (not isinstance(given, int) or given <= 0):
             raise InvalidArgument(f"{key} must be a positive integer, got {given!r}")
-        with self._core.write() as conn:
+        # Read first: a store that has its settings opens without the write
+        # lock, so a long write of another process does not time the open out.
+        with self._core.read() as conn:
             found = ids(conn, q.GET_SETTING, (key,))
-            if not found:
-                value = default if given is None else given
-                conn.execute(q.PUT_SETTING, (key, str(value), self._core.clock()))
-                return value
+        if not found:
+            with self._core.write() as conn:
+                found = ids(conn, q.GET_SETTING, (key,))  # another process's, meanwhile
+                if not found:
+                    value = default if given is None else given
+                    conn.execute(q.PUT_SETTING, (key, str(value), self._core.clock()))
+                    return value
         stored = found[0]
         if given is not None and given != stored:
             raise InvalidArgument(

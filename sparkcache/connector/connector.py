@@ -21,7 +21,8 @@ sweeper (docs/shared.md).
 Worker side (one per rank): loads and saves on background threads with
 bounded queues; finished loads and saves reported through ``get_finished``,
 failed loads through ``get_block_ids_with_load_errors`` (vLLM recomputes,
-``kv_load_failure_policy=recompute``, which this connector sets).
+``kv_load_failure_policy=recompute``, which this connector sets, also on a
+``MultiConnector`` around it: :mod:`sparkcache.connector.engine`).
 
 Stats (hits, misses, restored / written tokens and bytes, load and save time,
 dropped work) go through vLLM's ``KVConnectorStats``; log lines through the
@@ -39,6 +40,13 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from sparkcache.connector.engine import (
+    Unsent,
+    params_key,
+    parent_multi_connector,
+    recompute_policy,
+    register_by_name,
+)
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters
@@ -72,6 +80,7 @@ SupportsHMA: Any = _base.SupportsHMA
 KVConnectorTransferResults: Any = _base.KVConnectorTransferResults
 KVConnectorRole: Any = _base.KVConnectorRole
 CacheHitSource: Any = _hit_source.CacheHitSource
+register_by_name("SparkCacheConnector", __name__)  # for a MultiConnector's stats
 
 # A child of vLLM's logger: our lines get vLLM's handler and format.
 logger = logging.getLogger("vllm.sparkcache")
@@ -93,6 +102,10 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        parent = parent_multi_connector()  # vLLM's MultiConnector around this one, or None
+        #: The kv_transfer_params key of this connector's facts.
+        self.params_key = params_key(parent, lambda c: isinstance(c, SparkCacheConnector))
+        self._unsent_key = (str(self._kv_transfer_config.engine_id), self.params_key)
         self.settings = ConnectorSettings.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
@@ -110,7 +123,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         )
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
         if self.is_scheduler:
-            self._init_scheduler()
+            self._init_scheduler(getattr(parent, "_kv_transfer_config", None))
         else:
             self._init_worker()
         logger.info("sparkcache %s connector, mode %s, on %s (model %s, identity %s)",
@@ -126,21 +139,21 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     # Scheduler side
     # ==============================================================================
 
-    def _init_scheduler(self) -> None:
+    def _init_scheduler(self, parent_config: Any) -> None:
         self.sweep_store: SnapshotStore | None = None
         self.upload_store: SnapshotStore | None = None
         self.shared_sweeper: SharedSweeper | None = None
         self.fetcher: Fetcher | None = None
         self.log_writer: LogWriter | None = None
         self.sched: SchedulerSide | None = None
-        config = self._kv_transfer_config
-        if config.kv_load_failure_policy != "recompute":
-            # Invariant: a failed restore is a miss.  The scheduler reads the policy
-            # right after constructing this connector, so setting it here takes effect.
-            logger.warning("sparkcache sets kv_load_failure_policy=recompute (was %r): a "
+        # Invariant: a failed restore is a miss.  The scheduler reads the policy of
+        # the engine's config (a MultiConnector's, not its child's) right after
+        # constructing the connector, so setting it here takes effect.
+        replaced = recompute_policy([self._kv_transfer_config, parent_config])
+        if replaced:
+            logger.warning("sparkcache sets kv_load_failure_policy=recompute (was %s): a "
                            "snapshot that fails verification is recomputed, not an error",
-                           config.kv_load_failure_policy)
-            config.kv_load_failure_policy = "recompute"
+                           ", ".join(sorted(set(replaced))))
         if self.store is None:
             return
         min_tokens = self.settings.min_tokens
@@ -157,8 +170,9 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             compute_tokens=self.settings.compute_tokens or (2 if lone_token_differs() else 1),
             min_tokens=self.retention.settings.min_tokens if min_tokens is None else min_tokens,
             on_facts=None if self.log_writer is None else self.log_writer.put,
-            groups=self.groups,
+            groups=self.groups, params_key=self.params_key,
         )
+        Unsent.register(self._unsent_key, self.sched.saves.take_saves)
         if self.settings.sweep:
             # Its own store (own index connection): a long sweep never holds the
             # lock that the scheduler's lookups take.
@@ -298,10 +312,11 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         save is planned, or a breakpoint copy may still read them), False also
         for a request aborted while its restore is in flight (vLLM holds those
         blocks until the load reports).  ``params`` is
-        ``{"sparkcache": {...}}``, the request's row of the request log
-        (tokens from vLLM's own cache, restored, written at breakpoints,
-        timings); vLLM returns it with the request's output as its
-        ``kv_transfer_params`` (``sparkcache serve`` turns it into usage).
+        ``{"sparkcache": {...}}`` (the key is :attr:`params_key`), the
+        request's row of the request log (tokens from vLLM's own cache,
+        restored, written at breakpoints, timings); vLLM returns it with the
+        request's output as its ``kv_transfer_params`` (``sparkcache serve``
+        turns it into usage).
         """
         if self.sched is None:
             return False, None
@@ -542,9 +557,13 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     def shutdown(self) -> None:
         """Scheduler: stop the sweepers, then the uploader after up to
         ``upload_wait_seconds`` for its queue (a snapshot published just before
-        a clean exit reaches the shared tier).  Worker: finish queued loads and
-        saves (up to 60 s), stop the threads.  Both close the store."""
+        a clean exit reaches the shared tier).  Worker: run the saves that its
+        scheduler side, in this process, planned and no step carried here (an
+        in-process engine shut down right after its last request), finish
+        queued loads and saves (up to 60 s), stop the threads.  Both close the
+        store.  vLLM shuts the workers down before the scheduler."""
         if self.is_scheduler:
+            Unsent.unregister(self._unsent_key)
             if self.sweep_store is not None:
                 self.sweep_store.close()  # stops its sweeper
             if self.log_writer is not None:
@@ -556,6 +575,12 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             if self.upload_store is not None:
                 self.upload_store.close()
         elif self.io is not None:
+            unsent = Unsent.take(self._unsent_key)
+            if unsent:
+                logger.info("sparkcache: %d save(s) planned after the last step, run at "
+                            "shutdown", len(unsent))
+            for job in unsent:
+                self.io.submit_save(job)
             self.io.close()
         if self.store is not None:
             self.store.close()

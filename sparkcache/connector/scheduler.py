@@ -58,8 +58,11 @@ class SchedulerSide:
         on_facts: Callable[[dict[str, Any]], None] | None = None,
         fetcher: Fetcher | None = None,
         groups: KVGroups | None = None,
+        params_key: str = "sparkcache",
     ) -> None:
         self.store = store
+        #: The key of the facts in the ``kv_transfer_params`` :meth:`finished` returns.
+        self.params_key = params_key
         #: The engine's KV cache groups (default: a plain model's one group).
         self.groups = KVGroups() if groups is None else groups
         if self.groups.ends_only != identity.ends_only:
@@ -223,7 +226,7 @@ class SchedulerSide:
         :meth:`on_output`; the blocks are not saved then).  Returns ``(True,
         params)`` when a save is planned or a breakpoint save may still copy the
         blocks (a release job without blocks is then planned), else ``(False,
-        params)``; ``params`` is ``{"sparkcache": <the request's log row>}``
+        params)``; ``params`` is ``{params_key: <the request's log row>}``
         (vLLM returns it with the request's output), None for a request never
         admitted.
         """
@@ -232,7 +235,7 @@ class SchedulerSide:
         params: dict[str, Any] | None = None
         if state is not None:
             facts = self.reporter.finished(request, state.facts)
-            params = {"sparkcache": {k: v for k, v in facts.items() if k != "created_at"}}
+            params = {self.params_key: {k: v for k, v in facts.items() if k != "created_at"}}
         try:
             if self.restores.finished(req_id):
                 # Aborted while its restore is in flight: the blocks are still being

@@ -291,7 +291,7 @@ class WorkerIO:
         if self.kinds.bad_load(job.blocks):
             raise SparkCacheError(f"no blocks to restore in a group: "
                                   f"{[list(ids)[:4] for ids in job.blocks]}")
-        match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids)
+        match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids, from_lookup=True)
         end = job.n_tokens // self.bs
         starts = [(end - len(job.blocks[g])) * self.bs for g, _j in groups.where]
         # The fault hook rewrites every layer after the read: nothing is

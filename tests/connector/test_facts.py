@@ -138,3 +138,17 @@ def test_the_log_writer_commits_rows_off_the_caller(tmp_path: Path) -> None:
     assert [r.request_id for r in rows] == ["r4", "r3", "r2"]  # the newest 3 kept
     assert rows[0].restored_tokens == 32 and rows[0].prompt_tokens == 4
     assert rows[0].model_id == writer.model_id and "log_failures" not in counters.take()
+
+
+def test_facts_go_under_the_connectors_own_key(one_rank: Any) -> None:
+    """A second sparkcache connector inside vLLM's MultiConnector reports under
+    its own key (vLLM refuses two children's dicts that share one); both read
+    the request's parameters from ``"sparkcache"``."""
+    store, _sched, _io, _counters = one_rank
+    sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS,
+                          params_key="sparkcache.1")
+    req = Req("a", prompt(100, 23), kv_transfer_params={"sparkcache": {"id": "sc-a"}})
+    assert sched.matched_tokens(req, 0) == (0, False)
+    _held, params = sched.finished(req, list(range(7)))
+    assert params is not None and list(params) == ["sparkcache.1"]
+    assert params["sparkcache.1"]["request_id"] == "sc-a"

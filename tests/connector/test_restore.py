@@ -20,6 +20,7 @@ from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
 
+from ..store.helpers import forge_tokens
 from .helpers import BS, FakePages, Req, identity, prompt, save
 
 
@@ -140,6 +141,30 @@ def test_a_corrupt_snapshot_reports_its_blocks(one_rank: Any, tmp_path: Path) ->
     assert sched.matched_tokens(Req("c", p), 0) == (None, False)  # b's load in flight
     sched.on_output({"b"}, ())
     assert sched.matched_tokens(Req("c", p), 0) == (0, False)  # quarantined: a miss
+
+
+def test_stored_ids_unlike_the_index_are_offered_once(one_rank: Any) -> None:
+    """A snapshot whose file is consistent in itself but holds other token ids
+    than its index rows were made from: the worker's load fails and the
+    snapshot is quarantined, so it is not offered again (was: a caller's
+    mistake, nothing quarantined, offered and failed on every request)."""
+    store, sched, io, counters = one_rank
+    p = prompt(100, 12)
+    save(sched, io, Req("a", p))
+    (snap,) = store.snapshots()
+    forge_tokens(store, snap.id, np.asarray(prompt(snap.n_tokens, 13), np.uint32))
+    req = Req("b", p)
+    offered, _ = sched.matched_tokens(req, 0)
+    assert offered == 96  # not the tail block: its stored ids differ from the prompt
+    sched.after_alloc(req, list(range(20, 27)), offered)
+    (load,), _ = sched.take_jobs()
+    io.submit_load(load)
+    assert io.flush()
+    assert io.poll()[1] == {"b"} and io.take_failed_blocks() == set(range(20, 26))
+    assert counters.take()["load_failures"] == 1
+    sched.on_output({"b"}, ())
+    assert [(s.state, s.reason) for s in store.snapshots()] == [("quarantined", "tokens")]
+    assert sched.matched_tokens(Req("c", p), 0) == (0, False)
 
 
 def test_a_planned_restore_leases_its_snapshot(one_rank: Any) -> None:

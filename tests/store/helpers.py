@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import struct
 
-from sparkcache import ModelIdentity
+import numpy as np
+import xxhash
+
+from sparkcache import ModelIdentity, SnapshotStore
 
 BLOCK = 4
 LAYERS = 2
@@ -50,3 +54,31 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def forge_tokens(store: SnapshotStore, snapshot_id: int, other: np.ndarray) -> None:
+    """Rewrite the snapshot's segment with ``other`` token ids, internally
+    consistent (chunk digests, header) and recorded in the index (the header
+    digest): only its boundary rows still say the published ids."""
+    with store._core.read() as conn:
+        (key,) = {g.object_key for g in store._core.segments(conn, snapshot_id)}
+    path = store.root / key
+    data = bytearray(path.read_bytes())
+    (hlen,) = struct.unpack_from("<Q", data, 0)
+    entries = json.loads(bytes(data[8:8 + hlen]))
+    meta = json.loads(entries["__metadata__"]["sparkcache"])
+    lo, hi = entries["tokens"]["data_offsets"]
+    ids = other.astype("<u4").tobytes()
+    assert len(ids) == hi - lo and len(ids) < 1 << 20  # one chunk
+    data[8 + hlen + lo:8 + hlen + hi] = ids
+    meta["chunks"]["tokens"] = xxhash.xxh3_128_hexdigest(ids)
+    entries["__metadata__"]["sparkcache"] = json.dumps(meta, sort_keys=True,
+                                                       separators=(",", ":"))
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    assert len(text) == hlen
+    data[8:8 + hlen] = text
+    path.write_bytes(bytes(data))
+    digest = xxhash.xxh3_128_hexdigest(bytes(data[:8 + hlen]))
+    with store._core.write() as conn:
+        conn.execute("UPDATE segments SET digest = ? WHERE snapshot_id = ?", (digest, snapshot_id))

@@ -20,7 +20,7 @@ from sparkcache import CorruptSnapshot, InvalidArgument, SnapshotStore
 from sparkcache.core import Match
 from sparkcache.errors import NotFound, StoreTimeout
 
-from .helpers import LAYERS, identity, pages_for, tokens
+from .helpers import LAYERS, forge_tokens, identity, pages_for, tokens
 
 
 def _chain(store: SnapshotStore) -> tuple[np.ndarray, int, int, int]:
@@ -100,6 +100,27 @@ def test_a_match_of_another_model_or_length_is_the_callers_mistake(
             store.read(bad, 0)
     assert store.snapshot(root).state == "ready" and store.stats() == before
     assert len(store.read(Match(root, 16, identity(), toks[:16]), 0)) == LAYERS
+
+
+def test_stored_ids_unlike_the_index_quarantine_what_lookup_offers(store: SnapshotStore) -> None:
+    """A segment consistent in itself whose token ids are not those its index
+    rows were made from is damage when the Match came from the store's own
+    lookup (quarantined: offered no more); a Match the caller made with the
+    same fields stays the caller's mistake."""
+    ident, toks = identity(), tokens(32)
+    sid = store.publish(ident, 0, toks, pages_for(ident, toks)).snapshot_id
+    forge_tokens(store, sid, tokens(32, seed=9))
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="pass the Match"):
+            store.read(Match(sid, 32, ident, toks), 0)
+    assert store.snapshot(sid).state == "ready"
+    found = store.lookup(ident, toks)
+    assert found is not None and found.snapshot_id == sid and found.from_lookup
+    with pytest.raises(CorruptSnapshot) as info:
+        store.read(found, 0)
+    assert info.value.reason == "tokens" and store.snapshot(sid).state == "quarantined"
+    assert store.lookup(ident, toks) is None
+    assert store.stats()["quarantined.tokens"] == 1
 
 
 def test_publish_checks_the_layer_count(store: SnapshotStore) -> None:
