@@ -295,10 +295,11 @@ class FsspecBackend(ObjectStore):
 
     @guarded_by("reading")
     def open(self, key: str) -> Blob:
-        """Fetch the whole object into memory (``cat_file``)."""
+        """Fetch the whole object into memory (``cat_file``; on S3 in pieces)."""
         path = self._path(key)
         try:
-            data = self.fs.cat_file(path, **self._kw())
+            data = (s3.read_object(self.fs, path, self._limit) if self._s3
+                    else self.fs.cat_file(path, **self._kw()))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise NotFound(f"no object {key!r} in {self.url}") from exc
         except OSError as exc:

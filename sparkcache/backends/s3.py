@@ -35,6 +35,7 @@ __all__ = [
     "is_s3",
     "list_objects",
     "put_object",
+    "read_object",
     "stream",
     "upload",
 ]
@@ -109,6 +110,23 @@ def stream(fs: Any, path: str, start: int, end: int, sizes: Iterator[int],
             yield data
     finally:
         body.close()
+
+
+def read_object(fs: Any, path: str, limit: Limit) -> bytearray:
+    """The whole object, from one GET read in pieces of :data:`PART_BYTES`, each
+    within ``limit`` (a large object is not one request's worth of time);
+    FileNotFoundError when there is none."""
+    head = head_object(fs, path, limit)
+    if head is None:
+        raise FileNotFoundError(path)
+    size = int(head["ContentLength"])
+    out = bytearray(size)
+    at = 0
+    for piece in stream(fs, path, 0, size, iter(lambda: PART_BYTES, 0), limit):
+        out[at:at + len(piece)] = piece
+        at += len(piece)
+    del out[at:]  # shorter: it changed meanwhile (a reader checks the size)
+    return out
 
 
 def head_object(fs: Any, path: str, limit: Limit) -> dict[str, Any] | None:
