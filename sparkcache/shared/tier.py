@@ -183,11 +183,14 @@ class SharedTier:
         if size > max_bytes:
             raise InvalidArgument(f"{key} in {self.url} is {size} bytes, more than "
                                   f"{max_bytes}: it is not a sparkcache object")
-        try:
-            with self.backend.open(key) as blob:
-                return bytes(blob.buffer)
+        try:  # one ranged GET (a rewritten object is checked again by its size)
+            data = self.backend.read_range(key, 0, max_bytes + 1)
         except NotFound:  # deleted between the two requests
             return None
+        if len(data) > max_bytes:
+            raise InvalidArgument(f"{key} in {self.url} is more than {max_bytes} bytes: it is "
+                                  "not a sparkcache object")
+        return bytes(data)
 
     def size(self, key: str) -> int | None:
         """The object's size (one HEAD), or None when there is none."""
