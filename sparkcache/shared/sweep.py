@@ -16,7 +16,8 @@ then deletes in the order that keeps every visible snapshot whole:
    with every descendant), an object under a manifest key that does not
    parse (``invalid``; one larger than a manifest may be is not read);
    a manifest of a newer layout (``"version"`` above this sparkcache's) is
-   kept unread, and so is what it may name;
+   kept unread, and so is what it may name (its model's age and budget wait
+   for a sweep by a sparkcache that reads it);
 2. ``age``: leaves (no child manifest) unused for ``max_age_hours``, least
    recently used first; a parent whose children all went is a leaf in the
    same pass, so a parent a kept child needs never goes;
@@ -223,7 +224,9 @@ def _drop_not_whole(cat: Catalogue, children: Mapping[str, list[str]], plan: Mod
 def _evict_leaves(cat: Catalogue, children: Mapping[str, list[str]], limits: TierLimits,
                   now: float, plan: ModelPlan) -> set[str]:
     """Plan away ``age`` then ``budget`` leaves, least recently used first (a
-    parent whose children all went is a leaf then); the snapshots kept."""
+    parent whose children all went is a leaf then); the snapshots kept.  None
+    in a model holding a newer sparkcache's manifests: a snapshot that looks
+    like a leaf here may be the parent of one of them."""
     m = cat.manifests
     live = set(m) - set(plan.deleted)
     live_children = {k: sum(c in live for c in children.get(k, ())) for k in live}
@@ -245,10 +248,10 @@ def _evict_leaves(cat: Catalogue, children: Mapping[str, list[str]], limits: Tie
                 if live_children[parent] == 0:
                     heapq.heappush(heap, (last[parent], parent))
 
-    if limits.max_age_hours > 0:
+    if limits.max_age_hours > 0 and not cat.newer:
         cutoff = now - limits.max_age_hours * 3600
         evict("age", lambda t: t < cutoff)
-    if limits.mb > 0:
+    if limits.mb > 0 and not cat.newer:
         evict("budget", lambda _t: total > limits.mb * MB)
     plan.kept, plan.kept_bytes = len(live), total
     return live
