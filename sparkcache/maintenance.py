@@ -218,7 +218,10 @@ class CheckReport:
 
     @property
     def clean(self) -> bool:
-        return not (self.expired_leases or self.dead_publishes or self.stuck_pending
+        """Nothing to repair.  Leases that protect nothing any more (expired, or
+        their holder dead: a SIGKILLed uploader's) block nothing, so they are
+        listed, and removed with ``fix``, but do not make a store unclean."""
+        return not (self.dead_publishes or self.stuck_pending
                     or self.missing_files or self.bad_keys or self.orphan_snapshots
                     or self.orphan_files)
 

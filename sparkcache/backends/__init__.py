@@ -24,7 +24,16 @@ import os
 import re
 from collections.abc import Callable
 
-from sparkcache.backends.base import Backend, Blob, BufferLike, DiskUsage, ObjectStat, ObjectStore
+from sparkcache.backends.base import (
+    Backend,
+    Blob,
+    BufferLike,
+    DiskUsage,
+    ObjectStat,
+    ObjectStore,
+    deadline,
+    time_left,
+)
 from sparkcache.backends.fsspec_backend import FSSPEC_PREFIX, FsspecBackend
 from sparkcache.backends.keys import is_temp_key, temp_key, validate_key
 from sparkcache.backends.local import LocalBackend, MmapBackend
@@ -41,11 +50,13 @@ __all__ = [
     "ObjectStat",
     "ObjectStore",
     "canonical_url",
+    "deadline",
     "is_temp_key",
     "known_schemes",
     "open_backend",
     "register_backend",
     "temp_key",
+    "time_left",
     "validate_key",
 ]
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import errno
 import itertools
+import threading
+import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, TypeAlias, runtime_checkable
 
@@ -37,7 +39,9 @@ __all__ = [
     "DiskUsage",
     "ObjectStat",
     "ObjectStore",
+    "deadline",
     "piece_sizes",
+    "time_left",
     "translate_os_error",
 ]
 
@@ -47,6 +51,32 @@ BufferLike: TypeAlias = "Buffer | np.ndarray[Any, Any]"
 numpy arrays are named explicitly because numpy's stubs declare ``__buffer__`` only
 for Python >= 3.12, so on 3.11 mypy would not see them as ``Buffer``.
 """
+
+_DEADLINES = threading.local()
+
+
+@contextmanager
+def deadline(seconds: float | None) -> Iterator[None]:
+    """Inside the block, every request this thread makes to a remote backend
+    ends within ``seconds`` from now, all of them together (each request's own
+    bound still applies); a nested block keeps the earlier end.  None adds no
+    deadline.  A request past it raises BackendError without being sent."""
+    before: float | None = getattr(_DEADLINES, "at", None)
+    at = before if seconds is None else time.monotonic() + seconds
+    if before is not None and at is not None:
+        at = min(at, before)
+    _DEADLINES.at = at
+    try:
+        yield
+    finally:
+        _DEADLINES.at = before
+
+
+def time_left() -> float | None:
+    """Seconds left of this thread's :func:`deadline` (None: no deadline)."""
+    at: float | None = getattr(_DEADLINES, "at", None)
+    return None if at is None else at - time.monotonic()
+
 
 class ObjectStat(NamedTuple):
     """One object as a listing shows it: its key, size and last-modified time

@@ -21,6 +21,11 @@ Every failure reaches the caller as a :class:`~sparkcache.errors.SparkCacheError
 (a filesystem's own errors, botocore's included, as ``BackendError`` saying what to
 check).  ``s3://`` clients get connect and read timeouts and a bounded retry
 (:data:`~sparkcache.backends.s3.S3_CLIENT_DEFAULTS`) unless ``config_kwargs`` says otherwise.
+On an asynchronous filesystem (s3fs, gcsfs) every request ends within
+``request_seconds`` (:data:`~sparkcache.backends.s3.REQUEST_SECONDS`), its
+retries included, and within the calling thread's
+:func:`~sparkcache.backends.base.deadline`: the request is cancelled then,
+and a ``BackendError`` says so.
 
 ``open`` copies the object into memory (``fs.cat_file``); ``zero_copy`` is False and
 ``disk_usage`` is None (fsspec has no portable way to ask).  fsspec is imported
@@ -30,12 +35,10 @@ when the first backend is created, so ``import sparkcache`` stays cheap.
 from __future__ import annotations
 
 import builtins
-import datetime
-import functools
 import os
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from sparkcache.backends import s3
 from sparkcache.backends.base import (
@@ -43,7 +46,17 @@ from sparkcache.backends.base import (
     ObjectStat,
     ObjectStore,
     piece_sizes,
+    time_left,
     translate_os_error,
+)
+from sparkcache.backends.fsspec_support import (
+    OBJECT_STORES,
+    backend_error,
+    callers_chunks,
+    guarded_by,
+    is_object_store,
+    mtime_of,
+    protocols,
 )
 from sparkcache.backends.keys import temp_key, validate_key
 from sparkcache.buffers import as_byte_view
@@ -58,60 +71,8 @@ FSSPEC_PREFIX = "fsspec::"
 """Prefix that forces :func:`~sparkcache.backends.open_backend` to use this backend."""
 
 
-#: fsspec protocols of object stores: the first part of a path is a bucket (or
-#: container), there are no folders, and an upload is visible only once complete.
-OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
-
-
-class _CallersError(Exception):
-    """Carries an exception the caller's chunk iterator raised through ``put``."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(error)
-        self.error = error
-
-
-def _chunks_of(chunks: Iterable[BufferLike]) -> Iterator[BufferLike]:
-    """``chunks``, with what iterating them raises marked as the caller's."""
-    it = iter(chunks)
-    while True:
-        try:
-            chunk = next(it)
-        except StopIteration:
-            return
-        except Exception as exc:
-            raise _CallersError(exc) from exc
-        yield chunk
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _guarded(action: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
-    """Every failure of the wrapped method is a SparkCacheError: a filesystem's
-    own errors (botocore's, a cloud SDK's) become BackendError naming the
-    object, the URL and what to check."""
-    def wrap(method: Callable[_P, _R]) -> Callable[_P, _R]:
-        @functools.wraps(method)
-        def guarded(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            try:
-                return method(*args, **kwargs)
-            except SparkCacheError:
-                raise
-            except _CallersError as wrapped:  # raised by the caller's own code: as it was
-                raise wrapped.error from None
-            except Exception as exc:
-                self, key = args[0], (args[1] if len(args) > 1 else "")
-                raise _backend_error(action, key, getattr(self, "url", "?"), exc) from exc
-        return guarded
-    return wrap
-
-
-def _backend_error(action: str, key: object, url: str, exc: Exception) -> BackendError:
-    return BackendError(
-        f"{action} {key!r} in {url} failed: {type(exc).__name__}: {exc}; check the "
-        "endpoint, the credentials and the network (and that the bucket exists)")
+#: Small objects read per request of :meth:`FsspecBackend.get_many` (concurrently).
+GET_BATCH = 64
 
 
 class FsspecBackend(ObjectStore):
@@ -124,7 +85,8 @@ class FsspecBackend(ObjectStore):
 
     zero_copy: bool = False
 
-    def __init__(self, url: str | os.PathLike[str], **storage_options: Any) -> None:
+    def __init__(self, url: str | os.PathLike[str], *, request_seconds: float | None = None,
+                 **storage_options: Any) -> None:
         text = os.fspath(url).removeprefix(FSSPEC_PREFIX)
         try:
             import fsspec.core
@@ -154,6 +116,11 @@ class FsspecBackend(ObjectStore):
         #: True on an object store (:data:`OBJECT_STORES`): ``put`` writes the key
         #: directly and never makes folders (nor buckets).
         self.object_store = is_object_store(fs)
+        self._s3 = self.object_store and s3.is_s3(fs)
+        #: The most one request may take, retries included (asynchronous
+        #: filesystems only: the others take no timeout).
+        self.request_seconds = (None if not getattr(fs, "async_impl", False)
+                                else request_seconds or s3.REQUEST_SECONDS)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -161,10 +128,31 @@ class FsspecBackend(ObjectStore):
     def _path(self, key: str) -> str:
         return f"{self._root}/{validate_key(key)}"
 
+    def _limit(self) -> float | None:
+        """The timeout of the next request: ``request_seconds``, cut to what is
+        left of the thread's deadline (BackendError when nothing is left)."""
+        left, bound = time_left(), self.request_seconds
+        if left is None or bound is None:
+            return bound
+        if left <= 0:
+            raise BackendError(f"no time was left to ask {self.url}: the operation's deadline "
+                               "passed; check the endpoint and the network")
+        return min(bound, left)
+
+    def _kw(self) -> dict[str, Any]:
+        """The timeout argument of an fsspec call (``{}`` when there is none)."""
+        limit = self._limit()
+        return {} if limit is None else {"timeout": limit}
+
     def _os_error(self, exc: OSError, action: str, key: str, where: str, *,
                   missing_is_not_found: bool = True) -> SparkCacheError:
         """:func:`translate_os_error`, saying what to check on an object store
         (where a failure is no disk's): credentials, endpoint, bucket."""
+        if isinstance(exc, TimeoutError) and self.request_seconds is not None:
+            return BackendError(
+                f"{action} object {key!r} in {where} got no answer in time (at most "
+                f"{self.request_seconds:g} s a request, retries included): check the endpoint "
+                "and the network")
         error = translate_os_error(exc, action, key, where,
                                    missing_is_not_found=missing_is_not_found)
         if not self.object_store or type(error) is not BackendError:
@@ -184,7 +172,7 @@ class FsspecBackend(ObjectStore):
             if not bucket:
                 raise InvalidArgument(f"{name} names no bucket; give s3://bucket/prefix")
             try:
-                info = self.fs.info(bucket)
+                info = self.fs.info(bucket, **self._kw())
             except FileNotFoundError:
                 raise NotFound(
                     f"the bucket {bucket!r} of {name} does not exist, or these credentials "
@@ -195,6 +183,8 @@ class FsspecBackend(ObjectStore):
                     f"access to {name} was denied ({exc}): check the credentials "
                     "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws) and "
                     "the bucket's policy") from exc
+            except SparkCacheError:
+                raise
             except Exception as exc:
                 raise BackendError(
                     f"cannot reach {name}: {type(exc).__name__}: {exc}; check the endpoint "
@@ -214,7 +204,7 @@ class FsspecBackend(ObjectStore):
 
     # -- writes -----------------------------------------------------------------
 
-    @_guarded("writing")
+    @guarded_by("writing")
     def put(self, key: str, chunks: Iterable[BufferLike], *, durable: bool = True) -> int:
         """Write ``chunks`` to a temp key, then move it onto ``key`` (on an object
         store: to ``key`` itself, committed only once complete).
@@ -233,7 +223,7 @@ class FsspecBackend(ObjectStore):
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             handle = self.fs.open(tmp, "wb")
             total = 0
-            for chunk in _chunks_of(chunks):
+            for chunk in callers_chunks(chunks):
                 view = as_byte_view(chunk, copy=True)
                 handle.write(view)
                 total += view.size
@@ -257,10 +247,17 @@ class FsspecBackend(ObjectStore):
         """``put`` on an object store: one upload of the final key, visible only
         when committed; no folder (nor bucket) is ever made."""
         path = self._path(key)
+        if self._s3:
+            try:
+                return s3.upload(self.fs, path, (as_byte_view(c, copy=True).data
+                                                 for c in callers_chunks(chunks)), self._limit)
+            except OSError as exc:
+                raise self._os_error(exc, "writing", key, self.url,
+                                     missing_is_not_found=False) from exc
         handle: Any = self.fs.open(path, "wb")
         try:
             total = 0
-            for chunk in _chunks_of(chunks):
+            for chunk in callers_chunks(chunks):
                 view = as_byte_view(chunk, copy=True)
                 handle.write(view)
                 total += view.size
@@ -276,13 +273,18 @@ class FsspecBackend(ObjectStore):
             raise
         return total
 
-    @_guarded("deleting")
+    @guarded_by("deleting")
     def delete(self, key: str) -> bool:
         path = self._path(key)
         try:
-            if not self.fs.isfile(path):
+            if self._s3:
+                if self.head(key) is None:
+                    return False
+                s3.delete_objects(self.fs, [path], self.url, self._limit)
+                return True
+            if not self.fs.isfile(path, **self._kw()):
                 return False
-            self.fs.rm_file(path)
+            self.fs.rm_file(path, **self._kw())
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return False
         except OSError as exc:
@@ -291,12 +293,13 @@ class FsspecBackend(ObjectStore):
 
     # -- reads ------------------------------------------------------------------
 
-    @_guarded("reading")
+    @guarded_by("reading")
     def open(self, key: str) -> Blob:
-        """Fetch the whole object into memory (``cat_file``)."""
+        """Fetch the whole object into memory (``cat_file``; on S3 in pieces)."""
         path = self._path(key)
         try:
-            data = self.fs.cat_file(path)
+            data = (s3.read_object(self.fs, path, self._limit) if self._s3
+                    else self.fs.cat_file(path, **self._kw()))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise NotFound(f"no object {key!r} in {self.url}") from exc
         except OSError as exc:
@@ -305,13 +308,13 @@ class FsspecBackend(ObjectStore):
         # kept as it is, not copied again.
         return BufferBlob(data if isinstance(data, (bytes, bytearray)) else bytes(data))
 
-    @_guarded("reading")
+    @guarded_by("reading")
     def read_range(self, key: str, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of an object (one ranged GET on an object store);
         fewer where the object is shorter."""
         path = self._path(key)
         try:
-            data = self.fs.cat_file(path, start=start, end=end)
+            data = self.fs.cat_file(path, start=start, end=end, **self._kw())
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise NotFound(f"no object {key!r} in {self.url}") from exc
         except OSError as exc:
@@ -325,8 +328,8 @@ class FsspecBackend(ObjectStore):
         path = self._path(key)
         sizes = piece_sizes(piece)
         try:
-            if self.object_store and s3.is_s3(self.fs):
-                yield from s3.stream(self.fs, path, start, end, sizes)
+            if self._s3:
+                yield from s3.stream(self.fs, path, start, end, sizes, self._limit)
                 return
             with self.fs.open(path, "rb") as f:
                 f.seek(start)
@@ -344,25 +347,32 @@ class FsspecBackend(ObjectStore):
         except OSError as exc:
             raise self._os_error(exc, "reading", key, self.url) from exc
         except Exception as exc:
-            raise _backend_error("reading", key, self.url, exc) from exc
+            raise backend_error("reading", key, self.url, exc) from exc
 
-    @_guarded("looking up")
+    @guarded_by("looking up")
     def exists(self, key: str) -> bool:
         # Not fs.isfile: it answers False for any error, an unreachable endpoint
         # included, and a checker would take every object for missing.
+        if self._s3:
+            return self.head(key) is not None
         path = self._path(key)
         try:
-            return bool(self.fs.info(path).get("type") == "file")
+            return bool(self.fs.info(path, **self._kw()).get("type") == "file")
         except (FileNotFoundError, NotADirectoryError):
             return False
         except OSError as exc:
             raise self._os_error(exc, "inspecting", key, self.url) from exc
 
-    @_guarded("inspecting")
+    @guarded_by("inspecting")
     def size(self, key: str) -> int:
+        if self._s3:
+            size = self.head(key)
+            if size is None:
+                raise NotFound(f"no object {key!r} in {self.url}")
+            return size
         path = self._path(key)
         try:
-            info = self.fs.info(path)
+            info = self.fs.info(path, **self._kw())
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise NotFound(f"no object {key!r} in {self.url}") from exc
         except OSError as exc:
@@ -371,17 +381,17 @@ class FsspecBackend(ObjectStore):
             raise NotFound(f"no object {key!r} in {self.url} (that name is a folder)")
         return int(info["size"])
 
-    @_guarded("inspecting")
+    @guarded_by("inspecting")
     def head(self, key: str) -> int | None:
         """The object's size, or None when there is none, in one request where
         the filesystem allows: on S3 a HEAD (``size`` and ``exists`` go through
         ``fs.info``, which lists the prefix after a miss to tell a folder)."""
-        if self.object_store and s3.is_s3(self.fs):
+        if self._s3:
             out = self._head_object(key)
             return None if out is None else int(out["ContentLength"])
         return ObjectStore.head(self, key)
 
-    @_guarded("listing")
+    @guarded_by("listing")
     def list(self, prefix: str = "") -> Iterator[str]:
         """Keys of every object under folder ``prefix`` (``fs.find``), temp keys included.
 
@@ -389,14 +399,22 @@ class FsspecBackend(ObjectStore):
         """
         base = validate_key(prefix.removesuffix("/")) if prefix else ""
         folder = f"{self._root}/{base}" if base else (self._root or "/")
+        inside = self.fs._strip_protocol(folder).rstrip("/") + "/"
+        if self._s3:
+            return self._keys(list(self._find_s3(folder, base)), inside, base)
         try:
-            found = self.fs.find(folder)
+            found = self.fs.find(folder, **self._kw())
         except (FileNotFoundError, NotADirectoryError):
             found = []
         except OSError as exc:
             raise self._os_error(exc, "listing", base, self.url) from exc
-        inside = self.fs._strip_protocol(folder).rstrip("/") + "/"
         return self._keys(found, inside, base)
+
+    def _find_s3(self, folder: str, base: str) -> dict[str, dict[str, Any]]:
+        try:
+            return s3.find(self.fs, folder, self._limit)
+        except OSError as exc:
+            raise self._os_error(exc, "listing", base, self.url) from exc
 
     @staticmethod
     def _keys(found: Iterable[str], inside: str, base: str) -> Iterator[str]:
@@ -411,12 +429,12 @@ class FsspecBackend(ObjectStore):
             except UnsafeName:
                 continue
 
-    @_guarded("listing")
+    @guarded_by("listing")
     def folders(self, prefix: str) -> Iterator[str]:
         """Keys of the folders directly inside ``prefix`` (``fs.ls``)."""
         base = validate_key(prefix.removesuffix("/"))
         try:
-            entries = self.fs.ls(f"{self._root}/{base}", detail=True)
+            entries = self.fs.ls(f"{self._root}/{base}", detail=True, **self._kw())
         except (FileNotFoundError, NotADirectoryError):
             return iter(())
         except OSError as exc:
@@ -429,7 +447,7 @@ class FsspecBackend(ObjectStore):
                     found.append(validate_key(f"{base}/{name}"))
         return iter(found)
 
-    @_guarded("removing")
+    @guarded_by("removing")
     def remove_tree(self, prefix: str) -> int:
         """Delete every object under ``prefix``, then the folder where the filesystem
         has folders (object stores have none left once their objects are gone)."""
@@ -441,21 +459,23 @@ class FsspecBackend(ObjectStore):
 
     # -- many objects at once (the shared tier's sweep) ---------------------------
 
-    @_guarded("listing")
+    @guarded_by("listing")
     def stat_list(self, prefix: str = "") -> builtins.list[ObjectStat]:
         """Every object under folder ``prefix`` with its size and last-modified
         time, from one listing (on S3: one LIST per 1000 keys), never cached."""
         base = validate_key(prefix.removesuffix("/")) if prefix else ""
         folder = f"{self._root}/{base}" if base else (self._root or "/")
+        inside = self.fs._strip_protocol(folder).rstrip("/") + "/"
+        if self._s3:
+            return self._stats(self._find_s3(folder, base), inside, base)
         with suppress(Exception):
             self.fs.invalidate_cache(folder)
         try:
-            found = self.fs.find(folder, detail=True)
+            found = self.fs.find(folder, detail=True, **self._kw())
         except (FileNotFoundError, NotADirectoryError):
             found = {}
         except OSError as exc:
             raise self._os_error(exc, "listing", base, self.url) from exc
-        inside = self.fs._strip_protocol(folder).rstrip("/") + "/"
         return self._stats({str(path): info for path, info in found.items()}, inside, base)
 
     def _stats(self, infos: dict[str, Any], inside: str, base: str) -> builtins.list[ObjectStat]:
@@ -468,18 +488,22 @@ class FsspecBackend(ObjectStore):
                 key = f"{base}/{key}"
             with suppress(UnsafeName):
                 out.append(ObjectStat(validate_key(key), int(info.get("size") or 0),
-                                      _mtime(info)))
+                                      mtime_of(info)))
         return out
 
-    @_guarded("reading")
+    @guarded_by("reading")
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         """The bytes of each of ``keys`` that exists (fetched concurrently where
         the filesystem can: s3fs's ``cat``); missing ones are left out."""
-        if not keys:
-            return {}
+        out: dict[str, bytes] = {}
+        for i in range(0, len(keys), GET_BATCH):  # each batch within one request's bound
+            out.update(self._get_batch(keys[i:i + GET_BATCH]))
+        return out
+
+    def _get_batch(self, keys: Sequence[str]) -> dict[str, bytes]:
         paths = {self._path(k): k for k in keys}
         try:
-            got = self.fs.cat(list(paths), on_error="return")
+            got = self.fs.cat(list(paths), on_error="return", **self._kw())
         except OSError as exc:
             raise self._os_error(exc, "reading", keys[0], self.url) from exc
         if not isinstance(got, dict):  # one path: fsspec returns its bytes
@@ -498,7 +522,7 @@ class FsspecBackend(ObjectStore):
             out[key] = bytes(value)
         return out
 
-    @_guarded("deleting")
+    @guarded_by("deleting")
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete every one of ``keys`` (missing ones are no error): on an object
         store in batches of :data:`~sparkcache.backends.s3.DELETE_BATCH` per
@@ -511,10 +535,10 @@ class FsspecBackend(ObjectStore):
         for i in range(0, len(paths), s3.DELETE_BATCH):
             batch = paths[i:i + s3.DELETE_BATCH]
             try:
-                if s3.is_s3(self.fs):  # one DeleteObjects, errors checked
-                    s3.delete_objects(self.fs, batch, self.url)
+                if self._s3:  # one DeleteObjects, errors checked
+                    s3.delete_objects(self.fs, batch, self.url, self._limit)
                 else:
-                    self.fs.rm(batch)
+                    self.fs.rm(batch, **self._kw())
             except FileNotFoundError:
                 continue
             except OSError as exc:
@@ -523,7 +547,7 @@ class FsspecBackend(ObjectStore):
     def local_path(self, key: str) -> str | None:
         """The path of ``key`` on this host's own filesystem (``file://``: a local
         folder or a mount), or None for any other filesystem."""
-        if not any(p in ("file", "local") for p in _protocols(self.fs)):
+        if not any(p in ("file", "local") for p in protocols(self.fs)):
             return None
         return self._path(key)
 
@@ -534,9 +558,9 @@ class FsspecBackend(ObjectStore):
         """Whether :meth:`put_conditional` works: an S3 (or S3-protocol) store
         through s3fs.  A server that ignores the conditions (an old MinIO or
         Ceph) is not detected here; docs/shared.md says what that costs."""
-        return self.object_store and s3.is_s3(self.fs)
+        return self._s3
 
-    @_guarded("inspecting")
+    @guarded_by("inspecting")
     def etag(self, key: str) -> str | None:
         """The object's ETag (one HEAD), or None when there is none."""
         if not self.conditional_writes:
@@ -547,11 +571,11 @@ class FsspecBackend(ObjectStore):
     def _head_object(self, key: str) -> dict[str, Any] | None:
         """s3fs: one HeadObject of ``key`` (its response), or None when there is none."""
         try:
-            return s3.head_object(self.fs, self._path(key))
+            return s3.head_object(self.fs, self._path(key), self._limit)
         except OSError as exc:
             raise self._os_error(exc, "inspecting", key, self.url) from exc
 
-    @_guarded("writing")
+    @guarded_by("writing")
     def put_conditional(self, key: str, data: bytes, match: str | None) -> str | None:
         """Write a small object only if there is none (``match`` None: If-None-Match
         ``*``) or only if its ETag is still ``match`` (If-Match); the new ETag, or
@@ -559,7 +583,7 @@ class FsspecBackend(ObjectStore):
         if not self.conditional_writes:
             raise InvalidArgument(f"{self.url} has no conditional writes: they need S3")
         try:
-            return s3.put_object(self.fs, self._path(key), data, match)
+            return s3.put_object(self.fs, self._path(key), data, match, self._limit)
         except OSError as exc:
             raise self._os_error(exc, "writing", key, self.url,
                                  missing_is_not_found=False) from exc
@@ -570,30 +594,3 @@ class FsspecBackend(ObjectStore):
 
     def close(self) -> None:
         """Nothing to release: the filesystem instance is fsspec's shared, cached one."""
-
-
-def _mtime(info: dict[str, Any]) -> float:
-    """An fsspec listing entry's last-modified time in epoch seconds (0 if none):
-    ``LastModified`` (s3fs), ``mtime`` (local), ``updated`` (gcsfs)."""
-    for name in ("LastModified", "mtime", "updated", "last_modified", "created"):
-        value = info.get(name)
-        if isinstance(value, datetime.datetime):
-            if value.tzinfo is None:
-                value = value.replace(tzinfo=datetime.UTC)
-            return value.timestamp()
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            with suppress(ValueError):
-                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    return 0.0
-
-
-def is_object_store(fs: Any) -> bool:
-    """Whether an fsspec filesystem is an object store (:data:`OBJECT_STORES`)."""
-    return any(p in OBJECT_STORES for p in _protocols(fs))
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    """An fsspec filesystem's protocol names."""
-    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)

@@ -418,10 +418,12 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
     counted ``fetch_refused``); the links before it stay published."""
     full = np.empty(0, np.uint32)
     parent: SnapshotInfo | None = None
+    why = _unusable(identity, None, chain)
+    if why is not None:
+        core.count(0, "fetch_refused")
+        result.outcome, result.reason = "refused", why
+        return
     for m in chain:
-        if m.world_size != identity.world_size:
-            raise InvalidArgument(f"manifest {m.snap_key} has world size {m.world_size}, the "
-                                  f"model {identity.world_size}")
         with _STRIPES[int(m.snap_key[:4], 16) % len(_STRIPES)]:
             info = _local(core, identity, m.snap_key)
             if info is not None and info.state == "pending":
@@ -456,6 +458,23 @@ def fetch_chain(core: Core, tier: SharedTier, identity: ModelIdentity, chain: li
             parent = info
             result.snapshot_id = info.id
     result.outcome = "fetched" if result.fetched else "local"
+
+
+def _unusable(identity: ModelIdentity, found: RemotePrefix | None,
+              chain: Sequence[Manifest]) -> str | None:
+    """Why ``chain`` (root first) cannot serve this engine's prompt, before any
+    download; None when it can.  A snapshot of another world size (sharded
+    otherwise), or one that does not hold the prefix the alias ``found``
+    names: no link ends there under that key, and no link lists that alias."""
+    for m in chain:
+        if m.world_size != identity.world_size:
+            return (f"snapshot {m.snap_key} in the tier has world size {m.world_size}, "
+                    f"this engine {identity.world_size}")
+    if found is None or any((m.n_tokens, m.snap_key) == (found.n_tokens, found.prefix)
+                            or (found.n_tokens, found.prefix) in m.aliases for m in chain):
+        return None
+    return (f"the alias at {found.n_tokens} tokens names snapshot {found.snap_key}, whose "
+            "chain does not hold that prefix")
 
 
 def _tokens_of(core: Core, identity: ModelIdentity, info: SnapshotInfo,
@@ -498,6 +517,30 @@ def _ends(core: Core, counted: CountedTier, model: str, hashes: Sequence[bytes],
     yield from marks
 
 
+def _resolved(core: Core, counted: CountedTier, identity: ModelIdentity, found: RemotePrefix,
+              result: FetchResult) -> tuple[RemotePrefix, list[Manifest]] | None:
+    """The chain of manifests ``found`` leads to, when it can serve the prompt;
+    None when it dangles (or no snapshot ends there), or when it is refused
+    before any download (counted ``fetch_refused``, ``result.reason``)."""
+    windowed, model = identity.ends_only, identity.digest()
+    try:
+        resolved = (resolve_end if windowed else resolve)(counted, model, found)
+    except InvalidArgument as exc:
+        core.count(0, "fetch_refused")
+        result.reason = str(exc)
+        return None
+    if resolved is None:
+        if not windowed:
+            result.reason = f"the alias at {found.n_tokens} tokens names no manifest"
+        return None
+    why = _unusable(identity, *resolved)
+    if why is not None:
+        core.count(0, "fetch_refused")
+        result.reason = why
+        return None
+    return resolved
+
+
 def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
           token_ids: Sequence[int] | np.ndarray, *, scope: RequestScope | None,
           breakpoints: Sequence[int] = (), hashes: Sequence[bytes] | None = None,
@@ -529,15 +572,8 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
                       else probe(counted, model, hashes, bs, breakpoints)):
             if found.n_tokens < min_tokens:
                 break
-            try:
-                resolved = (resolve_end if windowed else resolve)(counted, model, found)
-            except InvalidArgument as exc:
-                core.count(0, "fetch_refused")
-                result.reason = str(exc)
-                continue
-            if resolved is None:  # dangling (or no snapshot ends there): try a shorter one
-                if not windowed:
-                    result.reason = f"the alias at {found.n_tokens} tokens names no manifest"
+            resolved = _resolved(core, counted, identity, found, result)
+            if resolved is None:  # try a shorter one
                 continue
             remote, chain = resolved
             result.n_tokens = remote.n_tokens

@@ -62,6 +62,7 @@ __all__ = [
     "tier_bytes",
     "used_bytes",
     "used_key",
+    "written_by_newer",
 ]
 
 TIER_FILE = "tier.json"
@@ -276,6 +277,18 @@ def manifest_bytes(m: Manifest) -> bytes:
                      for s in m.segments],
         "aliases": [[n, h] for n, h in m.aliases],
     }).encode()
+
+
+def written_by_newer(raw: bytes) -> bool:
+    """Whether ``raw`` is a manifest of a layout newer than this sparkcache reads
+    (its ``format`` ours, its ``version`` above :data:`TIER_VERSION`): one that
+    :func:`parse_manifest` refuses, and that a sweep must keep, not delete."""
+    try:
+        doc = _load(raw, "manifest")
+    except InvalidArgument:
+        return False
+    version = doc.get("version", 0)
+    return doc.get("format") == MANIFEST_FORMAT and _is_int(version, TIER_VERSION + 1)
 
 
 _MANIFEST_FIELDS = {"format", "version", "model", "snap_key", "n_tokens", "start_token",

@@ -14,7 +14,10 @@ then deletes in the order that keeps every visible snapshot whole:
 1. snapshots that are not whole go first: a manifest whose segments are
    missing (``broken``), one whose parent's manifest is gone (``orphan``,
    with every descendant), an object under a manifest key that does not
-   parse (``invalid``);
+   parse (``invalid``; one larger than a manifest may be is not read);
+   a manifest of a newer layout (``"version"`` above this sparkcache's) is
+   kept unread, and so is what it may name (its model's age and budget wait
+   for a sweep by a sparkcache that reads it);
 2. ``age``: leaves (no child manifest) unused for ``max_age_hours``, least
    recently used first; a parent whose children all went is a leaf in the
    same pass, so a parent a kept child needs never goes;
@@ -49,7 +52,6 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -57,15 +59,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache.backends import ObjectStat
-from sparkcache.backends.keys import is_temp_key
 from sparkcache.errors import InvalidArgument
 from sparkcache.periodic import Periodic
+from sparkcache.shared.catalogue import Catalogue, ManifestCache, read_catalogue
 from sparkcache.shared.layout import (
     Alias,
     Manifest,
     alias_bytes,
     alias_key,
-    parse_manifest,
     used_bytes,
     used_key,
 )
@@ -93,15 +94,6 @@ LOCAL_MAX_AGE_ENV = "SPARK_KV_CACHE_MAX_AGE_HOURS"
 SHARED_SWEEP_SECONDS_ENV = "SPARK_KV_CACHE_SHARED_SWEEP_SECONDS"
 #: Manifests or objects deleted between two renewals of the lease.
 DELETE_CHUNK = 500
-
-_MODEL = re.compile(r"m-([0-9a-f]{32})")
-_KINDS = {
-    "snap": re.compile(r"snap/[0-9a-f]{2}/(?P<k>[0-9a-f]{32})\.json"),
-    "seg": re.compile(r"seg/[0-9a-f]{2}/(?P<k>[0-9a-f]{32})\.r\d+\.[0-9a-f]{32}\.safetensors"),
-    "at": re.compile(r"at/[0-9a-f]{2}/(?P<k>[0-9a-f]{32})\.json"),
-    "used": re.compile(r"used/[0-9a-f]{2}/(?P<k>[0-9a-f]{32})\.json"),
-}
-
 
 # -- settings ------------------------------------------------------------------------------
 
@@ -182,88 +174,6 @@ def mark_used(tier: SharedTier, model: str, snap_key: str) -> None:
     tier.put(used_key(model, snap_key), [used_bytes(snap_key)])
 
 
-# -- the catalogue -------------------------------------------------------------------------
-
-
-@dataclass
-class Catalogue:
-    """One model's objects in the tier, classified, and its parsed manifests."""
-
-    model: str
-    manifests: dict[str, Manifest] = field(default_factory=dict)
-    manifest_objects: dict[str, ObjectStat] = field(default_factory=dict)  # by snap key
-    invalid: list[ObjectStat] = field(default_factory=list)  # manifests that do not parse
-    segments: dict[str, ObjectStat] = field(default_factory=dict)  # by object key
-    aliases: dict[str, ObjectStat] = field(default_factory=dict)
-    used: dict[str, ObjectStat] = field(default_factory=dict)  # by snap key
-    temps: list[ObjectStat] = field(default_factory=list)
-
-    def last_used(self, snap_key: str) -> float:
-        times = [self.manifest_objects[snap_key].mtime]
-        if snap_key in self.used:
-            times.append(self.used[snap_key].mtime)
-        return max(times)
-
-
-#: Parsed manifests kept between sweeps, by (key, size, last-modified): a
-#: manifest is immutable once written, so a periodic sweep GETs only new ones.
-ManifestCache = dict[tuple[str, int, float], Manifest | None]
-
-
-def read_catalogue(tier: SharedTier, cache: ManifestCache | None = None
-                   ) -> dict[str, Catalogue]:
-    """Every model's catalogue: one listing of the tier, then a GET of every
-    manifest not in ``cache`` (concurrent where the filesystem can)."""
-    models: dict[str, Catalogue] = {}
-    manifest_stats: list[tuple[Catalogue, str, ObjectStat]] = []
-    for obj in tier.backend.stat_list():
-        head, _, rest = obj.key.partition("/")
-        found = _MODEL.fullmatch(head)
-        if found is None or not rest:
-            continue
-        cat = models.setdefault(found.group(1), Catalogue(found.group(1)))
-        if is_temp_key(obj.key):
-            cat.temps.append(obj)
-            continue
-        for kind, pattern in _KINDS.items():
-            match = pattern.fullmatch(rest)
-            if match is None:
-                continue
-            if kind == "snap":
-                manifest_stats.append((cat, match.group("k"), obj))
-            elif kind == "seg":
-                cat.segments[obj.key] = obj
-            elif kind == "at":
-                cat.aliases[obj.key] = obj
-            else:
-                cat.used[match.group("k")] = obj
-            break
-    cache = {} if cache is None else cache
-    wanted = [obj.key for _cat, _k, obj in manifest_stats
-              if (obj.key, obj.size, obj.mtime) not in cache]
-    fetched = tier.backend.get_many(wanted)
-    for cat, snap_key, obj in manifest_stats:
-        tag = (obj.key, obj.size, obj.mtime)
-        if tag not in cache:
-            raw = fetched.get(obj.key)
-            if raw is None:  # deleted since the listing
-                continue
-            try:
-                cache[tag] = parse_manifest(raw, cat.model, snap_key)
-            except InvalidArgument:
-                cache[tag] = None
-        manifest = cache[tag]
-        if manifest is None:
-            cat.invalid.append(obj)
-        else:
-            cat.manifests[snap_key] = manifest
-            cat.manifest_objects[snap_key] = obj
-    live_tags = {(obj.key, obj.size, obj.mtime) for _cat, _k, obj in manifest_stats}
-    for tag in [t for t in cache if t not in live_tags]:
-        del cache[tag]
-    return models
-
-
 # -- the plan ------------------------------------------------------------------------------
 
 
@@ -281,16 +191,19 @@ class ModelPlan:
     freed_bytes: int = 0
 
 
-def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:  # noqa: C901
-    """Decide what goes (pure: reads ``cat`` only).  Every set of snapshots it
-    deletes holds the descendants of each of them that ``cat`` lists."""
-    plan = ModelPlan(cat.model)
-    m = cat.manifests
+def _children(m: Mapping[str, Manifest]) -> dict[str, list[str]]:
+    """Each manifest's children by key (the manifests naming it as their parent)."""
     children: dict[str, list[str]] = defaultdict(list)
     for k, man in m.items():
         if man.parent is not None:
             children[man.parent].append(k)
+    return children
 
+
+def _drop_not_whole(cat: Catalogue, children: Mapping[str, list[str]], plan: ModelPlan) -> None:
+    """Plan away what is not whole, with every descendant: a manifest whose
+    segments are missing or of another size (``broken``), one whose parent's
+    manifest is gone (``orphan``; a parent a newer sparkcache wrote is there)."""
     def drop(key: str, why: str) -> None:
         stack = [(key, why)]
         while stack:
@@ -299,12 +212,22 @@ def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:  # 
                 plan.deleted[k] = w
                 stack.extend((c, "orphan") for c in children.get(k, ()))
 
-    for k, man in m.items():
+    for k, man in cat.manifests.items():
         if any((obj := cat.segments.get(g.key)) is None or obj.size != g.nbytes
                for g in man.segments):
             drop(k, "broken")
-        elif man.parent is not None and man.parent not in m:
+        elif man.parent is not None and man.parent not in cat.manifests \
+                and man.parent not in cat.newer:
             drop(k, "orphan")
+
+
+def _evict_leaves(cat: Catalogue, children: Mapping[str, list[str]], limits: TierLimits,
+                  now: float, plan: ModelPlan) -> set[str]:
+    """Plan away ``age`` then ``budget`` leaves, least recently used first (a
+    parent whose children all went is a leaf then); the snapshots kept.  None
+    in a model holding a newer sparkcache's manifests: a snapshot that looks
+    like a leaf here may be the parent of one of them."""
+    m = cat.manifests
     live = set(m) - set(plan.deleted)
     live_children = {k: sum(c in live for c in children.get(k, ())) for k in live}
     last = {k: cat.last_used(k) for k in live}
@@ -325,14 +248,18 @@ def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:  # 
                 if live_children[parent] == 0:
                     heapq.heappush(heap, (last[parent], parent))
 
-    if limits.max_age_hours > 0:
+    if limits.max_age_hours > 0 and not cat.newer:
         cutoff = now - limits.max_age_hours * 3600
         evict("age", lambda t: t < cutoff)
-    if limits.mb > 0:
+    if limits.mb > 0 and not cat.newer:
         evict("budget", lambda _t: total > limits.mb * MB)
     plan.kept, plan.kept_bytes = len(live), total
+    return live
 
-    # Manifests, children before parents: generation = height among the deleted.
+
+def _generations(cat: Catalogue, children: Mapping[str, list[str]], plan: ModelPlan) -> None:
+    """The deleted manifests in batches, children before parents (generation =
+    height among the deleted), the invalid objects with the leaves."""
     height: dict[str, int] = {}
 
     def height_of(k: str) -> int:
@@ -350,17 +277,23 @@ def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:  # 
         plan.freed_bytes += sum(obj.size for obj in cat.invalid)
     plan.generations = [gens[h] for h in sorted(gens)]
 
-    old = now - limits.grace_seconds
-    garbage: list[ObjectStat] = []
-    named = {g.key: k for k, man in m.items() for g in man.segments}
-    for key, obj in cat.segments.items():
-        owner = named.get(key)
-        if (owner is None and obj.mtime < old) or (owner is not None and owner in plan.deleted):
-            garbage.append(obj)
+
+def _seg_owner(key: str) -> str:
+    """The snapshot key in a segment's object key (``.../seg/<k[:2]>/<k>.r...``)."""
+    return key.rsplit("/", 1)[-1].split(".", 1)[0]
+
+
+def _plan_aliases(cat: Catalogue, live: set[str], old: float, plan: ModelPlan,
+                  ) -> list[ObjectStat]:
+    """Aliases a deleted and a kept snapshot both list: renamed to the kept one
+    (the longest); the garbage ones: listed by deleted snapshots only, or by
+    none and old (kept while a newer sparkcache's manifests may list them)."""
+    m = cat.manifests
     listers: dict[str, list[str]] = defaultdict(list)
     for k, man in m.items():
         for _n, h in man.aliases:
             listers[alias_key(cat.model, h)].append(k)
+    garbage = []
     for key, obj in cat.aliases.items():
         kept = [k for k in listers.get(key, ()) if k in live]
         gone = any(k in plan.deleted for k in listers.get(key, ()))
@@ -369,14 +302,45 @@ def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:  # 
             prefix = key.rsplit("/", 1)[-1].removesuffix(".json")
             n = next(n for n, h in m[best].aliases if h == prefix)
             plan.rewrite[key] = Alias(prefix, n, best, m[best].n_tokens)
-        elif not kept and (gone or obj.mtime < old):
+        elif not kept and (gone or (obj.mtime < old and not cat.newer)):
             garbage.append(obj)
+    return garbage
+
+
+def _plan_garbage(cat: Catalogue, live: set[str], limits: TierLimits, now: float,
+                  plan: ModelPlan) -> None:
+    """What goes after the manifests: what the deleted ones named, and what no
+    manifest names once older than the grace (never what a newer sparkcache's
+    manifest may name)."""
+    m, old = cat.manifests, now - limits.grace_seconds
+    garbage: list[ObjectStat] = []
+    named = {g.key: k for k, man in m.items() for g in man.segments}
+    for key, obj in cat.segments.items():
+        owner = named.get(key)
+        if owner is None:
+            if obj.mtime < old and _seg_owner(key) not in cat.newer:
+                garbage.append(obj)
+        elif owner in plan.deleted:
+            garbage.append(obj)
+    garbage += _plan_aliases(cat, live, old, plan)
     for k, obj in cat.used.items():
-        if k in plan.deleted or (k not in live and k not in m and obj.mtime < old):
+        if k in plan.deleted or (k not in m and k not in cat.newer and obj.mtime < old):
             garbage.append(obj)
     garbage += [obj for obj in cat.temps if obj.mtime < old]
     plan.garbage = [obj.key for obj in garbage]
     plan.freed_bytes += sum(obj.size for obj in garbage)
+
+
+def plan_model(cat: Catalogue, limits: TierLimits, now: float) -> ModelPlan:
+    """Decide what goes (pure: reads ``cat`` only).  Every set of snapshots it
+    deletes holds the descendants of each of them that ``cat`` lists; what a
+    newer sparkcache wrote is never planned away."""
+    plan = ModelPlan(cat.model)
+    children = _children(cat.manifests)
+    _drop_not_whole(cat, children, plan)
+    live = _evict_leaves(cat, children, limits, now, plan)
+    _generations(cat, children, plan)
+    _plan_garbage(cat, live, limits, now, plan)
     return plan
 
 
@@ -398,6 +362,7 @@ class TierSweepReport:
     bytes_freed: int = 0
     kept: int = 0
     kept_bytes: int = 0
+    newer: int = 0  # manifests a newer sparkcache wrote: kept, unread
     seconds: float = 0.0
 
     @property
@@ -435,6 +400,7 @@ def sweep_tier(tier: SharedTier, limits: TierLimits | None = None, *, dry_run: b
             report.manifests += len(catalogue[model].manifests) + len(catalogue[model].invalid)
             report.kept += plan.kept
             report.kept_bytes += plan.kept_bytes
+            report.newer += len(catalogue[model].newer)
             for k, why in sorted(plan.deleted.items()):
                 report.deleted.setdefault(why, []).append(f"{model}/{k}")
             if catalogue[model].invalid:

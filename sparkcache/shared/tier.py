@@ -14,6 +14,11 @@ of failed uploads later:
 * ``tier.json`` is read, or written when the tier is new: it records the
   tier's alias stride, which every host then uses.
 
+Opening ends within ``open_seconds`` in all, and every later request within
+``request_seconds``, retries included (on an object store; a ``file://``
+tier is the kernel's): an endpoint that accepts connections and never
+answers costs that, then a ``BackendError``, never retries times timeouts.
+
 Options (endpoint, region, profile, client settings) go to the filesystem;
 credentials never do: they come from each filesystem's usual environment and
 configuration (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``~/.aws``, ...), and
@@ -32,12 +37,15 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sparkcache.backends import BufferLike, FsspecBackend, ObjectStore, canonical_url
+from sparkcache.backends import BufferLike, FsspecBackend, ObjectStore, canonical_url, deadline
+from sparkcache.backends.s3 import REQUEST_SECONDS
 from sparkcache.errors import BackendError, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.shared.layout import MAX_JSON_BYTES, TIER_FILE, TierInfo, parse_tier, tier_bytes
 
 __all__ = [
     "CREDENTIAL_OPTIONS",
+    "OPEN_SECONDS",
+    "REQUEST_SECONDS",
     "SHARED_ENV",
     "SharedTier",
     "check_options",
@@ -56,6 +64,8 @@ CREDENTIAL_OPTIONS = frozenset({
 })
 #: Bytes sent per chunk: a segment is uploaded in slices, never copied whole.
 UPLOAD_CHUNK = 8 << 20
+#: Opening a tier (reaching it, checking the bucket, ``tier.json``) ends within this.
+OPEN_SECONDS = 30.0
 
 
 def resolve_shared(given: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
@@ -109,22 +119,29 @@ class SharedTier:
     ``create``: write ``tier.json`` into a new tier (False: a reader that must
     write nothing, such as a dry run, takes ``alias_stride`` without writing it).
     ``counts`` tallies what was sent (``puts``, ``put_bytes``) and what was
-    found already there (``skipped``), for tests and benchmarks.  Thread-safe.
+    found already there (``skipped``), for tests and benchmarks.  Opening
+    takes at most ``open_seconds``, a request at most ``request_seconds``
+    (module doc).  Thread-safe.
     """
 
     def __init__(self, url: str | os.PathLike[str], options: Mapping[str, Any] | None = None,
-                 *, alias_stride: int, create: bool = True) -> None:
+                 *, alias_stride: int, create: bool = True,
+                 open_seconds: float = OPEN_SECONDS,
+                 request_seconds: float = REQUEST_SECONDS) -> None:
         text = os.fspath(url).strip()
         self.url = shared_url(text)
         if "://" not in text:
             text = self.url
         opts = check_options(options)
-        self.backend: ObjectStore = FsspecBackend(text, **opts)
+        if not (open_seconds > 0 and request_seconds > 0):
+            raise InvalidArgument("open_seconds and request_seconds must be positive")
+        self.backend: ObjectStore = FsspecBackend(text, request_seconds=request_seconds, **opts)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         try:
-            self.backend.check_root(f"the shared tier {self.url}")
-            self.info = self._tier_info(alias_stride, create)
+            with deadline(open_seconds):
+                self.backend.check_root(f"the shared tier {self.url}")
+                self.info = self._tier_info(alias_stride, create)
         except BaseException:
             self.backend.close()
             raise
@@ -166,11 +183,14 @@ class SharedTier:
         if size > max_bytes:
             raise InvalidArgument(f"{key} in {self.url} is {size} bytes, more than "
                                   f"{max_bytes}: it is not a sparkcache object")
-        try:
-            with self.backend.open(key) as blob:
-                return bytes(blob.buffer)
+        try:  # one ranged GET (a rewritten object is checked again by its size)
+            data = self.backend.read_range(key, 0, max_bytes + 1)
         except NotFound:  # deleted between the two requests
             return None
+        if len(data) > max_bytes:
+            raise InvalidArgument(f"{key} in {self.url} is more than {max_bytes} bytes: it is "
+                                  "not a sparkcache object")
+        return bytes(data)
 
     def size(self, key: str) -> int | None:
         """The object's size (one HEAD), or None when there is none."""

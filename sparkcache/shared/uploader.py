@@ -91,6 +91,9 @@ DEFAULT_BATCH = 32
 BACKOFF_SECONDS = (1.0, 300.0)
 #: How long ``Uploader.close`` waits, past its deadline, for an upload in flight.
 JOIN_GRACE_SECONDS = 5.0
+#: Failed snapshots in a row after which a pass stops (the tier itself fails);
+#: fewer are passed over, so that one snapshot that fails cannot hold up the rest.
+MAX_FAILURES_IN_A_ROW = 3
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,8 @@ class UploadReport:
     objects_found: int = 0
     bytes_put: int = 0
     pending: int = 0  # ready snapshots still not uploaded
-    error: str | None = None  # the failure of the tier that stopped it
+    error: str | None = None  # the first failure of the tier (the others went on)
+    failed: list[int] = field(default_factory=list)  # snapshots whose upload failed
 
     def add(self, result: UploadResult) -> None:
         if result.outcome == "uploaded":
@@ -237,11 +241,59 @@ def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotI
     if sorted(g.rank for g in segments) != list(range(identity.world_size)) or any(
             g.state != "ready" or g.digest is None for g in segments):
         return UploadResult(sid, "refused", reason="not every rank's segment is ready")
-    put = found = sent = 0
-    if tier.put_once(model_key(model), identity.canonical().encode()):
-        put += 1
-    else:
-        found += 1
+    tally = _Tally()
+    tally.count(tier.put_once(model_key(model), identity.canonical().encode()))
+    sent = _send_segments(core, tier, identity, info, parent, segments, scope, tally)
+    if isinstance(sent, UploadResult):
+        return sent
+    entries, hashes = sent
+    bs = identity.block_size
+    start_blocks = info.start_token // bs
+    aliases = [(n, h.hex()) for n, h in below]
+    aliases += [((i + 1) * bs, hashes[i - start_blocks].hex())
+                for i in alias_blocks(start_blocks, info.n_tokens // bs,
+                                      tier.alias_stride // bs, [b // bs for b in marks])]
+    for n, prefix in aliases:
+        if tier.exists(alias_key(model, prefix)):  # the first upload's alias stays
+            tally.count(False)
+            continue
+        tier.put(alias_key(model, prefix), [alias_bytes(Alias(prefix, n, info.snap_key,
+                                                               info.n_tokens))])
+        tally.count(True)
+    manifest = Manifest(model, info.snap_key, info.n_tokens, info.start_token,
+                        None if parent is None else parent.snap_key, scope, tuple(marks),
+                        identity.world_size, tuple(entries), tuple(aliases))
+    # False: another host finished it meanwhile
+    tally.count(tier.put_once(manifest_key(model, info.snap_key), manifest_bytes(manifest)))
+    return tally.result(sid, "uploaded")
+
+
+@dataclass
+class _Tally:
+    """Objects sent and found already there by one upload, and the bytes sent."""
+
+    put: int = 0
+    found: int = 0
+    sent: int = 0
+
+    def count(self, wrote: bool, nbytes: int = 0) -> None:
+        self.put += wrote
+        self.found += not wrote
+        self.sent += nbytes if wrote else 0
+
+    def result(self, sid: int, outcome: str, reason: str | None = None) -> UploadResult:
+        return UploadResult(sid, outcome, self.put, self.found, self.sent, reason=reason)
+
+
+def _send_segments(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotInfo,
+                   parent: SnapshotInfo | None, segments: list[SegmentInfo],
+                   scope: RequestScope, tally: _Tally,
+                   ) -> tuple[list[SegmentEntry], list[bytes]] | UploadResult:
+    """Each rank's file verified whole and sent unless there (step 3): the
+    manifest's segment entries and the prefix hashes of the snapshot's own
+    blocks; or the refusal of a file that fails (quarantined, unless only its
+    recorded scope is wrong)."""
+    model = identity.digest()
     entries: list[SegmentEntry] = []
     hashes: list[bytes] = []
     for g in segments:
@@ -261,31 +313,11 @@ def _send(core: Core, tier: SharedTier, identity: ModelIdentity, info: SnapshotI
                 del buf
         except CorruptSnapshot as exc:
             if exc.reason != "scope":
-                quarantine(core, sid, exc.reason)
-            return UploadResult(sid, "refused", put, found, sent, reason=str(exc))
-        put, found, sent = put + wrote, found + (not wrote), sent + (g.nbytes if wrote else 0)
+                quarantine(core, info.id, exc.reason)
+            return tally.result(info.id, "refused", str(exc))
+        tally.count(wrote, g.nbytes)
         entries.append(SegmentEntry(g.rank, key, g.nbytes, digest, g.token_start, g.token_end))
-    bs = identity.block_size
-    start_blocks = info.start_token // bs
-    aliases = [(n, h.hex()) for n, h in below]
-    aliases += [((i + 1) * bs, hashes[i - start_blocks].hex())
-                for i in alias_blocks(start_blocks, info.n_tokens // bs,
-                                      tier.alias_stride // bs, [b // bs for b in marks])]
-    for n, prefix in aliases:
-        if tier.exists(alias_key(model, prefix)):  # the first upload's alias stays
-            found += 1
-            continue
-        tier.put(alias_key(model, prefix), [alias_bytes(Alias(prefix, n, info.snap_key,
-                                                               info.n_tokens))])
-        put += 1
-    manifest = Manifest(model, info.snap_key, info.n_tokens, info.start_token,
-                        None if parent is None else parent.snap_key, scope, tuple(marks),
-                        identity.world_size, tuple(entries), tuple(aliases))
-    if tier.put_once(manifest_key(model, info.snap_key), manifest_bytes(manifest)):
-        put += 1
-    else:  # another host finished it meanwhile
-        found += 1
-    return UploadResult(sid, "uploaded", put, found, sent)
+    return entries, hashes
 
 
 def _lease(core: Core, snapshot_id: int) -> int | None:
@@ -315,37 +347,46 @@ def _finish(core: Core, info: SnapshotInfo, lease: int | None) -> None:
 
 
 def upload_pending(core: Core, tier: SharedTier, *, limit: int | None = None) -> UploadReport:
-    """Upload what the queue holds now, parents first, until it is empty, ``limit``
-    snapshots were looked at, or the tier fails (``error``; the rest stays
-    queued).  Synchronous: the command line's and the tests' way in."""
+    """Upload what the queue holds now, parents first, until it is empty or
+    ``limit`` snapshots were looked at.  A snapshot whose upload fails is passed
+    over (``failed``, the first ``error``; it stays queued) and the rest go on,
+    until :data:`MAX_FAILURES_IN_A_ROW` fail in a row (the tier itself fails).
+    Synchronous: the command line's and the tests' way in."""
     report = UploadReport()
-    skip: set[int] = set()  # refused, or waiting for a parent that was refused
-    seen = 0
-    while limit is None or seen < limit:
+    skip: set[int] = set()  # refused, failed, or waiting for a parent that was
+    seen = in_a_row = 0
+    while (limit is None or seen < limit) and in_a_row < MAX_FAILURES_IN_A_ROW:
         with core.read() as conn:
             queue = [s for s in ids(conn, q.UPLOAD_QUEUE, (DEFAULT_BATCH + len(skip),))
                      if s not in skip]
-        if not queue:
-            break
         progressed = False
         for sid in queue[:None if limit is None else limit - seen]:
             seen += 1
             try:
                 result = upload_snapshot(core, tier, sid)
             except SparkCacheError as exc:
-                report.error = describe_error(exc)
+                report.error = report.error or describe_error(exc)
+                report.failed.append(sid)
+                skip.add(sid)
                 core.count(0, "upload_failures")
-                core.try_save()
-                report.pending = pending_uploads(core)
-                return report
+                in_a_row += 1
+                if in_a_row >= MAX_FAILURES_IN_A_ROW:
+                    break
+                continue
+            in_a_row = 0
             report.add(result)
             if result.outcome in ("refused", "waiting"):
                 skip.add(sid)
             progressed = progressed or result.outcome != "waiting"
         if not progressed:
             break
+    core.try_save()
     report.pending = pending_uploads(core)
     return report
+
+
+class _BackOff(SparkCacheError):
+    """A pass of the uploader whose snapshots all failed (each counted): wait."""
 
 
 class Uploader:
@@ -375,6 +416,8 @@ class Uploader:
         self._deadline: float | None = None
         self._passed = threading.Condition()
         self._skip: set[int] = set()
+        #: Snapshots whose upload failed: when each may be tried again, its failures.
+        self._held: dict[int, tuple[float, int]] = {}
         self._burst = 0  # failures since the tier last worked
         self._started = 0  # passes begun
         self._idle_through = 0  # the last pass that found the queue empty
@@ -440,36 +483,67 @@ class Uploader:
         if self._periodic.stopping and (isinstance(error, StoreClosed) or self._drained()):
             self._quit = True  # closed under an upload that ran past the deadline: quietly
             return 0.0
-        self._failed(error)
+        if not isinstance(error, _BackOff):  # (a _BackOff's failures are counted)
+            self._failed(error)
         return self._until_deadline(
-            min(self.backoff[1], self.backoff[0] * 2 ** (self._burst - 1)))
+            min(self.backoff[1], self.backoff[0] * 2 ** (max(1, self._burst) - 1)))
 
     def _pass(self) -> tuple[bool, bool]:
         """Upload one batch of the queue: (whether to look again at once, whether
-        the queue was empty)."""
+        the queue was empty).  A snapshot that fails is held back (its own
+        backoff) and the others go on; when every one tried fails, or
+        :data:`MAX_FAILURES_IN_A_ROW` in a row, the last failure is raised."""
+        now = time.monotonic()
         with self.core.read() as conn:
-            queue = [s for s in ids(conn, q.UPLOAD_QUEUE, (self.batch + len(self._skip),))
-                     if s not in self._skip]
+            queue = [s for s in ids(conn, q.UPLOAD_QUEUE,
+                                    (self.batch + len(self._skip) + len(self._held),))
+                     if s not in self._skip and self._held.get(s, (0.0, 0))[0] <= now]
         progressed = False
+        failed = in_a_row = 0
         for sid in queue[:self.batch]:
             if self._periodic.stopping and self._deadline is not None \
                     and time.monotonic() >= self._deadline:
                 return False, False
-            result = upload_snapshot(self.core, self.tier, sid)
-            if self._burst:
-                log.info("sparkcache: uploads to the shared tier %s work again after %d "
-                         "failed attempts", self.tier.url, self._burst)
-                self._burst = 0
-            if result.outcome == "refused":
-                self._skip.add(sid)
-                log.warning("sparkcache: snapshot %d is not uploaded to %s: %s", sid,
-                            self.tier.url, result.reason)
-            elif result.outcome == "waiting" and self._parent_skipped(sid):
-                self._skip.add(sid)
-            self.uploaded += result.outcome == "uploaded"
+            try:
+                result = upload_snapshot(self.core, self.tier, sid)
+            except SparkCacheError as exc:
+                if isinstance(exc, StoreClosed) or self._periodic.stopping:
+                    raise  # closing: _on_error decides
+                self._hold(sid, exc)
+                failed, in_a_row = failed + 1, in_a_row + 1
+                if in_a_row >= MAX_FAILURES_IN_A_ROW:
+                    raise _BackOff from exc
+                continue
+            in_a_row = 0
+            self._worked(sid, result)
             progressed = progressed or result.outcome != "waiting"
+        if failed and not progressed:
+            raise _BackOff
         # Only children whose parents are not up yet: poll, do not spin.
         return progressed, not queue
+
+    def _hold(self, sid: int, error: SparkCacheError) -> None:
+        """A snapshot's upload failed: counted and logged (once per burst), and
+        it is held back for its own backoff, doubling with its failures."""
+        self._failed(error)
+        failures = self._held.get(sid, (0.0, 0))[1] + 1
+        delay = min(self.backoff[1], self.backoff[0] * 2 ** (failures - 1))
+        self._held[sid] = (time.monotonic() + delay, failures)
+
+    def _worked(self, sid: int, result: UploadResult) -> None:
+        """Bookkeeping after an upload that did not fail."""
+        self._held.pop(sid, None)
+        if self._burst:
+            log.info("sparkcache: uploads to the shared tier %s work again after %d "
+                     "failed attempts", self.tier.url, self._burst)
+            self._burst = 0
+        if result.outcome == "refused":
+            self._skip.add(sid)
+            log.warning("sparkcache: snapshot %d is not uploaded to %s: %s", sid,
+                        self.tier.url, result.reason)
+        elif result.outcome == "waiting" and self._parent_skipped(sid):
+            self._skip.add(sid)
+        self.uploaded += result.outcome == "uploaded"
 
     def _parent_skipped(self, snapshot_id: int) -> bool:
         with self.core.read() as conn:

@@ -62,7 +62,7 @@ def test_put_into_a_missing_bucket_creates_no_bucket() -> None:
 
 
 def test_a_failed_multipart_upload_is_aborted_not_committed() -> None:
-    """Past the block size a put is a multipart upload: a failure after parts
+    """Past one part (8 MiB) a put is a multipart upload: a failure after parts
     were sent aborts it (no object, no upload left to pay for)."""
     server = s3_server()
     bucket = server.bucket()
@@ -83,6 +83,11 @@ def test_a_failed_multipart_upload_is_aborted_not_committed() -> None:
     assert uploads.get("Uploads", []) == []
     assert backend.put("big", [bytes(6 << 20), b"tail"]) == (6 << 20) + 4  # and one that works
     assert backend.size("big") == (6 << 20) + 4
+    with s3_calls(backend.fs) as sent:  # past one part: completed after its last part
+        assert backend.put("bigger", (bytes(3 << 20) for _ in range(6))) == 18 << 20
+    assert (sent["UploadPart"], sent["CompleteMultipartUpload"]) == (2, 1)  # 9 MiB each
+    with backend.open("bigger") as blob:
+        assert blob.buffer.nbytes == 18 << 20
 
 
 def test_head_is_one_request() -> None:
