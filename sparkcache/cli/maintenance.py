@@ -216,7 +216,8 @@ def cmd_upload(ctx: Context) -> int:
             lines.append(table(["SNAPSHOT", "REASON"],
                                [[x.snapshot_id, x.reason] for x in r.refused]))
         if r.error:
-            lines.append(f"stopped: {r.error}")
+            failed = f"{plural(len(r.failed), 'snapshot')} failed" if r.failed else "failed"
+            lines.append(f"{failed}; the first: {r.error}")
         return "\n".join(lines)
 
     ctx.emit(r, text)
