@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -15,6 +13,7 @@ import pytest
 from sparkcache.errors import StoreClosed, StoreTimeout
 from sparkcache.index import Database, SQLiteVersionWarning, wal_reset_bug
 from sparkcache.index.db import _version_tuple, warn_if_wal_reset_bug
+from tests.locks import hold_write_lock, release
 
 PUT = (
     "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, 0) "
@@ -157,34 +156,6 @@ def test_forked_child_reopens_and_parent_keeps_working(db: Database) -> None:
         conn.execute(PUT, ("parent", "after"))
     assert get(db, "parent") == "after"
     assert db.connection.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-
-
-HOLDER = """
-import sys, apsw
-conn = apsw.Connection(sys.argv[1])
-conn.execute("BEGIN IMMEDIATE")
-sys.stdout.write("locked\\n"); sys.stdout.flush()
-sys.stdin.readline()
-conn.execute("ROLLBACK")
-"""
-
-
-def hold_write_lock(path: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None and proc.stdout.readline() == "locked\n"
-    return proc
-
-
-def release(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write("\n")
-    proc.stdin.close()
-    assert proc.wait(timeout=30) == 0
 
 
 def test_busy_write_raises_store_timeout(db: Database, db_path: Path) -> None:

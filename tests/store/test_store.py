@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import pytest
 
 from sparkcache import InvalidArgument, RequestScope, SnapshotStore
 from sparkcache.errors import LeaseError, NotFound, StoreClosed
+from tests.locks import hold_write_lock, release
 
 from .helpers import LAYERS, identity, pages_for, tokens
 
@@ -243,25 +242,12 @@ def test_settings_are_fixed_at_creation(tmp_path: Path) -> None:
         SnapshotStore(tmp_path / "s", alias_stride=32)
 
 
-#: A second process that holds the index's write lock until told to let go.
-HOLDER = """
-import sys, apsw
-conn = apsw.Connection(sys.argv[1])
-conn.execute("BEGIN IMMEDIATE")
-sys.stdout.write("locked\\n"); sys.stdout.flush()
-sys.stdin.readline()
-conn.execute("ROLLBACK")
-"""
-
-
 def test_opening_a_store_waits_for_no_writer(tmp_path: Path) -> None:
     """A store whose settings are recorded opens while another process writes:
     opening reads them and writes nothing (a busy index is no StoreTimeout)."""
     SnapshotStore(tmp_path / "s", alias_stride=64).close()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "s" / "index.sqlite")],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = hold_write_lock(tmp_path / "s" / "index.sqlite")
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
         start = time.monotonic()
         with SnapshotStore(tmp_path / "s", busy_timeout_ms=2000) as s:
             assert s.alias_stride == 64
@@ -270,10 +256,7 @@ def test_opening_a_store_waits_for_no_writer(tmp_path: Path) -> None:
         with pytest.raises(InvalidArgument, match="alias_stride=64"):
             SnapshotStore(tmp_path / "s", alias_stride=32, busy_timeout_ms=100)
     finally:
-        assert holder.stdin is not None
-        holder.stdin.write("\n")
-        holder.stdin.close()
-        assert holder.wait(timeout=30) == 0
+        release(holder)
 
 
 def test_reopen_keeps_everything(tmp_path: Path) -> None:

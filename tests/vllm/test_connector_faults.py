@@ -28,6 +28,7 @@ from tiny_model import (
     LONG_PROMPT,
     NEEDS_VLLM,
     SHARED_PREFIX_PROMPT,
+    damaged_copy,
     run_scenario,
     same_answer,
 )
@@ -42,12 +43,7 @@ def test_corrupt_and_deleted_snapshots_are_recomputed(
     tiny_model_dir: Path, baseline: dict[str, Any], published: dict[str, Any], tmp_path: Path,
     load_async: bool,
 ) -> None:
-    folder = tmp_path / "store"
-    shutil.copytree(published["folder"], folder)
-    (segment,) = folder.glob("objects/*/*/*.safetensors")
-    data = bytearray(segment.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # inside layer payload, past the JSON header
-    segment.write_bytes(bytes(data))
+    folder = damaged_copy(published["folder"], tmp_path / "store")
 
     ops: list[dict[str, Any]] = [
         {"op": "gen", "name": "shared", "prompts": [SHARED_PREFIX_PROMPT], "ready": 1},

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from tiny_model import (
     NEEDS_VLLM,
     OTHER_PROMPT,
     SHARED_PREFIX_PROMPT,
+    damaged_copy,
     run_engine_script,
 )
 
@@ -106,12 +106,7 @@ def _multi(model: Path, tmp: Path, folders: list[Path], prompts: list[tuple[str,
 def test_inside_multi_connector_a_damaged_snapshot_is_recomputed(
     tiny_model_dir: Path, baseline: dict[str, Any], published: dict[str, Any], tmp_path: Path,
 ) -> None:
-    folder = tmp_path / "store"
-    shutil.copytree(published["folder"], folder)
-    (segment,) = folder.glob("objects/*/*/*.safetensors")
-    data = bytearray(segment.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # inside layer payload, past the JSON header
-    segment.write_bytes(bytes(data))
+    folder = damaged_copy(published["folder"], tmp_path / "store")
     run = _multi(tiny_model_dir, tmp_path, [folder], [("shared", SHARED_PREFIX_PROMPT)], 1)
     shared = run["shared"]
     assert shared["finish_reason"] == "length", run["_log"]

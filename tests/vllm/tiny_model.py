@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -374,6 +375,17 @@ for op in args["ops"]:
     results[op.get("name", kind + str(len(results)))] = rec
 report(results)
 """
+
+
+def damaged_copy(src: str | Path, dest: Path) -> Path:
+    """A copy of the store at ``src`` in ``dest`` whose one segment file has a
+    byte flipped inside its layers' payload (past the JSON header)."""
+    shutil.copytree(src, dest)
+    (segment,) = dest.glob("objects/*/*/*.safetensors")
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    return dest
 
 
 def run_scenario(model: Path, tmp: Path, ops: list[dict[str, Any]], *,
