@@ -48,6 +48,7 @@ from sparkcache.connector.layout import (
     lone_token_differs,
     model_identity,
     rank_of,
+    total_kv_heads,
 )
 from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.registration import attention_layers, layer_groups
@@ -159,6 +160,8 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             on_facts=None if self.log_writer is None else self.log_writer.put,
             groups=self.groups,
         )
+        self.sched.restores.total_kv_heads = self.sched.saves.total_kv_heads = \
+            total_kv_heads(self._vllm_config)
         if self.settings.sweep:
             # Its own store (own index connection): a long sweep never holds the
             # lock that the scheduler's lookups take.
@@ -376,6 +379,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             max_pending_bytes=self.settings.max_pending_mb << 20,
             groups=groups, kinds=self.groups,
         )
+        self.io.total_kv_heads = total_kv_heads(self._vllm_config)
         if groups is not None:
             first = pages[0]
             logger.info("sparkcache worker rank %d: %d layers of %d blocks in %d KV cache "

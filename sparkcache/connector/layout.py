@@ -37,7 +37,7 @@ from sparkcache.identity import (
 __all__ = [
     "CPU_ATTN_KEY", "KVGroup", "check_isa", "check_tensors", "config_fingerprint",
     "cpu_attn_isa", "hub_revision", "kv_groups", "layer_order", "lone_token_differs",
-    "model_identity", "rank_of", "weights_fingerprint",
+    "model_identity", "rank_of", "total_kv_heads", "weights_fingerprint",
 ]
 
 logger = logging.getLogger("vllm.sparkcache")
@@ -368,6 +368,20 @@ def model_identity(
         dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
         extra=tuple(sorted(extra.items())),
     )
+
+
+def total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads in all, before the TP split (what a snapshot of
+    another TP size is re-sharded by); 0 where its KV is not split by heads
+    (MLA: one latent per token) or vLLM cannot say: snapshots of another TP
+    size are then not looked for."""
+    model_config = vllm_config.model_config
+    try:
+        if getattr(model_config, "use_mla", False):
+            return 0
+        return int(model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def rank_of(identity: ModelIdentity, tp_rank: int, pp_rank: int, dcp_rank: int = 0) -> int:
