@@ -309,7 +309,10 @@ def test_a_tp1_snapshot_restores_in_a_tp2_engine(
     (one,) = tp2x["one"]["outs"]
     assert one["cached"] == 0, tp2x["_log"]
     assert same_answer(one, plain["one"]["outs"][0]) == ""
-    assert _delta(tp2x["one"], tp2x["other"], "quarantined.digest") == 1, tp2x["one"]["stats"]
+    # Each rank reads the damaged segment: one or both find it damaged (the
+    # other may find it quarantined already).
+    assert _delta(tp2x["one"], tp2x["other"], "quarantined.digest") in (1, 2), \
+        tp2x["one"]["stats"]
 
 
 @pytest.fixture(scope="module")
