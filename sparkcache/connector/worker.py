@@ -277,8 +277,8 @@ class WorkerIO:
         return True
 
     def _load(self, job: LoadJob, on_layer: Callable[[int], None] | None = None) -> None:
-        """Verified read of the match into the blocks vLLM allocated for it.
-
+        """Verified read of the match into the blocks vLLM allocated for it (a
+        snapshot of another TP size: ``load_resharded``, whole pages, this rank's heads).
         Each layer gets its group's blocks (a window: only its window); the
         payload below ``start_block`` (vLLM's own hit) is not read.  On CPU
         straight into the KV cache, each read thread pinned to its own core
