@@ -22,7 +22,7 @@ from sparkcache.connector.jobs import LoadJob
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.reshard import read_resharded, siblings
-from sparkcache.sharding import ShardingRefused
+from sparkcache.sharding import ShardingRefused, plan_reads
 from sparkcache.store import Match, SnapshotStore
 
 __all__ = ["load_resharded", "sibling_match"]
@@ -39,8 +39,8 @@ def sibling_match(store: SnapshotStore, identity: ModelIdentity, total_kv_heads:
         return None
     best: Match | None = None
     for other in siblings(store.core, identity, total_kv_heads):
-        try:
-            other.sharding(total_kv_heads)
+        try:  # a pair this version does not re-shard is a miss here, saying why
+            plan_reads(other.sharding(total_kv_heads), identity.sharding(total_kv_heads), 0)
             match = store.lookup(other, tokens, scope=scope)
         except SparkCacheError as exc:
             logger.warning("sparkcache: snapshots of %s not looked up: %s",

@@ -13,6 +13,7 @@ import numpy as np
 
 from sparkcache import ModelIdentity, SnapshotStore
 from sparkcache.connector.jobs import Counters
+from sparkcache.connector.resharded import sibling_match
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
 
@@ -117,3 +118,20 @@ def test_a_tp1_segment_restores_in_each_tp2_worker(tmp_path: Path) -> None:
         heads = slice(rank * HEAD_NBYTES, (rank + 1) * HEAD_NBYTES)
         np.testing.assert_array_equal(two[rank].arr[:, 9:16], kv[0].arr[:, :7, heads])
     assert len(store.snapshots()) == 1
+
+
+def test_a_sharding_that_cannot_be_resharded_is_not_offered(tmp_path: Path) -> None:
+    """Another pipeline-parallel size: a miss at the scheduler, not a failed load."""
+    store = SnapshotStore(tmp_path / "s")
+    staged = ModelIdentity(model="sim", revision="r1", num_layers=LAYERS, num_kv_heads=1,
+                           head_size=4, dtype="float32", kv_cache_dtype="float32",
+                           block_size=BS, page_shape=(1, BS, 8), tp_size=2, pp_size=2)
+    p = prompt(64, 3)
+    for rank in range(4):
+        store.publish(staged, rank, p, [np.zeros((4, HEAD_NBYTES), np.uint8)] * LAYERS)
+    assert store.lookup(staged, p) is not None
+    tokens = np.asarray(p, np.uint32)
+    assert sibling_match(store, ident(1), HEADS, tokens, None) is None
+    publish(store, 2, p, [Pages(16, 1, seed=rank) for rank in (0, 1)])  # tp=2, pp=1
+    found = sibling_match(store, ident(1), HEADS, tokens, None)
+    assert found is not None and found.identity == ident(2)
