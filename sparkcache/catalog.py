@@ -10,6 +10,7 @@ identities is ambiguous and the error lists the candidates.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from sparkcache.core import Core, LeaseInfo, SegmentInfo, SnapshotInfo, ids, select_all
@@ -75,6 +76,8 @@ class SnapshotRow:
     state: str
     reason: str | None
     uploaded_at: float | None  # when it reached the shared tier; None: not uploaded
+    #: How its KV is split over ranks: ``tp=2`` (and ``pp=``, ``dcp=`` when not 1).
+    sharding: str = ""
 
 
 @dataclass(frozen=True)
@@ -161,13 +164,36 @@ def model_identity(core: Core, model_id: int) -> ModelIdentity:
     return model.identity()
 
 
-def snapshot_row(info: SnapshotInfo, names: dict[int, str]) -> SnapshotRow:
-    """A snapshot row for people, with its model's name from ``names``."""
+#: Each model row's identity, for the sharding its snapshots are listed with.
+MODEL_IDENTITIES = "SELECT id, identity_json FROM models"
+
+
+def sharding_of(identity_json: str) -> str:
+    """``tp=2`` (``pp=``/``dcp=`` added when not 1) of a model row's identity;
+    ``?`` when it does not parse."""
+    try:
+        ident = ModelIdentity.from_dict(json.loads(identity_json))
+    except (InvalidArgument, ValueError, TypeError):
+        return "?"
+    sizes = [("tp", ident.tp_size), ("pp", ident.pp_size), ("dcp", ident.dcp_size)]
+    return " ".join(f"{k}={v}" for k, v in sizes if v != 1 or k == "tp")
+
+
+def _shardings(core: Core) -> dict[int, str]:
+    with core.read() as conn:
+        rows = select_all(conn, MODEL_IDENTITIES, into=lambda i, j: (int(i), str(j)))
+    return {model_id: sharding_of(text) for model_id, text in rows}
+
+
+def snapshot_row(info: SnapshotInfo, names: dict[int, str],
+                 shardings: dict[int, str] | None = None) -> SnapshotRow:
+    """A snapshot row for people, with its model's name from ``names`` (and
+    its sharding from ``shardings``)."""
     return SnapshotRow(
         info.id, info.model_id, names.get(info.model_id, "?"), info.n_tokens, info.start_token,
         info.nbytes, mb(info.nbytes), info.created_at, info.last_used, info.use_count,
         info.parent_id, info.depth, info.world_size, info.pinned, info.state, info.reason,
-        info.uploaded_at,
+        info.uploaded_at, (shardings or {}).get(info.model_id, ""),
     )
 
 
@@ -180,7 +206,8 @@ def list_snapshots(core: Core, model: str | int | None = None) -> list[SnapshotR
         else:
             infos = select_all(conn, q.ADMIN_MODEL_SNAPSHOTS, (resolve_model(core, model).id,),
                           into=SnapshotInfo)
-    return [snapshot_row(info, names) for info in infos]
+    shardings = _shardings(core)
+    return [snapshot_row(info, names, shardings) for info in infos]
 
 
 def no_snapshot(core: Core, snapshot_id: int) -> NotFound:
@@ -202,7 +229,7 @@ def show(core: Core, snapshot_id: int) -> SnapshotDetail:
         leases = core.leases(conn, snapshot_id)
     model = models.get(info.model_id)
     return SnapshotDetail(
-        snapshot_row(info, {k: m.name for k, m in models.items()}),
+        snapshot_row(info, {k: m.name for k, m in models.items()}, _shardings(core)),
         model.digest if model else "", segments, chain, children, leases,
     )
 

@@ -4,7 +4,11 @@ An identity has three parts (see docs/architecture.md):
 
 * :class:`ModelIdentity` - the model part: weights, KV layout, topology and the
   storage schema.  It names one model folder on disk and one row in the index,
-  and is the unit of retention.
+  and is the unit of retention.  Split in two by :meth:`ModelIdentity.kv_digest`
+  (what the KV *is*: model, weights, dtype, one head's page, the KV heads in
+  all) and :meth:`ModelIdentity.sharding` (how it is *sharded*: TP/PP/DCP
+  sizes, which heads a rank holds); its :meth:`~ModelIdentity.digest` names
+  both, as it always did, so stores written before the split read the same.
 * the *rank* - which segment of a snapshot a worker owns.  It is passed next to
   the identity, never folded into the prefix hashes, so that every rank computes
   the same hashes.
@@ -25,8 +29,10 @@ from typing import Any
 import xxhash
 
 from sparkcache.errors import InvalidArgument
+from sparkcache.sharding import Sharding
 
 __all__ = [
+    "MLA_KEY",
     "STORAGE_SCHEMA_VERSION",
     "WINDOW_BLOCKS_KEY",
     "ModelIdentity",
@@ -56,6 +62,10 @@ _DTYPE_ALIASES: dict[str, str] = {
     "int16": "I16", "i16": "I16", "int8": "I8", "i8": "I8",
     "uint8": "U8", "u8": "U8", "bool": "BOOL",
 }
+
+#: The ``extra`` key set (to anything) when the KV is MLA's one latent per
+#: token, replicated on every rank rather than split by heads.
+MLA_KEY = "mla"
 
 #: Bytes per element of every storage dtype.
 DTYPE_SIZES: dict[str, int] = {
@@ -215,6 +225,36 @@ class ModelIdentity:
     def digest(self) -> str:
         """32 hex characters naming this model part everywhere (folder, index row)."""
         return xxhash.xxh3_128_hexdigest(b"sparkcache-model\x00" + self.canonical().encode())
+
+    def sharding(self, total_kv_heads: int) -> Sharding:
+        """How this identity's KV is split over its ranks, given the model's KV
+        heads in all (``num_kv_heads`` is one rank's: a rank's page holds its
+        heads, ``page_shape[0]``).  InvalidArgument when the rank's heads are not
+        the ones a contiguous split of ``total_kv_heads`` over ``tp_size`` gives."""
+        sharding = Sharding(total_kv_heads, self.tp_size, self.pp_size, self.dcp_size,
+                            mla=MLA_KEY in dict(self.extra))
+        if not sharding.splits or sharding.local_heads != self.num_kv_heads:
+            raise InvalidArgument(
+                f"{self.num_kv_heads} KV heads per rank are not a tp={self.tp_size} split "
+                f"of {total_kv_heads} KV heads")
+        return sharding
+
+    def kv_digest(self, total_kv_heads: int) -> str | None:
+        """32 hex characters naming what the KV *is*, whatever its sharding: two
+        identities with the same kv digest hold the same heads' bytes in the
+        same page layout, split differently (:mod:`sparkcache.sharding`).  None
+        when the pages do not have the rank's heads as their outer dimension
+        (``page_shape[0] == num_kv_heads``): such a snapshot serves only its
+        own sharding."""
+        if self.page_shape[0] != self.num_kv_heads:
+            return None
+        self.sharding(total_kv_heads)
+        part = self.to_dict()
+        for name in ("tp_size", "pp_size", "dcp_size"):
+            del part[name]
+        part["num_kv_heads"] = total_kv_heads
+        part["page_shape"][0] = 1  # one head's page
+        return xxhash.xxh3_128_hexdigest(b"sparkcache-kv\x00" + canonical_json(part).encode())
 
     def check_rank(self, rank: int) -> int:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:

@@ -204,6 +204,28 @@ class _Copy:
     at: tuple[int, ...]
 
 
+def _read_range(match: Match, n_tokens: int | None,
+                skip_tokens: int | Sequence[int]) -> tuple[int, list[int]]:
+    """The tokens a read ends at and each layer's first token, checked
+    (InvalidArgument: the caller's range is not one of whole blocks inside
+    the match)."""
+    bs = match.identity.block_size
+    n = match.n_tokens if n_tokens is None else n_tokens
+    if not 0 < n <= match.n_tokens or n % bs:
+        raise InvalidArgument(
+            f"n_tokens must be a positive multiple of {bs} up to {match.n_tokens}, got {n}"
+        )
+    skips = ([skip_tokens] * match.identity.num_layers if isinstance(skip_tokens, int)
+             else list(skip_tokens))
+    for skip in skips:
+        if not 0 <= skip < n or skip % bs:
+            raise InvalidArgument(
+                f"start_tokens must be a multiple of the block size {bs} in [0, {n}) "
+                f"(below n_tokens), got {skip}"
+            )
+    return n, skips
+
+
 def _read_chain(
     core: Core, match: Match, rank: int, n_tokens: int | None,
     dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Sink]], *, touch: bool = True,
@@ -226,19 +248,7 @@ def _read_chain(
     identity = match.identity
     identity.check_rank(rank)
     bs = identity.block_size
-    n = match.n_tokens if n_tokens is None else n_tokens
-    if not 0 < n <= match.n_tokens or n % bs:
-        raise InvalidArgument(
-            f"n_tokens must be a positive multiple of {bs} up to {match.n_tokens}, got {n}"
-        )
-    skips = ([skip_tokens] * identity.num_layers if isinstance(skip_tokens, int)
-             else list(skip_tokens))
-    for skip in skips:
-        if not 0 <= skip < n or skip % bs:
-            raise InvalidArgument(
-                f"start_tokens must be a multiple of the block size {bs} in [0, {n}) "
-                f"(below n_tokens), got {skip}"
-            )
+    n, skips = _read_range(match, n_tokens, skip_tokens)
     low = min(skips)
     model_id, links = _chain_links(core, match, rank, n)
     skip_blocks = low // bs
@@ -317,6 +327,54 @@ def _link_copy(identity: ModelIdentity, link: _Link, opened: _Opened, stop: int,
     return _Copy(link, opened, tuple(skip), tuple(nbytes), tuple(at))
 
 
+class _Layers:
+    """The layers of one copy, handed out one at a time to the copying threads;
+    each reported (``on_layer``) once it and every layer below it are complete.
+    The first failure stops the handing out."""
+
+    def __init__(self, n_layers: int, on_layer: Callable[[int], None] | None) -> None:
+        self.n_layers = n_layers
+        self.on_layer = on_layer
+        self.lock = threading.Lock()
+        self.done = [False] * n_layers
+        self.reported = 0
+        self.taken = 0
+        self.failure: list[BaseException] = []
+
+    def take(self) -> int | None:
+        """The next layer no thread has taken, or None: all taken, or one failed."""
+        with self.lock:
+            if self.failure or self.taken == self.n_layers:
+                return None
+            self.taken += 1
+            return self.taken - 1
+
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:
+            self.failure.append(exc)
+
+    def finish(self, i: int) -> None:
+        with self.lock:
+            self.done[i] = True
+            while (self.reported < self.n_layers and self.done[self.reported]
+                   and not self.failure):
+                if self.on_layer is not None:
+                    self.on_layer(self.reported)
+                self.reported += 1
+
+
+def _copy_layer(core: Core, copies: list[_Copy], dest: np.ndarray | seg.Sink, i: int,
+                bounce: np.ndarray | None) -> None:
+    """Verify and copy layer ``i`` of every link into ``dest``."""
+    for c in copies:
+        if c.skip[i] >= c.nbytes[i]:
+            continue
+        with _quarantine_on_failure(core, c.link):
+            seg.copy_verified(c.opened.buf, c.opened.header, f"layer.{i}",
+                              c.nbytes[i], dest, skip=c.skip[i], at=c.at[i],
+                              read_at=c.opened.read_at, bounce=bounce)
+
+
 def _copy_layers(core: Core, copies: list[_Copy],
                  dests: Sequence[np.ndarray | seg.Sink],
                  on_layer: Callable[[int], None] | None, threads: int,
@@ -331,51 +389,21 @@ def _copy_layers(core: Core, copies: list[_Copy],
     this one) runs on ``cpus[k % len(cpus)]`` alone until the copy ends
     (:func:`sparkcache.cpus.pinned_to`).
     """
-    n_layers = len(dests)
-    threads = max(1, min(threads, n_layers))
-    lock = threading.Lock()
-    done = [False] * n_layers
-    reported = 0
-    taken = 0
-    failure: list[BaseException] = []
-
+    layers = _Layers(len(dests), on_layer)
+    threads = max(1, min(threads, len(dests)))
     positional = any(c.opened.read_at is not None for c in copies)
 
-    def take() -> int | None:
-        nonlocal taken
-        with lock:
-            if failure or taken == n_layers:
-                return None
-            taken += 1
-            return taken - 1
-
     def run(k: int) -> None:
-        with pinned_to(cpus[k % len(cpus)] if cpus else None):
-            copy_taken()
-
-    def copy_taken() -> None:
-        nonlocal reported
         # Positional reads land here, one chunk at a time, reused by this thread.
         bounce = np.empty(seg.CHUNK_BYTES, np.uint8) if positional else None
-        while (i := take()) is not None:
-            try:
-                for c in copies:
-                    if c.skip[i] >= c.nbytes[i]:
-                        continue
-                    with _quarantine_on_failure(core, c.link):
-                        seg.copy_verified(c.opened.buf, c.opened.header, f"layer.{i}",
-                                          c.nbytes[i], dests[i], skip=c.skip[i], at=c.at[i],
-                                          read_at=c.opened.read_at, bounce=bounce)
-            except BaseException as exc:  # handed to the caller's thread
-                with lock:
-                    failure.append(exc)
-                return
-            with lock:
-                done[i] = True
-                while reported < n_layers and done[reported] and not failure:
-                    if on_layer is not None:
-                        on_layer(reported)
-                    reported += 1
+        with pinned_to(cpus[k % len(cpus)] if cpus else None):
+            while (i := layers.take()) is not None:
+                try:
+                    _copy_layer(core, copies, dests[i], i, bounce)
+                except BaseException as exc:  # handed to the caller's thread
+                    layers.fail(exc)
+                    return
+                layers.finish(i)
 
     helpers = [threading.Thread(target=run, args=(k,), name=f"sparkcache-read-{k}", daemon=True)
                for k in range(1, threads)]
@@ -384,8 +412,8 @@ def _copy_layers(core: Core, copies: list[_Copy],
     run(0)
     for helper in helpers:
         helper.join()
-    if failure:
-        raise failure[0]
+    if layers.failure:
+        raise layers.failure[0]
 
 
 def _verified_tokens(opened: _Opened, nbytes: int) -> np.ndarray:

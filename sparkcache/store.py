@@ -11,8 +11,9 @@ docs/shared.md.
 This class is a facade: it opens the :class:`~sparkcache.core.Core` (index,
 backend, clock, counters) and calls down into the modules that do the work,
 each of which takes the core, never the store.  Its upkeep verbs are its base
-class :class:`~sparkcache.upkeep.StoreUpkeep`; ``catalog`` reads what it holds
-for people (:class:`~sparkcache.catalog.Catalog`).
+class :class:`~sparkcache.upkeep.StoreUpkeep`, its request log's
+:class:`~sparkcache.storelog.StoreLog`; ``catalog`` reads what it holds for
+people (:class:`~sparkcache.catalog.Catalog`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from sparkcache import lookup as lookups
-from sparkcache import reader, requestlog
+from sparkcache import reader, reshard
 from sparkcache.backends import Backend
 from sparkcache.catalog import Catalog
 from sparkcache.core import (
@@ -45,7 +46,6 @@ from sparkcache.index.db import Database
 from sparkcache.publish import PublishResult
 from sparkcache.publish import publish as publish_segment
 from sparkcache.recorded import open_shared, recorded_storage
-from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
 from sparkcache.retention import Retention, Sweeper
 from sparkcache.shared import (
     DEFAULT_POLL_SECONDS,
@@ -56,6 +56,7 @@ from sparkcache.shared import (
     fetch_prefix,
     upload_pending,
 )
+from sparkcache.storelog import StoreLog
 from sparkcache.upkeep import StoreUpkeep
 
 __all__ = ["Match", "PublishResult", "SnapshotInfo", "SnapshotStore"]
@@ -68,12 +69,13 @@ DEFAULT_MAX_CHAIN = 8
 DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
 
 
-class SnapshotStore(StoreUpkeep):
+class SnapshotStore(StoreUpkeep, StoreLog):
     """The one API over the index and the payload backend (docs/architecture.md).
 
     Safe to share between threads; each process opens its own store (connections
     reopen after fork).  Its upkeep verbs (pin, leases, delete, evict, check,
-    sweep, verify, ...) are :class:`~sparkcache.upkeep.StoreUpkeep`'s.
+    sweep, verify, ...) are :class:`~sparkcache.upkeep.StoreUpkeep`'s, its
+    request log's :class:`~sparkcache.storelog.StoreLog`'s.
 
     Args:
         root: a local folder holding ``index.sqlite`` (the index must be on a
@@ -411,6 +413,41 @@ class SnapshotStore(StoreUpkeep):
 
     # -- the shared tier (sparkcache.shared) ---------------------------------------------
 
+    def siblings(self, identity: ModelIdentity, total_kv_heads: int) -> list[ModelIdentity]:
+        """The identities this store holds ``identity``'s KV under, sharded
+        otherwise (docs/connector.md, "Tensor parallelism";
+        :func:`sparkcache.reshard.siblings`).
+
+        Args:
+            identity: the engine's identity.
+            total_kv_heads: the model's KV heads in all (0: unknown, none).
+        """
+        return reshard.siblings(self._core, identity, total_kv_heads)
+
+    def read_resharded(self, match: Match, engine: ModelIdentity, tp_rank: int,
+                       total_kv_heads: int, *, pp_rank: int = 0,
+                       n_tokens: int | None = None) -> list[np.ndarray]:
+        """Engine rank ``tp_rank``'s pages of a snapshot stored under another
+        sharding of the same KV, verified (:func:`sparkcache.reshard.read_resharded`).
+
+        Args:
+            match: from :meth:`lookup` with a sibling identity.
+            engine: the reading engine's identity.
+            tp_rank: the reading rank's place in its tensor-parallel group.
+            pp_rank: its pipeline stage.
+            total_kv_heads: the model's KV heads in all.
+            n_tokens: a prefix of the match (default: all of it).
+
+        Returns:
+            One uint8 array ``[n_blocks, engine.page_nbytes]`` per layer.
+
+        Raises:
+            ShardingRefused: the pair of shardings is not supported.
+            CorruptSnapshot, NotFound: as :meth:`read` (a miss).
+        """
+        return reshard.read_resharded(self._core, match, engine, tp_rank, total_kv_heads,
+                                      pp_rank=pp_rank, n_tokens=n_tokens)
+
     def _tier(self) -> SharedTier:
         if self.shared is None:
             raise InvalidArgument(
@@ -549,52 +586,3 @@ class SnapshotStore(StoreUpkeep):
         with self._core.read() as conn:
             model_id = self._core.model_id(conn, model)
         return {} if model_id is None else self._core.counter_totals(model_id)
-
-    # -- the request log (sparkcache.requestlog) ------------------------------------------
-
-    def log_requests(self, rows: Sequence[Mapping[str, Any]], *, keep: int) -> None:
-        """Record request log rows (docs/index.md, "request_log";
-        :func:`sparkcache.requestlog.record`).
-
-        Args:
-            rows: by request id; a row already logged is filled in.
-            keep: the newest rows kept.
-        """
-        requestlog.record(self._core, rows, keep=keep)
-
-    def requests(self, *, model_id: int | None = None, limit: int = 50,
-                 after_seq: int | None = None) -> list[RequestRow]:
-        """The logged requests (:func:`sparkcache.requestlog.requests`).
-
-        Args:
-            model_id: only this model's.
-            limit: at most this many.
-            after_seq: those logged after this ``seq``, oldest first (else the
-                newest, newest first).
-        """
-        return requestlog.requests(self._core, model_id=model_id, limit=limit,
-                                   after_seq=after_seq)
-
-    def request(self, request_id: str) -> RequestRow | None:
-        """One logged request, or None.
-
-        Args:
-            request_id: vLLM's request id.
-        """
-        return requestlog.request(self._core, request_id)
-
-    def request_summary(self, *, model_id: int | None = None) -> LogSummary:
-        """Requests and token sums over the request log.
-
-        Args:
-            model_id: only this model's.
-        """
-        return requestlog.summary(self._core, model_id=model_id)
-
-    def requests_by_key(self, *, model_id: int | None = None) -> list[KeySummary]:
-        """The request log summed per ``prompt_cache_key``, most requests first.
-
-        Args:
-            model_id: only this model's.
-        """
-        return requestlog.by_cache_key(self._core, model_id=model_id)

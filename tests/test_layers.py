@@ -185,9 +185,9 @@ def test_no_module_reaches_into_another_objects_private_members() -> None:
     assert found == [], "\n".join(found)
 
 
-#: The modules that hold a store's core: the facade (store.py and its upkeep half)
+#: The modules that hold a store's core: the facade (store.py and its two halves)
 #: opens it, core.py defines it.
-CORE_HOLDERS = ("store.py", "upkeep.py", "core.py")
+CORE_HOLDERS = ("store.py", "upkeep.py", "storelog.py", "core.py")
 #: ``<name>.core`` read elsewhere: an object's own core (``self.core``: the sweeper and
 #: the uploader keep the Core they are given) and fsspec's module ``fsspec.core``.
 CORE_READERS = ("self", "fsspec")

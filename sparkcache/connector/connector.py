@@ -56,6 +56,7 @@ from sparkcache.connector.layout import (
     lone_token_differs,
     model_identity,
     rank_of,
+    total_kv_heads,
 )
 from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.registration import attention_layers, layer_groups
@@ -173,31 +174,37 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             groups=self.groups, params_key=self.params_key,
         )
         Unsent.register(self._unsent_key, self.sched.saves.take_saves)
+        self.sched.restores.total_kv_heads = self.sched.saves.total_kv_heads = \
+            total_kv_heads(self._vllm_config)
         if self.settings.sweep:
             # Its own store (own index connection): a long sweep never holds the
             # lock that the scheduler's lookups take.
             self.sweep_store = SnapshotStore(self.settings.folder, retention=self.retention)
             self.sweep_store.start_sweeper()
         if self.settings.shared is not None:
-            # Its own store too; opening it checks the tier (endpoint, credentials,
-            # bucket): a mistake is an error now, not failed uploads later.
-            self.upload_store = SnapshotStore(self.settings.folder, shared=self.settings.shared,
-                                              shared_options=self.settings.shared_options,
-                                              retention=self.retention)
-            self.upload_store.start_uploader(wait_seconds=self.settings.upload_wait_seconds)
-            logger.info("sparkcache uploads this host's snapshots to the shared tier %s",
-                        self.settings.shared)
-            if self.settings.shared_sweep and self.upload_store.shared is not None:
-                # The limits are read now: a bad value stops the engine at start.
-                self.shared_sweeper = SharedSweeper(self.upload_store.shared,
-                                                    TierLimits.from_env()).start()
-            if self.settings.shared_fetch and self.settings.restore:
-                # (A sliding-window model fetches only snapshots ending where the
-                # request can restore one: shared.probe.probe_ends.)
-                self.fetcher = Fetcher(self.upload_store, self.identity, self.counters,
-                                       deadline=self.settings.shared_deadline_seconds,
-                                       min_tokens=self.sched.min_tokens)
-                self.sched.fetcher = self.fetcher
+            self._init_shared(self.sched, self.settings.shared)
+
+    def _init_shared(self, sched: SchedulerSide, shared: str) -> None:
+        """The scheduler's uploads to, sweeps of and fetches from the shared tier."""
+        # Its own store too; opening it checks the tier (endpoint, credentials,
+        # bucket): a mistake is an error now, not failed uploads later.
+        self.upload_store = SnapshotStore(self.settings.folder, shared=shared,
+                                          shared_options=self.settings.shared_options,
+                                          retention=self.retention)
+        self.upload_store.start_uploader(wait_seconds=self.settings.upload_wait_seconds)
+        logger.info("sparkcache uploads this host's snapshots to the shared tier %s",
+                    shared)
+        if self.settings.shared_sweep and self.upload_store.shared is not None:
+            # The limits are read now: a bad value stops the engine at start.
+            self.shared_sweeper = SharedSweeper(self.upload_store.shared,
+                                                TierLimits.from_env()).start()
+        if self.settings.shared_fetch and self.settings.restore:
+            # (A sliding-window model fetches only snapshots ending where the
+            # request can restore one: shared.probe.probe_ends.)
+            self.fetcher = Fetcher(self.upload_store, self.identity, self.counters,
+                                   deadline=self.settings.shared_deadline_seconds,
+                                   min_tokens=sched.min_tokens)
+            sched.fetcher = self.fetcher
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -391,6 +398,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             max_pending_bytes=self.settings.max_pending_mb << 20,
             groups=groups, kinds=self.groups,
         )
+        self.io.total_kv_heads = total_kv_heads(self._vllm_config)
         if groups is not None:
             first = pages[0]
             logger.info("sparkcache worker rank %d: %d layers of %d blocks in %d KV cache "

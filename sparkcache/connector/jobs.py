@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparkcache.identity import RequestScope
+from sparkcache.identity import ModelIdentity, RequestScope
 
 __all__ = ["Blocks", "Counters", "LoadJob", "SaveJob"]
 
@@ -39,6 +39,9 @@ class LoadJob:
     #: Feeds this step's forward (vLLM's synchronous load) instead of landing
     #: while the request waits.
     in_step: bool = False
+    #: The identity the snapshot was stored under when it is another sharding
+    #: of the engine's KV (another TP size); None: the engine's own.
+    source: ModelIdentity | None = None
 
 
 @dataclass(frozen=True)

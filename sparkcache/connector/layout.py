@@ -37,7 +37,7 @@ from sparkcache.identity import (
 __all__ = [
     "CPU_ATTN_KEY", "KVGroup", "check_isa", "check_tensors", "config_fingerprint",
     "cpu_attn_isa", "hub_revision", "kv_groups", "layer_order", "lone_token_differs",
-    "model_identity", "rank_of", "weights_fingerprint",
+    "model_identity", "rank_of", "total_kv_heads", "weights_fingerprint",
 ]
 
 logger = logging.getLogger("vllm.sparkcache")
@@ -306,6 +306,29 @@ def _engine_revision(vllm_config: Any, model: str) -> str:
     return "" if given is None else str(given)
 
 
+def _group_extra(groups: list[KVGroup], num_layers: int) -> dict[str, str]:
+    """The identity's part that names the KV cache groups.
+
+    The group structure is part of the identity: another grouping, window or
+    layer map is another model (a clean miss).  A single full-attention group
+    adds nothing, so those identities are what they always were."""
+    if len(groups) == 1 and groups[0].kind == "full":
+        return {}
+    names = layer_order(name for g in groups for name in g.layers)
+    if len(names) != num_layers:
+        raise InvalidArgument(
+            f"the KV cache groups hold {len(names)} layers, the model has {num_layers} "
+            "(shared KV layers?); sparkcache cannot map them")
+    index = {name: i for i, name in enumerate(names)}
+    keep = {name: g.window_blocks for g in groups for name in g.layers}
+    return {
+        "groups": canonical_json([
+            {"kind": g.kind, "spec": g.spec, "window": g.window, "block_size": g.block_size,
+             "layers": [index[n] for n in g.layers]} for g in groups]),
+        WINDOW_BLOCKS_KEY: ",".join(str(keep[n]) for n in names),
+    }
+
+
 def model_identity(
     vllm_config: Any, kv_cache_config: Any, *, revision: str | None = None
 ) -> ModelIdentity:
@@ -337,21 +360,7 @@ def model_identity(
     if isa is not None:  # another kernel family lays pages out otherwise: a clean miss
         extra[CPU_ATTN_KEY] = isa
     num_layers = int(hf_text.num_hidden_layers)
-    if len(groups) > 1 or groups[0].kind != "full":
-        # The group structure is part of the identity: another grouping, window
-        # or layer map is another model (a clean miss).  A single full-attention
-        # group adds nothing, so those identities are what they always were.
-        names = layer_order(name for g in groups for name in g.layers)
-        if len(names) != num_layers:
-            raise InvalidArgument(
-                f"the KV cache groups hold {len(names)} layers, the model has {num_layers} "
-                "(shared KV layers?); sparkcache cannot map them")
-        index = {name: i for i, name in enumerate(names)}
-        extra["groups"] = canonical_json([
-            {"kind": g.kind, "spec": g.spec, "window": g.window, "block_size": g.block_size,
-             "layers": [index[n] for n in g.layers]} for g in groups])
-        keep = {name: g.window_blocks for g in groups for name in g.layers}
-        extra[WINDOW_BLOCKS_KEY] = ",".join(str(keep[n]) for n in names)
+    extra.update(_group_extra(groups, num_layers))
     return ModelIdentity(
         model=model,
         revision=str(revision),
@@ -368,6 +377,20 @@ def model_identity(
         dcp_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
         extra=tuple(sorted(extra.items())),
     )
+
+
+def total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads in all, before the TP split (what a snapshot of
+    another TP size is re-sharded by); 0 where its KV is not split by heads
+    (MLA: one latent per token) or vLLM cannot say: snapshots of another TP
+    size are then not looked for."""
+    model_config = vllm_config.model_config
+    try:
+        if getattr(model_config, "use_mla", False):
+            return 0
+        return int(model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def rank_of(identity: ModelIdentity, tp_rank: int, pp_rank: int, dcp_rank: int = 0) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.connector.requests import Offer, RequestState, Rules
+from sparkcache.connector.resharded import sibling_match
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
 from sparkcache.store import Match, SnapshotStore
 
@@ -72,6 +73,9 @@ class Restores:
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
         self._loads: list[LoadJob] = []
+        #: The model's KV heads in all, set by the connector (0: unknown, no
+        #: lookups of snapshots stored by engines of another TP size).
+        self.total_kv_heads = 0
 
     def asked(self, req_id: str) -> None:
         """vLLM asked about the request: it is live until :meth:`finished`."""
@@ -161,6 +165,9 @@ class Restores:
                                       np.asarray(tokens[:limit], np.uint32),
                                       scope=state.scope, hashes=hashes,
                                       ends_only=groups.ends_only)
+            if match is None:  # none of this sharding: one of another TP size?
+                match = sibling_match(self.store, self.rules.identity, self.total_kv_heads,
+                                      np.asarray(tokens[:limit], np.uint32), state.scope)
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup failed (a miss): %s", exc)
             self.counters.add("lookup_errors")
@@ -262,6 +269,7 @@ class Restores:
             req_id=request.request_id, snapshot_id=match.snapshot_id, n_tokens=match.n_tokens,
             token_ids=match.token_ids, start_block=start,
             blocks=groups.blocks(per_group, start, end), in_step=not offer.load_async,
+            source=None if match.identity == self.rules.identity else match.identity,
         ))
         if offer.load_async:
             self._inflight[request.request_id] = state.hashes(offer.claim, bs)

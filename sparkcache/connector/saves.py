@@ -25,6 +25,7 @@ import numpy as np
 
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.requests import RequestState, Rules, breakpoints_of
+from sparkcache.connector.resharded import sibling_match
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.errors import SparkCacheError
 from sparkcache.store import Match, SnapshotStore
@@ -47,6 +48,9 @@ class Saves:
         self._saves: list[SaveJob] = []
         self._saving: set[str] = set()  # blocks held until the workers copied them
         self._kept: dict[int, float] = {}  # snapshot -> when our keep lease on it ends
+        #: The model's KV heads in all, set by the connector (0: unknown, no
+        #: lookups of snapshots stored by engines of another TP size).
+        self.total_kv_heads = 0
 
     def start(self, state: RequestState) -> None:
         """Note a new request's marks: its breakpoints and the prompt's own save point."""
@@ -180,6 +184,9 @@ class Saves:
                         and kinds.copy_on_write:
                     # A whole stored snapshot is our prefix: write only the tail.
                     parent_id, parent_tokens = known.snapshot_id, known.n_tokens
+            if known is None and self._stored_otherwise(state, token_ids):
+                self.counters.add("saves_known")
+                return None, None
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup before save failed; saving in full: %s", exc)
         start, end = parent_tokens // bs, n // bs
@@ -194,6 +201,17 @@ class Saves:
             scope=state.scope, breakpoints=marks, report=not mid_request, keep=keep,
             start_block=start, copy_in_step=kinds.copy_in_step(mid_request=mid_request),
         ), known
+
+    def _stored_otherwise(self, state: RequestState, token_ids: np.ndarray) -> bool:
+        """Whether an engine of another TP size stored the request's whole prompt
+        (its restorable whole blocks), which this engine restores: its save would
+        be a second copy of that prefix (a copy-on-write tail cannot have a parent
+        of another sharding), so there is none."""
+        bs = self.rules.bs
+        prompt = self.rules.restorable(int(state.request.num_prompt_tokens)) // bs * bs
+        found = sibling_match(self.store, self.rules.identity, self.total_kv_heads,
+                              token_ids, state.scope)
+        return found is not None and found.n_tokens >= prompt > 0
 
     def take_saves(self) -> list[SaveJob]:
         """The saves planned since the last call, each handed out once."""

@@ -41,8 +41,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sparkcache.connector.faults import FAULT_ENV, die_at_publish, scramble
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
+from sparkcache.connector.resharded import load_resharded
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.cpus import read_cpus, widen_affinity
 from sparkcache.cuda import StagedRestore
@@ -53,12 +55,6 @@ from sparkcache.store import Match, SnapshotStore
 __all__ = ["FAULT_ENV", "PAGES_ENV", "LayerGroups", "Pages", "WorkerIO"]
 
 logger = logging.getLogger("vllm.sparkcache")
-
-#: Test hook: ``flip-restored`` scrambles restored pages *after* verification
-#: (every layer gets another layer's pages).  The vLLM tests use it as a
-#: negative control: a wrong restore must change the tokens or logprobs they
-#: compare.  Never set it in production.
-FAULT_ENV = "SPARKCACHE_TEST_FAULT"
 
 #: Test hook: ``torch`` makes a worker whose KV cache is in host memory move pages
 #: as a GPU worker does (torch copies; restores staged through the pinned-slot
@@ -126,6 +122,9 @@ class WorkerIO:
         self.groups = groups if groups is not None or pages is None else LayerGroups.one(pages)
         self.kinds = kinds or KVGroups((0,) * (1 if groups is None else len(groups.pages)))
         self.pages = pages
+        #: The model's KV heads in all, set by the connector (0: unknown, no
+        #: restores of snapshots stored by engines of another TP size).
+        self.total_kv_heads = 0
         self._failed_reqs: set[str] = set()
         self.max_pending_bytes = max_pending_bytes
         self.load_threads = load_threads
@@ -278,8 +277,8 @@ class WorkerIO:
         return True
 
     def _load(self, job: LoadJob, on_layer: Callable[[int], None] | None = None) -> None:
-        """Verified read of the match into the blocks vLLM allocated for it.
-
+        """Verified read of the match into the blocks vLLM allocated for it (a
+        snapshot of another TP size: ``load_resharded``, whole pages, this rank's heads).
         Each layer gets its group's blocks (a window: only its window); the
         payload below ``start_block`` (vLLM's own hit) is not read.  On CPU
         straight into the KV cache, each read thread pinned to its own core
@@ -291,12 +290,24 @@ class WorkerIO:
         if self.kinds.bad_load(job.blocks):
             raise SparkCacheError(f"no blocks to restore in a group: "
                                   f"{[list(ids)[:4] for ids in job.blocks]}")
+        if job.source is not None:  # stored by an engine of another TP size
+            load_resharded(self.store, self.identity, self.rank, self.total_kv_heads, job,
+                           groups.pages[0], job.blocks[0])
+        else:
+            self._load_own(job, groups, on_layer)
+        if self.fault == "flip-restored":
+            for p, ids in zip(groups.pages, job.blocks, strict=True):
+                p.scatter(ids, scramble(p.gather(ids)))
+
+    def _load_own(self, job: LoadJob, groups: LayerGroups,
+                  on_layer: Callable[[int], None] | None) -> None:
+        """:meth:`_load` of a snapshot stored under the engine's own identity."""
         match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids, from_lookup=True)
         end = job.n_tokens // self.bs
         starts = [(end - len(job.blocks[g])) * self.bs for g, _j in groups.where]
         # The fault hook rewrites every layer after the read: nothing is
         # announced before that.
-        notify = None if self.fault else on_layer
+        notify = None if self.fault == "flip-restored" else on_layer
         views = [p.block_views(ids) for p, ids in zip(groups.pages, job.blocks, strict=True)]
         if all(v is not None for v in views):
             # A failure may leave verified bytes in these blocks: they are the
@@ -322,9 +333,6 @@ class WorkerIO:
                                      [staged[g].layers[j] for g, j in groups.where],
                                      n_tokens=job.n_tokens, start_tokens=starts,
                                      threads=self.load_threads, on_layer=landed)
-        if self.fault == "flip-restored":
-            for p, ids in zip(groups.pages, job.blocks, strict=True):
-                p.scatter(ids, self._scramble(p.gather(ids)))
 
     def _groups_of(self, job: LoadJob | SaveJob) -> LayerGroups:
         """This worker's KV cache groups, which the job's per-group blocks must match."""
@@ -341,15 +349,6 @@ class WorkerIO:
         """The KV bytes a job moves: each layer's own group's blocks (a window: fewer)."""
         where = self.groups.where if self.groups is not None else ()
         return sum(len(job.blocks[g]) for g, _j in where) * self.identity.page_nbytes
-
-    @staticmethod
-    def _scramble(layers: list[np.ndarray]) -> list[np.ndarray]:
-        """The FAULT_ENV hook: each layer gets the next layer's pages (one layer:
-        zeros).  Not a permutation of blocks: attention sums over (K, V) pairs,
-        so moving whole blocks around would leave every answer unchanged."""
-        if len(layers) == 1:
-            return [np.zeros_like(layers[0])]
-        return [layers[i - 1].copy() for i in range(len(layers))]
 
     def _finish_load(self, job: LoadJob, *, ok: bool, report: bool) -> None:
         with self._lock:
@@ -515,6 +514,7 @@ class WorkerIO:
         return [copied[g][j] for g, j in groups.where]
 
     def _publish(self, job: SaveJob, pages: list[np.ndarray]) -> None:
+        die_at_publish(self.fault, self.rank)
         started = time.perf_counter()
         try:
             result = self.store.publish(self.identity, self.rank, job.token_ids, pages,

@@ -1,0 +1,48 @@
+"""The connector's test hooks (:data:`FAULT_ENV`): faults the vLLM tests inject
+into real engines to prove that the checks they make can fail.  Never set in
+production; nothing here runs unless the variable is set."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+
+__all__ = ["DIE_AT_PUBLISH", "FAULT_ENV", "die_at_publish", "scramble"]
+
+#: ``flip-restored`` scrambles restored pages *after* verification (every layer
+#: gets another layer's pages): a wrong restore must change the tokens or
+#: logprobs the tests compare.  ``die-publish:<rank>:<file>``: while ``<file>``
+#: exists, that rank's worker, at the start of a publish, waits for
+#: ``<file>.go`` (the test creates it once the other ranks' segments are
+#: written) and is killed: a rank that dies mid-publish.
+FAULT_ENV = "SPARKCACHE_TEST_FAULT"
+
+#: The prefix of the ``die-publish`` fault.
+DIE_AT_PUBLISH = "die-publish:"
+
+
+def scramble(layers: list[np.ndarray]) -> list[np.ndarray]:
+    """The ``flip-restored`` fault: each layer gets the next layer's pages (one
+    layer: zeros).  Not a permutation of blocks: attention sums over (K, V)
+    pairs, so moving whole blocks around would leave every answer unchanged."""
+    if len(layers) == 1:
+        return [np.zeros_like(layers[0])]
+    return [layers[i - 1].copy() for i in range(len(layers))]
+
+
+def die_at_publish(fault: str, rank: int, wait: float = 60.0) -> None:
+    """The ``die-publish`` fault: when it names ``rank`` and its trigger file
+    exists, wait for ``<trigger>.go`` (at most ``wait`` s) and kill this
+    process (SIGKILL: no clean-up at all)."""
+    if not fault.startswith(DIE_AT_PUBLISH):
+        return
+    target, _, trigger = fault.removeprefix(DIE_AT_PUBLISH).partition(":")
+    if target != str(rank) or not trigger or not os.path.exists(trigger):
+        return
+    deadline = time.monotonic() + wait
+    while not os.path.exists(trigger + ".go") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)

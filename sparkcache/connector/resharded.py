@@ -1,0 +1,67 @@
+"""Restores of snapshots stored by engines of another TP size, both sides.
+
+The scheduler looks for a snapshot of the engine's own sharding first; when
+none holds the prompt, :func:`sibling_match` looks under the index's other
+shardings of the same KV (:func:`sparkcache.reshard.siblings`) and the load
+job names that sharding (``LoadJob.source``).  Each worker then reads the
+heads it needs from whichever stored ranks hold them, verified
+(:func:`sparkcache.reshard.read_resharded`), and scatters them into the
+request's blocks: :func:`load_resharded`.  docs/connector.md, "Tensor
+parallelism".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sparkcache.connector.jobs import LoadJob
+from sparkcache.errors import SparkCacheError
+from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.sharding import ShardingRefused, plan_reads
+from sparkcache.store import Match, SnapshotStore
+
+__all__ = ["load_resharded", "sibling_match"]
+
+logger = logging.getLogger("vllm.sparkcache")
+
+
+def sibling_match(store: SnapshotStore, identity: ModelIdentity, total_kv_heads: int,
+                  tokens: np.ndarray, scope: RequestScope | None) -> Match | None:
+    """The longest match of ``tokens`` among snapshots of other shardings of
+    ``identity``'s KV that this engine can restore (None: none, or the model's
+    KV heads in all are unknown, ``total_kv_heads`` 0)."""
+    if total_kv_heads <= 0 or identity.window_blocks:
+        return None
+    best: Match | None = None
+    for other in store.siblings(identity, total_kv_heads):
+        try:  # a pair this version does not re-shard is a miss here, saying why
+            plan_reads(other.sharding(total_kv_heads), identity.sharding(total_kv_heads), 0)
+            match = store.lookup(other, tokens, scope=scope)
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: snapshots of %s not looked up: %s",
+                           other.digest(), exc)
+            continue
+        if match is not None and (best is None or match.n_tokens > best.n_tokens):
+            best = match
+    return best
+
+
+def load_resharded(store: SnapshotStore, identity: ModelIdentity, rank: int,
+                   total_kv_heads: int, job: LoadJob, pages: Any,
+                   block_ids: Sequence[int]) -> None:
+    """Restore ``job`` (a snapshot of ``job.source``'s sharding) into this
+    worker's ``block_ids`` of ``pages`` (one KV cache group): this rank's heads,
+    read verified from the stored ranks holding them.  Raises a SparkCacheError
+    (a miss, vLLM recomputes) when it cannot."""
+    if job.source is None or total_kv_heads <= 0:
+        raise ShardingRefused("the model's KV heads in all are unknown")
+    tp_rank = rank // identity.dcp_size % identity.tp_size
+    pp_rank = rank // (identity.dcp_size * identity.tp_size)
+    match = Match(job.snapshot_id, job.n_tokens, job.source, job.token_ids)
+    layers = store.read_resharded(match, identity, tp_rank, total_kv_heads,
+                                  pp_rank=pp_rank, n_tokens=job.n_tokens)
+    pages.scatter(block_ids, [layer[job.start_block:] for layer in layers])

@@ -1,0 +1,71 @@
+"""The store's request log: the rows each request leaves, and their summaries.
+
+:class:`StoreLog` is a base class of :class:`~sparkcache.store.SnapshotStore`
+holding these verbs beside :class:`~sparkcache.upkeep.StoreUpkeep`: each calls
+one function of :mod:`sparkcache.requestlog` on the store's core (docs/index.md,
+"request_log").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sparkcache import requestlog
+from sparkcache.core import Core
+from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
+
+__all__ = ["StoreLog"]
+
+
+class StoreLog:
+    """The request log verbs of :class:`~sparkcache.store.SnapshotStore` (a base class)."""
+
+    _core: Core
+
+    def log_requests(self, rows: Sequence[Mapping[str, Any]], *, keep: int) -> None:
+        """Record request log rows (docs/index.md, "request_log";
+        :func:`sparkcache.requestlog.record`).
+
+        Args:
+            rows: by request id; a row already logged is filled in.
+            keep: the newest rows kept.
+        """
+        requestlog.record(self._core, rows, keep=keep)
+
+    def requests(self, *, model_id: int | None = None, limit: int = 50,
+                 after_seq: int | None = None) -> list[RequestRow]:
+        """The logged requests (:func:`sparkcache.requestlog.requests`).
+
+        Args:
+            model_id: only this model's.
+            limit: at most this many.
+            after_seq: those logged after this ``seq``, oldest first (else the
+                newest, newest first).
+        """
+        return requestlog.requests(self._core, model_id=model_id, limit=limit,
+                                   after_seq=after_seq)
+
+    def request(self, request_id: str) -> RequestRow | None:
+        """One logged request, or None.
+
+        Args:
+            request_id: vLLM's request id.
+        """
+        return requestlog.request(self._core, request_id)
+
+    def request_summary(self, *, model_id: int | None = None) -> LogSummary:
+        """Requests and token sums over the request log.
+
+        Args:
+            model_id: only this model's.
+        """
+        return requestlog.summary(self._core, model_id=model_id)
+
+    def requests_by_key(self, *, model_id: int | None = None) -> list[KeySummary]:
+        """The request log summed per ``prompt_cache_key``, most requests first.
+
+        Args:
+            model_id: only this model's.
+        """
+        return requestlog.by_cache_key(self._core, model_id=model_id)

@@ -1,0 +1,137 @@
+"""Restores across TP sizes through the connector's two sides: the scheduler
+offers a snapshot stored by an engine of another TP size, each worker reads
+the heads it needs from the stored ranks holding them, and nothing is stored
+twice.  Simulated workers over a real store (as tests/connector/test_ranks.py);
+tests/vllm/test_tensor_parallel.py runs the same in real vLLM engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sparkcache import ModelIdentity, SnapshotStore
+from sparkcache.connector.jobs import Counters
+from sparkcache.connector.resharded import sibling_match
+from sparkcache.connector.scheduler import SchedulerSide
+from sparkcache.connector.worker import WorkerIO
+
+from .helpers import BS, LAYERS, Req, blocks_of, finished, prompt
+
+HEADS = 2
+HEAD_NBYTES = BS * 8 * 4
+
+
+def ident(tp: int) -> ModelIdentity:
+    local = HEADS // tp
+    return ModelIdentity(model="sim", revision="r1", num_layers=LAYERS, num_kv_heads=local,
+                         head_size=4, dtype="float32", kv_cache_dtype="float32",
+                         block_size=BS, page_shape=(local, BS, 8), tp_size=tp)
+
+
+class Pages:
+    """A worker's KV cache of ``heads`` heads a page: ``[layers, blocks, bytes]``."""
+
+    def __init__(self, blocks: int, heads: int, seed: int) -> None:
+        self.page_nbytes = heads * HEAD_NBYTES
+        rng = np.random.default_rng(seed)
+        self.arr = rng.integers(0, 255, (LAYERS, blocks, self.page_nbytes), dtype=np.uint8)
+        self.num_blocks = blocks
+
+    def __len__(self) -> int:
+        return LAYERS
+
+    def block_views(self, block_ids: Any) -> None:
+        return None  # (the resharded path scatters; the own path is test_ranks')
+
+    def fence(self) -> object:
+        return None
+
+    def gather(self, block_ids: Any, after: object = None) -> list[np.ndarray]:
+        return [self.arr[i, list(block_ids)].copy() for i in range(LAYERS)]
+
+    def scatter(self, block_ids: Any, pages: Any) -> None:
+        for i in range(LAYERS):
+            self.arr[i, list(block_ids)] = np.asarray(pages[i]).reshape(-1, self.page_nbytes)
+
+    def staged(self, block_ids: Any) -> Any:
+        raise AssertionError("not used")
+
+
+def publish(store: SnapshotStore, tp: int, p: list[int], kv: list[Pages]) -> None:
+    sched = SchedulerSide(store, ident(tp), Counters(), min_tokens=BS, load_async=True)
+    req = finished(Req("a", p))
+    sched.finished(req, blocks_of(req))
+    _loads, (save,) = sched.take_jobs()
+    for rank in range(tp):
+        io = WorkerIO(store, ident(tp), rank, kv[rank], Counters())  # type: ignore[arg-type]
+        io.submit_save(save)
+        assert io.flush()
+        io.close()
+
+
+def restore(store: SnapshotStore, tp: int, p: list[int]) -> tuple[list[Pages], Counters]:
+    counters = Counters()
+    sched = SchedulerSide(store, ident(tp), counters, min_tokens=BS, load_async=True)
+    sched.restores.total_kv_heads = sched.saves.total_kv_heads = HEADS
+    req = Req("b", p)
+    assert sched.matched_tokens(req, 0) == (len(p) - 1, True)
+    sched.after_alloc(req, list(range(9, 16)), len(p) - 1)
+    (load,), _ = sched.take_jobs()
+    assert load.source == ident(3 - tp)
+    fresh = [Pages(16, HEADS // tp, seed=50 + r) for r in range(tp)]
+    for rank in range(tp):
+        io = WorkerIO(store, ident(tp), rank, fresh[rank], Counters())  # type: ignore[arg-type]
+        io.total_kv_heads = HEADS
+        io.submit_load(load)
+        assert io.flush()
+        assert io.poll()[1] == {"b"} and not io.take_failed_blocks()
+        io.close()
+    # Its save at the finish would copy the other TP size's snapshot: none.
+    req = finished(Req("c", p))
+    sched.finished(req, blocks_of(req))
+    assert sched.take_jobs() == ([], [])
+    return fresh, counters
+
+
+def test_tp2_segments_restore_in_a_tp1_worker_and_are_not_stored_again(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    kv = [Pages(16, 1, seed=rank) for rank in (0, 1)]
+    p = prompt(100, 1)
+    publish(store, 2, p, kv)
+    (one,), counters = restore(store, 1, p)
+    for layer in range(LAYERS):  # each page: rank 0's head, then rank 1's
+        np.testing.assert_array_equal(one.arr[layer, 9:16, :HEAD_NBYTES], kv[0].arr[layer, :7])
+        np.testing.assert_array_equal(one.arr[layer, 9:16, HEAD_NBYTES:], kv[1].arr[layer, :7])
+    assert counters.take().get("saves_known") == 1
+    assert len(store.snapshots()) == 1
+
+
+def test_a_tp1_segment_restores_in_each_tp2_worker(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    kv = [Pages(16, 2, seed=7)]
+    p = prompt(100, 2)
+    publish(store, 1, p, kv)
+    two, _counters = restore(store, 2, p)
+    for rank in (0, 1):
+        heads = slice(rank * HEAD_NBYTES, (rank + 1) * HEAD_NBYTES)
+        np.testing.assert_array_equal(two[rank].arr[:, 9:16], kv[0].arr[:, :7, heads])
+    assert len(store.snapshots()) == 1
+
+
+def test_a_sharding_that_cannot_be_resharded_is_not_offered(tmp_path: Path) -> None:
+    """Another pipeline-parallel size: a miss at the scheduler, not a failed load."""
+    store = SnapshotStore(tmp_path / "s")
+    staged = ModelIdentity(model="sim", revision="r1", num_layers=LAYERS, num_kv_heads=1,
+                           head_size=4, dtype="float32", kv_cache_dtype="float32",
+                           block_size=BS, page_shape=(1, BS, 8), tp_size=2, pp_size=2)
+    p = prompt(64, 3)
+    for rank in range(4):
+        store.publish(staged, rank, p, [np.zeros((4, HEAD_NBYTES), np.uint8)] * LAYERS)
+    assert store.lookup(staged, p) is not None
+    tokens = np.asarray(p, np.uint32)
+    assert sibling_match(store, ident(1), HEADS, tokens, None) is None
+    publish(store, 2, p, [Pages(16, 1, seed=rank) for rank in (0, 1)])  # tp=2, pp=1
+    found = sibling_match(store, ident(1), HEADS, tokens, None)
+    assert found is not None and found.identity == ident(2)
