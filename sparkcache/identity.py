@@ -256,6 +256,19 @@ class ModelIdentity:
         part["page_shape"][0] = 1  # one head's page
         return xxhash.xxh3_128_hexdigest(b"sparkcache-kv\x00" + canonical_json(part).encode())
 
+    def budget_digest(self) -> str:
+        """32 hex characters naming what Spark's per-model limits count together
+        (docs/retention.md): every sharding of this model's KV, whatever its TP
+        size; :meth:`digest` itself when the pages do not have the rank's heads
+        as their outer dimension (a snapshot that serves only its own sharding)."""
+        if self.page_shape[0] != self.num_kv_heads:
+            return self.digest()
+        part = self.to_dict()
+        for name in ("tp_size", "pp_size", "dcp_size", "num_kv_heads"):
+            del part[name]
+        part["page_shape"][0] = 1  # one head's page
+        return xxhash.xxh3_128_hexdigest(b"sparkcache-budget\x00" + canonical_json(part).encode())
+
     def check_rank(self, rank: int) -> int:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
             raise InvalidArgument(

@@ -12,7 +12,7 @@ import contextlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sparkcache.backends.keys import temp_key_writer
 from sparkcache.core import (
@@ -27,13 +27,14 @@ from sparkcache.core import (
     scalar,
     select_all,
 )
-from sparkcache.errors import LeaseError, NotFound, StorageMismatch, UnsafeName
+from sparkcache.errors import InvalidArgument, LeaseError, NotFound, StorageMismatch, UnsafeName
 from sparkcache.holders import process_alive
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
 
 __all__ = [
-    "CheckReport", "check", "check_storage", "clear_model", "delete_model", "delete_snapshots",
+    "CheckReport", "budget_group", "check", "check_storage", "clear_model", "delete_model",
+    "delete_snapshots",
     "drop_snapshot", "evict_lru", "insert_boundaries", "publish_abandoned", "quarantine",
     "reclaim_publishes", "remove_deleted_models",
 ]
@@ -132,12 +133,13 @@ def _delete(core: Core, snapshot_ids: list[int], force: bool, reason: str) -> li
 def evict_lru(
     core: Core, *, model: ModelIdentity | None = None, model_id: int | None = None,
     count: int | None = None, free_bytes: int | None = None, older_than: float | None = None,
-    keep: Iterable[int] = (), reason: str = "lru",
+    keep: Iterable[int] = (), reason: str = "lru", model_ids: Sequence[int] | None = None,
 ) -> list[int]:
     """Delete snapshots, quarantined ones first, then least recently used, until
     ``count`` went or ``free_bytes`` were freed (whichever comes first; with
     neither, every candidate goes).  ``older_than`` keeps snapshots used since;
-    ``keep`` protects ids (e.g. the snapshot being published).
+    ``keep`` protects ids (e.g. the snapshot being published); ``model_ids``
+    takes candidates from those models together (a :func:`budget_group`).
 
     Only leaves go (a parent still needed by a child waits until the child has
     gone, which may happen in this same call), never pinned or leased ones.
@@ -148,12 +150,37 @@ def evict_lru(
     """
     if count is not None and count <= 0:
         return []
-    return core.freeing(lambda: _evict(core, model, model_id, count, free_bytes, older_than,
+    filters: list[tuple[str, Any]] = []
+    if model_ids is not None:
+        filters.append((q.EVICT_FILTER_MODELS, json.dumps([int(i) for i in model_ids])))
+    if older_than is not None:
+        filters.append((q.EVICT_FILTER_OLDER, older_than))
+    return core.freeing(lambda: _evict(core, model, model_id, count, free_bytes, filters,
                                        keep, reason))
 
 
+def budget_group(core: Core, conn: Conn, model_id: int) -> list[int]:
+    """The live models whose snapshots Spark's per-model limits count together
+    with ``model_id``'s: its rows of every sharding of the same KV
+    (:meth:`ModelIdentity.budget_digest`), ``model_id`` first."""
+    own = core.model(conn, model_id)
+    if own is None:
+        return [model_id]
+    key = own.identity().budget_digest()
+    group = [model_id]
+    for row in select_all(conn, q.LIVE_MODELS, into=ModelInfo):
+        if row.id == model_id:
+            continue
+        try:
+            if row.identity().budget_digest() == key:
+                group.append(row.id)
+        except InvalidArgument:  # a row this version cannot read: its own budget
+            continue
+    return group
+
+
 def _evict(core: Core, model: ModelIdentity | None, model_id: int | None, count: int | None,
-           free_bytes: int | None, older_than: float | None, keep: Iterable[int],
+           free_bytes: int | None, extra: list[tuple[str, Any]], keep: Iterable[int],
            reason: str) -> list[int]:
     now = core.clock()
     evicted: list[int] = []
@@ -165,18 +192,14 @@ def _evict(core: Core, model: ModelIdentity | None, model_id: int | None, count:
                 or (free_bytes is not None and freed >= free_bytes))
 
     with core.write() as conn:
-        filters: list[str] = []
-        params: list[float] = []
         if model is not None:
             model_id = core.model_id(conn, model)
             if model_id is None:
                 return []
         if model_id is not None:
-            filters.append(q.EVICT_FILTER_MODEL)
-            params.append(model_id)
-        if older_than is not None:
-            filters.append(q.EVICT_FILTER_OLDER)
-            params.append(older_than)
+            extra = [(q.EVICT_FILTER_MODEL, model_id), *extra]
+        filters = [sql for sql, _param in extra]
+        params = [param for _sql, param in extra]
         sql = q.EVICTABLE.format(filters=" ".join(filters))
         for state in ("quarantined", "ready"):
             while not done():

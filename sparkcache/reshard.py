@@ -17,15 +17,11 @@ import numpy as np
 from sparkcache.core import Core, Match, ModelInfo, select_all
 from sparkcache.errors import InvalidArgument
 from sparkcache.identity import ModelIdentity
+from sparkcache.index import queries as q
 from sparkcache.reader import read_pages
 from sparkcache.sharding import ShardingRefused, copy_heads, plan_reads
 
-__all__ = ["LIVE_MODELS", "read_resharded", "siblings"]
-
-#: Every model row not deleted (one per model and sharding: a small table).
-LIVE_MODELS = ("SELECT id, digest, name, folder, identity_json, created_at, deleted_at "
-               "FROM models WHERE deleted_at IS NULL ORDER BY id")
-
+__all__ = ["read_resharded", "siblings"]
 
 def siblings(core: Core, identity: ModelIdentity, total_kv_heads: int) -> list[ModelIdentity]:
     """The identities in the index that hold ``identity``'s KV sharded otherwise
@@ -35,7 +31,7 @@ def siblings(core: Core, identity: ModelIdentity, total_kv_heads: int) -> list[M
     if kv is None:
         return []
     with core.read() as conn:
-        rows = select_all(conn, LIVE_MODELS, into=ModelInfo)
+        rows = select_all(conn, q.LIVE_MODELS, into=ModelInfo)
     out: list[ModelIdentity] = []
     for row in rows:
         if row.digest == identity.digest():

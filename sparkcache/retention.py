@@ -34,7 +34,12 @@ from sparkcache.backends import Backend, DiskUsage
 from sparkcache.core import Core
 from sparkcache.errors import InvalidArgument
 from sparkcache.folder import resolve_folder
-from sparkcache.maintenance import evict_lru, reclaim_publishes, remove_deleted_models
+from sparkcache.maintenance import (
+    budget_group,
+    evict_lru,
+    reclaim_publishes,
+    remove_deleted_models,
+)
 from sparkcache.periodic import Periodic
 
 __all__ = [
@@ -245,20 +250,21 @@ class Retention:
 
     def after_publish(self, core: Core, model_id: int, snapshot_id: int) -> SweepReport:
         """After a save: the model's entry count and budget, least recently used
-        first, never the snapshot just saved."""
+        first, never the snapshot just saved.  A model's snapshots of every TP
+        size count together (:func:`~sparkcache.maintenance.budget_group`)."""
         report = SweepReport()
         with core.read() as conn:
-            count, nbytes = core.usage(conn, model_id)
+            group = budget_group(core, conn, model_id)
+        count, nbytes = _usage(core, group)
         keep = (snapshot_id,)
         extra = count - self.settings.entries
         if extra > 0:
-            report.add("entries", evict_lru(core, model_id=model_id, count=extra, keep=keep,
+            report.add("entries", evict_lru(core, model_ids=group, count=extra, keep=keep,
                                             reason="entries"))
-            with core.read() as conn:
-                count, nbytes = core.usage(conn, model_id)
+            count, nbytes = _usage(core, group)
         budget = self.model_budget_bytes(self._disk(core), nbytes)
         if nbytes > budget:
-            report.add("budget", evict_lru(core, model_id=model_id, free_bytes=nbytes - budget,
+            report.add("budget", evict_lru(core, model_ids=group, free_bytes=nbytes - budget,
                                            count=None, keep=keep, reason="budget"))
         return report
 
@@ -303,6 +309,16 @@ class Retention:
 #: Snapshots one sweep transaction deletes at most: publishers (other processes)
 #: and lookups (this one) wait for one chunk, not for the whole sweep.
 SWEEP_CHUNK = 256
+
+
+def _usage(core: Core, model_ids: list[int]) -> tuple[int, int]:
+    """(snapshots, bytes) of these models together."""
+    count = nbytes = 0
+    with core.read() as conn:
+        for model_id in model_ids:
+            c, n = core.usage(conn, model_id)
+            count, nbytes = count + c, nbytes + n
+    return count, nbytes
 
 
 def _in_chunks(core: Core, reason: str,

@@ -118,6 +118,10 @@ PENDING_SNAPSHOTS = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE state = 'pe
 # checked per row (a dead holder's lease blocks nothing).  ``{filters}`` is
 # built from the constants below only.  Served by ix (state, last_used) or
 # (model_id, state, last_used): the scan stops after LIMIT rows.
+#: Every model row not deleted (one per model and sharding: a small table).
+LIVE_MODELS = ("SELECT id, digest, name, folder, identity_json, created_at, deleted_at "
+               "FROM models WHERE deleted_at IS NULL ORDER BY id")
+
 EVICTABLE = """
 SELECT s.id, s.nbytes FROM snapshots AS s
 WHERE s.state = ? {filters}
@@ -127,6 +131,7 @@ WHERE s.state = ? {filters}
 ORDER BY s.last_used LIMIT ?
 """
 EVICT_FILTER_MODEL = "AND s.model_id = ?"
+EVICT_FILTER_MODELS = "AND s.model_id IN (SELECT value FROM json_each(?))"
 EVICT_FILTER_OLDER = "AND s.last_used < ?"
 
 # -- segments -----------------------------------------------------------------

@@ -59,3 +59,18 @@ def test_a_rank_whose_heads_are_not_a_split_is_invalid() -> None:
         ident(2, 2).kv_digest(6)
     mla = ident(2, 2, extra=((MLA_KEY, "1"),))
     assert mla.sharding(4).mla
+
+
+def test_a_models_shardings_share_one_budget_digest() -> None:
+    """Spark's per-model limits count every TP size of a model together, and
+    nothing of another model (ModelIdentity.budget_digest)."""
+    from tests.store.test_reshard import ident
+
+    assert ident(1).budget_digest() == ident(2).budget_digest() == ident(4).budget_digest()
+    assert ident(1).digest() != ident(2).digest()
+    assert ident(1, model="other").budget_digest() != ident(1).budget_digest()
+    assert ident(2, dtype="bfloat16").budget_digest() != ident(2).budget_digest()
+    # Pages whose outer dimension is not the rank's heads serve only their own
+    # sharding: their budget is their own.
+    flat = ident(2, page_shape=(32, 2, 8))
+    assert flat.budget_digest() == flat.digest()

@@ -320,3 +320,28 @@ def test_changing_the_folder_leaves_the_old_one_alone(tmp_path: Path, clock: Clo
         clock.now += 10 * 3600
         new_store.sweep()
     assert sorted(p for p in (tmp_path / "old").rglob("*")) == before
+
+
+def test_the_entry_count_takes_every_tp_size_of_a_model_together(
+        tmp_path: Path, clock: Clock, disk: FakeDisk) -> None:
+    """A model stored by engines of two TP sizes has one entry budget
+    (docs/retention.md): its least recently used snapshot goes, whatever its
+    sharding, and a snapshot of another TP size is not a second free entry."""
+    from tests.store.test_reshard import TOKENS, full_kv, ident
+    from tests.store.test_reshard import publish as publish_sharded
+
+    with make_store(tmp_path, clock, disk, entries=2) as store:
+        kv = full_kv()
+        prompts = [[t + 1000 * i for t in TOKENS] for i in range(3)]
+        for tp, prompt in zip((1, 2, 1), prompts, strict=True):
+            clock.now += 10
+            publish_sharded(store, tp, kv, prompt)
+        assert len(store.snapshots()) == 2
+        assert store.lookup(ident(1), prompts[0]) is None  # the oldest, of TP=1, went
+        assert store.lookup(ident(2), prompts[1]) is not None
+        assert store.lookup(ident(1), prompts[2]) is not None
+        assert store.stats()["evictions.entries"] == 1
+        clock.now += 10
+        publish_sharded(store, 2, kv, [t + 5000 for t in TOKENS])
+        assert store.lookup(ident(2), prompts[1]) is None  # now the oldest of both
+        assert len(store.snapshots()) == 2
