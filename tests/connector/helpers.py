@@ -34,10 +34,10 @@ def identity(tp_size: int = 1) -> ModelIdentity:
 class FakePages:
     """A worker's KV cache: ``[layers, blocks, page bytes]`` of random bytes."""
 
-    def __init__(self, blocks: int, seed: int) -> None:
+    def __init__(self, blocks: int, seed: int, page_nbytes: int = PAGE_NBYTES) -> None:
         rng = np.random.default_rng(seed)
-        self.arr = rng.integers(0, 255, (LAYERS, blocks, PAGE_NBYTES), dtype=np.uint8)
-        self.num_blocks, self.page_nbytes = blocks, PAGE_NBYTES
+        self.arr = rng.integers(0, 255, (LAYERS, blocks, page_nbytes), dtype=np.uint8)
+        self.num_blocks, self.page_nbytes = blocks, page_nbytes
 
     def __len__(self) -> int:
         return LAYERS
@@ -57,7 +57,7 @@ class FakePages:
             self.scatter_layer(i, block_ids, pages[i])
 
     def scatter_layer(self, layer: int, block_ids: Any, src: Any) -> None:
-        self.arr[layer, list(block_ids)] = np.asarray(src).reshape(-1, PAGE_NBYTES)
+        self.arr[layer, list(block_ids)] = np.asarray(src).reshape(-1, self.page_nbytes)
 
 
 class GatedPages(FakePages):

@@ -17,7 +17,7 @@ from sparkcache.connector.resharded import sibling_match
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
 
-from .helpers import BS, LAYERS, Req, blocks_of, finished, prompt
+from .helpers import BS, LAYERS, FakePages, Req, blocks_of, finished, prompt
 
 HEADS = 2
 HEAD_NBYTES = BS * 8 * 4
@@ -30,30 +30,14 @@ def ident(tp: int) -> ModelIdentity:
                          block_size=BS, page_shape=(local, BS, 8), tp_size=tp)
 
 
-class Pages:
+class Pages(FakePages):
     """A worker's KV cache of ``heads`` heads a page: ``[layers, blocks, bytes]``."""
 
     def __init__(self, blocks: int, heads: int, seed: int) -> None:
-        self.page_nbytes = heads * HEAD_NBYTES
-        rng = np.random.default_rng(seed)
-        self.arr = rng.integers(0, 255, (LAYERS, blocks, self.page_nbytes), dtype=np.uint8)
-        self.num_blocks = blocks
-
-    def __len__(self) -> int:
-        return LAYERS
+        super().__init__(blocks, seed, heads * HEAD_NBYTES)
 
     def block_views(self, block_ids: Any) -> None:
         return None  # (the resharded path scatters; the own path is test_ranks')
-
-    def fence(self) -> object:
-        return None
-
-    def gather(self, block_ids: Any, after: object = None) -> list[np.ndarray]:
-        return [self.arr[i, list(block_ids)].copy() for i in range(LAYERS)]
-
-    def scatter(self, block_ids: Any, pages: Any) -> None:
-        for i in range(LAYERS):
-            self.arr[i, list(block_ids)] = np.asarray(pages[i]).reshape(-1, self.page_nbytes)
 
     def staged(self, block_ids: Any) -> Any:
         raise AssertionError("not used")
