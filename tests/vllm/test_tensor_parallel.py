@@ -140,14 +140,18 @@ def _stored(prompt: list[int]) -> int:
     return (len(prompt) + MAX_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
-def _damage(folder: Path, prompt: list[int], rank: int) -> None:
-    """Flip one byte of the payload (past the header) of ``rank``'s segment of
-    ``prompt``'s snapshot."""
+def _damaged_copy(source: str | Path, tmp: Path, prompt: list[int], rank: int) -> Path:
+    """A copy of the store at ``source`` in ``tmp / "store"``, one byte of the
+    payload (past the header) of ``rank``'s segment of ``prompt``'s snapshot
+    flipped."""
+    folder = tmp / "store"
+    shutil.copytree(source, folder)
     damaged = _segment_file(folder, _stored(prompt), rank)
     data = bytearray(damaged.read_bytes())
     header = int.from_bytes(data[:8], "little")
     data[8 + header + 1000] ^= 0x40
     damaged.write_bytes(bytes(data))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +160,7 @@ def restored(tiny_model_dir: Path, dying: dict[str, Any],
     """A restarted TP=2 engine on a copy of the dying engine's store, one byte
     of OTHER's rank 1 segment flipped (in its payload, past the header)."""
     tmp = tmp_path_factory.mktemp("tp2-restored")
-    folder = tmp / "store"
-    shutil.copytree(dying["folder"], folder)
-    _damage(folder, OTHER, 1)
+    folder = _damaged_copy(dying["folder"], tmp, OTHER, 1)
     ops: list[dict[str, Any]] = [
         {"op": "gen", "name": "restart", "prompts": [LONG_PROMPT], "logprobs": True},
         {"op": "reset"},
@@ -247,9 +249,7 @@ def tp1(tiny_model_dir: Path, dying: dict[str, Any],
     """A TP=1 engine on a copy of the TP=2 store (OTHER's rank 1 segment damaged):
     LONG_PROMPT restored from both TP=2 segments, OTHER refused, ONE published."""
     tmp = tmp_path_factory.mktemp("tp1-from-tp2")
-    folder = tmp / "store"
-    shutil.copytree(dying["folder"], folder)
-    _damage(folder, OTHER, 1)
+    folder = _damaged_copy(dying["folder"], tmp, OTHER, 1)
     ops: list[dict[str, Any]] = [
         {"op": "gen", "name": "long", "prompts": [LONG_PROMPT], "logprobs": True},
         {"op": "reset"},
@@ -268,9 +268,7 @@ def tp2x(tiny_model_dir: Path, tp1: dict[str, Any],
     """A TP=2 engine on a copy of the TP=1 engine's store (ONE's segment
     damaged): OTHER restored from the TP=1 snapshot, ONE refused."""
     tmp = tmp_path_factory.mktemp("tp2-from-tp1")
-    folder = tmp / "store"
-    shutil.copytree(tp1["folder"], folder)
-    _damage(folder, ONE, 0)
+    folder = _damaged_copy(tp1["folder"], tmp, ONE, 0)
     ops: list[dict[str, Any]] = [
         {"op": "gen", "name": "other", "prompts": [OTHER], "logprobs": True},
         {"op": "reset"},
