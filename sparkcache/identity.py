@@ -249,12 +249,7 @@ class ModelIdentity:
         if self.page_shape[0] != self.num_kv_heads:
             return None
         self.sharding(total_kv_heads)
-        part = self.to_dict()
-        for name in ("tp_size", "pp_size", "dcp_size"):
-            del part[name]
-        part["num_kv_heads"] = total_kv_heads
-        part["page_shape"][0] = 1  # one head's page
-        return xxhash.xxh3_128_hexdigest(b"sparkcache-kv\x00" + canonical_json(part).encode())
+        return self._unsharded_digest(b"sparkcache-kv\x00", num_kv_heads=total_kv_heads)
 
     def budget_digest(self) -> str:
         """32 hex characters naming what Spark's per-model limits count together
@@ -263,11 +258,17 @@ class ModelIdentity:
         as their outer dimension (a snapshot that serves only its own sharding)."""
         if self.page_shape[0] != self.num_kv_heads:
             return self.digest()
+        return self._unsharded_digest(b"sparkcache-budget\x00")
+
+    def _unsharded_digest(self, tag: bytes, **fields: int) -> str:
+        """The digest of this identity without how it is sharded (TP, PP and DCP
+        sizes, the rank's head count; one head's page), plus ``fields``."""
         part = self.to_dict()
         for name in ("tp_size", "pp_size", "dcp_size", "num_kv_heads"):
             del part[name]
         part["page_shape"][0] = 1  # one head's page
-        return xxhash.xxh3_128_hexdigest(b"sparkcache-budget\x00" + canonical_json(part).encode())
+        part.update(fields)
+        return xxhash.xxh3_128_hexdigest(tag + canonical_json(part).encode())
 
     def check_rank(self, rank: int) -> int:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:

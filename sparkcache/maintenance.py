@@ -33,10 +33,21 @@ from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
 
 __all__ = [
-    "CheckReport", "budget_group", "check", "check_storage", "clear_model", "delete_model",
+    "CheckReport",
+    "budget_group",
+    "check",
+    "check_storage",
+    "clear_model",
+    "delete_model",
     "delete_snapshots",
-    "drop_snapshot", "evict_lru", "insert_boundaries", "publish_abandoned", "quarantine",
-    "reclaim_publishes", "remove_deleted_models",
+    "drop_snapshot",
+    "evict_lru",
+    "insert_boundaries",
+    "live_identities",
+    "publish_abandoned",
+    "quarantine",
+    "reclaim_publishes",
+    "remove_deleted_models",
 ]
 
 #: A pending snapshot with no live publisher is abandoned after this long.
@@ -159,6 +170,16 @@ def evict_lru(
                                        keep, reason))
 
 
+def live_identities(conn: Conn) -> list[tuple[int, ModelIdentity]]:
+    """Every live model row's id and identity, oldest first; a row this version
+    cannot read is left out (it keeps to itself)."""
+    out: list[tuple[int, ModelIdentity]] = []
+    for row in select_all(conn, q.LIVE_MODELS, into=ModelInfo):
+        with contextlib.suppress(InvalidArgument):
+            out.append((row.id, row.identity()))
+    return out
+
+
 def budget_group(core: Core, conn: Conn, model_id: int) -> list[int]:
     """The live models whose snapshots Spark's per-model limits count together
     with ``model_id``'s: its rows of every sharding of the same KV
@@ -167,16 +188,8 @@ def budget_group(core: Core, conn: Conn, model_id: int) -> list[int]:
     if own is None:
         return [model_id]
     key = own.identity().budget_digest()
-    group = [model_id]
-    for row in select_all(conn, q.LIVE_MODELS, into=ModelInfo):
-        if row.id == model_id:
-            continue
-        try:
-            if row.identity().budget_digest() == key:
-                group.append(row.id)
-        except InvalidArgument:  # a row this version cannot read: its own budget
-            continue
-    return group
+    return [model_id] + [i for i, other in live_identities(conn)
+                         if i != model_id and other.budget_digest() == key]
 
 
 def _evict(core: Core, model: ModelIdentity | None, model_id: int | None, count: int | None,

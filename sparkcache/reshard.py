@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkcache.core import Core, Match, ModelInfo, select_all
+from sparkcache.core import Core, Match
 from sparkcache.errors import InvalidArgument
 from sparkcache.identity import ModelIdentity
-from sparkcache.index import queries as q
+from sparkcache.maintenance import live_identities
 from sparkcache.reader import read_pages
 from sparkcache.sharding import ShardingRefused, copy_heads, plan_reads
 
@@ -30,17 +30,17 @@ def siblings(core: Core, identity: ModelIdentity, total_kv_heads: int) -> list[M
     kv = identity.kv_digest(total_kv_heads)
     if kv is None:
         return []
+    own = identity.digest()
     with core.read() as conn:
-        rows = select_all(conn, q.LIVE_MODELS, into=ModelInfo)
+        rows = live_identities(conn)
     out: list[ModelIdentity] = []
-    for row in rows:
-        if row.digest == identity.digest():
+    for _id, other in rows:
+        if other.digest() == own:
             continue
         try:
-            other = row.identity()
             if other.kv_digest(total_kv_heads) == kv:
                 out.append(other)
-        except InvalidArgument:  # another model, or not a split of these heads
+        except InvalidArgument:  # not a split of these heads
             continue
     return out
 
