@@ -24,7 +24,7 @@ it names the request in the request log (``kv_transfer_params["sparkcache"]["id"
 always its own, whatever the client sent) and records the API, the model, the
 key, the status and the total time there; the connector records the tokens
 and the engine's timings in the same row.  ``/sparkcache`` is the page
-(:mod:`sparkcache.serve.page`), served only to loopback clients unless an
+(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to loopback clients unless an
 admin token is set.  Everything else passes through untouched.
 """
 
@@ -32,28 +32,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
-import hashlib
-import hmac
 import logging
 import os
-import secrets
 import sys
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, quote
 
 from sparkcache.errors import InvalidArgument, SparkCacheError
 from sparkcache.requestlog import log_rows_setting
 from sparkcache.serve import page
-from sparkcache.serve.access import ATTEMPTS, SESSION_S, WINDOW_S, Admin, ApiKeys
-from sparkcache.serve.access import loopback as is_loopback
+from sparkcache.serve.access import ApiKeys
 from sparkcache.serve.bodies import (
-    MAX_FORM,
     BadBody,
     Gone,
     Message,
@@ -62,7 +54,6 @@ from sparkcache.serve.bodies import (
     Send,
     TooLarge,
     dumps,
-    header,
     off_loop,
     parse_json,
     read_body,
@@ -70,9 +61,11 @@ from sparkcache.serve.bodies import (
     respond,
     without_length,
 )
-from sparkcache.serve.cache_control import Cut, common_prefix, strip
+from sparkcache.serve.cache_control import Cut
 from sparkcache.serve.checks import Refused, api_of, error_body, prepare, transfer_params
 from sparkcache.serve.launch import check_token
+from sparkcache.serve.pages import Pages
+from sparkcache.serve.render import Renderer
 from sparkcache.serve.usage import SseRewriter, anthropic_usage, facts_of
 from sparkcache.store import SnapshotStore
 
@@ -99,19 +92,9 @@ ROUTES: dict[str, str | None] = {
 #: facts (they are written while the prompt's last chunk is computed, so
 #: normally before its first token).
 FACTS_WAIT_S = 10.0
-#: Renders of request prefixes remembered (a shared system prompt is rendered once).
-RENDER_CACHE = 256
 #: The largest API request body, in MB, unless SPARKCACHE_MAX_BODY_MB says otherwise.
 MAX_BODY_MB = 64
 
-#: Sent with the page and its login form: no caching, no framing, no scripts.
-PAGE_HEADERS = [
-    (b"cache-control", b"no-store"), (b"x-frame-options", b"DENY"),
-    (b"content-security-policy",
-     b"default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
-     b"frame-ancestors 'none'"),
-]
-TEXT = "text/plain; charset=utf-8"
 
 # -- environment the launcher sets ---------------------------------------------------------
 ENV_FOLDER = "SPARKCACHE_SERVE_FOLDER"
@@ -188,11 +171,9 @@ class SparkCacheMiddleware:
         # One thread owns the index connection: its calls never interleave.
         self._db = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparkcache-db")
         self._store: SnapshotStore | None = None
-        self._renders: OrderedDict[str, list[int]] = OrderedDict()
-        self._secret = secrets.token_bytes(32)  # CSRF tokens of this server process
+        self._renderer = Renderer()
         self._keys = ApiKeys(app)  # vLLM's --api-key, when it has one
-        token = self.settings.admin_token
-        self._admin = Admin(token) if token else None
+        self.pages = Pages(self.settings.admin_token, self.db)
 
     # -- the index, on its own thread ---------------------------------------------------
 
@@ -240,7 +221,7 @@ class SparkCacheMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         if path == page.PATH or path.startswith(page.PATH + "/"):
-            return await self._page(scope, receive, send)
+            return await self.pages(scope, receive, send)
         if path not in ROUTES or scope.get("method") != "POST" or self._keys.refuses(scope):
             # A request vLLM refuses for its --api-key goes to vLLM unread: its 401.
             return await self.app(scope, receive, send)
@@ -289,7 +270,7 @@ class SparkCacheMiddleware:
         """The body vLLM reads: the request named for the log, its breakpoints set."""
         async def final_body() -> bytes:
             # Runs when vLLM's route reads the body, after vLLM's own checks.
-            breakpoints = await self._positions(scope, body, marks) if marks else []
+            breakpoints = await self._renderer.positions(scope, body, marks) if marks else []
             params, ours = transfer_params(body)  # checked already: they are objects
             ours["id"] = request_id
             if breakpoints:
@@ -364,192 +345,3 @@ class SparkCacheMiddleware:
             return body
         answer["usage"] = anthropic_usage(answer.get("usage"), facts)
         return dumps(answer)
-
-    # -- breakpoints ----------------------------------------------------------------------
-
-    async def _positions(self, scope: Scope, body: dict[str, Any],
-                         marks: list[Any]) -> list[dict[str, Any]]:
-        """Each mark's token position: where the prompt rendered up to its block
-        stops agreeing with the whole prompt.  A mark whose render fails is left
-        out (logged); when the whole prompt does not render, none is set (vLLM
-        then answers the request with its own error)."""
-        full = await self._render(scope, strip(body))
-        if full is None:
-            return []
-        positions: list[dict[str, Any]] = []
-        for mark in marks:
-            tokens = await self._render(scope, mark.body)
-            if tokens is None:
-                logger.warning("sparkcache: the prompt up to %s does not render; "
-                               "no breakpoint there", mark.where)
-                continue
-            positions.append({"at": common_prefix(tokens, full), "ttl": mark.ttl})
-        return positions
-
-    async def _render(self, scope: Scope, body: dict[str, Any]) -> list[int] | None:
-        """The token ids vLLM's own renderer makes of an Anthropic request, the
-        same as ``/v1/messages`` prefills (remembered by content)."""
-        body = copy.deepcopy(body)
-        body.pop("kv_transfer_params", None)
-        body["stream"] = False
-        key = hashlib.sha256(dumps(body)).hexdigest()
-        if key in self._renders:
-            self._renders.move_to_end(key)
-            return self._renders[key]
-        renderer = getattr(getattr(scope.get("app"), "state", None), "serving_render", None)
-        if renderer is None:
-            logger.warning("sparkcache: this vLLM server has no renderer; "
-                           "cache_control sets no breakpoint")
-            return None
-        # vLLM's own request model: imported here, where vLLM's server has loaded it,
-        # so that the page and the checks above load without vLLM.
-        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-
-        try:
-            request = AnthropicMessagesRequest.model_validate(body)
-            result = await renderer.render_messages_request(request)
-        except Exception as exc:  # a breakpoint is never worth a failed request
-            logger.warning("sparkcache: render failed (%s: %s); no breakpoint there",
-                           type(exc).__name__, exc)
-            return None
-        tokens = getattr(result, "token_ids", None)
-        if not isinstance(tokens, list):
-            logger.debug("sparkcache: render answered %s", result)
-            return None
-        self._renders[key] = tokens
-        if len(self._renders) > RENDER_CACHE:
-            self._renders.popitem(last=False)
-        return tokens
-
-    # -- the page -------------------------------------------------------------------------
-
-    def _admit(self, scope: Scope) -> str | None:
-        """Why this client may not use the page (None: it may; "login": it needs
-        the admin token).  A wrong Bearer token counts as a failed attempt."""
-        if self._admin is not None:
-            given = self._admin.presented(scope)
-            if given is False:
-                self._failed(scope)
-            return None if given else "login"
-        if not is_loopback(scope):
-            return ("the page is served to loopback clients only; set an admin token "
-                    "(sparkcache serve --admin-token) to open it to others")
-        host = (header(scope, b"host") or "").lower()
-        name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
-        if name not in ("127.0.0.1", "localhost", "[::1]"):
-            # A page of another site whose name resolves to 127.0.0.1 (DNS rebinding).
-            return f"the page answers only to 127.0.0.1 or localhost, not {host[:80]!r}"
-        return None
-
-    def _failed(self, scope: Scope) -> None:
-        """Count a failed admin attempt; say so once a client reaches the bound."""
-        assert self._admin is not None  # only called with a token
-        if self._admin.failed(scope) == ATTEMPTS:
-            client = scope.get("client")
-            logger.warning("sparkcache: %d failed admin attempts from %s within %.0f s: its "
-                           "attempts are refused (429) until they are older than that",
-                           ATTEMPTS, client[0] if client else "?", WINDOW_S)
-
-    def csrf(self, action: str) -> str:
-        """The form token of an action: only a page this server rendered has it."""
-        return hmac.new(self._secret, action.encode(), hashlib.sha256).hexdigest()
-
-    def _same_origin(self, scope: Scope) -> bool:
-        """Whether a POST comes from this server's own page (browsers send Origin
-        and Sec-Fetch-Site with every cross-site form)."""
-        site = header(scope, b"sec-fetch-site")
-        if site is not None and site not in ("same-origin", "none"):
-            return False
-        origin = header(scope, b"origin")
-        if origin is None or origin == "null":
-            return origin is None
-        host = header(scope, b"host") or ""
-        return origin.split("://", 1)[-1] == host
-
-    async def _page(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method, path = scope.get("method", "GET"), scope.get("path", "")
-        if self._admin is not None and self._admin.locked(scope):
-            return await respond(send, 429, b"too many failed attempts: wait a minute\n", TEXT,
-                                 [(b"retry-after", str(int(WINDOW_S)).encode())])
-        why = self._admit(scope)
-        if why == "login" and path == page.PATH + "/login" and method == "POST":
-            return await self._login(scope, receive, send)
-        if why == "login":
-            return await respond(send, 401, page.login_form().encode(), page.HTML,
-                                 PAGE_HEADERS)
-        if why is not None:
-            return await respond(send, 403, why.encode() + b"\n", TEXT)
-        if method == "GET" and path == page.PATH:
-            query = parse_qs(scope.get("query_string", b"")[:4096].decode("latin-1"))
-            note = (query.get("note") or [""])[0][:200]
-            html = await self.db(lambda store: page.render(store, csrf=self.csrf("clear"),
-                                                           note=note))
-            return await respond(send, 200, html.encode(), page.HTML, PAGE_HEADERS)
-        if method == "POST" and path == page.PATH + "/clear":
-            return await self._clear(scope, receive, send)
-        return await respond(send, 404, b"not found\n", TEXT)
-
-    async def _form(self, scope: Scope, receive: Receive, send: Send) -> dict[str, str] | None:
-        """The posted form (at most MAX_FORM bytes: a 413 beyond); None when answered."""
-        try:
-            raw = await read_body(scope, receive, MAX_FORM)
-        except Gone:
-            return None
-        except TooLarge as exc:
-            await respond(send, 413, f"{exc}\n".encode(), TEXT)
-            return None
-        fields = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=32)
-        return {k: v[0] for k, v in fields.items()}
-
-    async def _clear(self, scope: Scope, receive: Receive, send: Send) -> None:
-        form = await self._form(scope, receive, send)
-        if form is None:
-            return None
-        if not self._same_origin(scope) or not hmac.compare_digest(
-                form.get("csrf", "").encode(), self.csrf("clear").encode()):
-            return await respond(send, 403, b"this form did not come from this server's page\n",
-                                 TEXT)
-        try:
-            model_id = int(form.get("model", ""))
-        except ValueError:
-            return await respond(send, 400, b"no model chosen\n", TEXT)
-        try:
-            note = await self.db(lambda store: page.clear(store, model_id))
-        except SparkCacheError as exc:
-            note = f"not cleared: {exc}"
-        engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
-        if engine is not None and hasattr(engine, "reset_prefix_cache"):
-            try:
-                reset = await engine.reset_prefix_cache()
-            except Exception as exc:  # vLLM's own reasons; the snapshots are gone anyway
-                logger.warning("sparkcache: vLLM's prefix cache was not reset: %s", exc)
-                reset = False
-            note += "; vLLM's live prefix cache " + (
-                "reset" if reset is not False else "not reset (requests are running)")
-        location = f"{page.PATH}?note={_quote(note)}"
-        await send({"type": "http.response.start", "status": 303, "headers": [
-            (b"location", location.encode()), (b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return None
-
-    async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The token form: a session cookie for the right token, a counted failure else."""
-        assert self._admin is not None  # a login is asked only then
-        form = await self._form(scope, receive, send)
-        if form is None:
-            return None
-        if not self._same_origin(scope) or not self._admin.token_ok(form.get("token", "")):
-            self._failed(scope)
-            return await respond(send, 401, page.login_form("wrong token").encode(), page.HTML,
-                                 PAGE_HEADERS)
-        cookie = (f"{page.COOKIE}={self._admin.session()}; Path={page.PATH}; "
-                  f"Max-Age={SESSION_S}; HttpOnly; SameSite=Strict")
-        await send({"type": "http.response.start", "status": 303, "headers": [
-            (b"location", page.PATH.encode()), (b"set-cookie", cookie.encode()),
-            (b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return None
-
-
-def _quote(text: str) -> str:
-    return quote(text, safe="")

@@ -32,7 +32,7 @@ def test_failed_attempts_are_bounded_per_client(guarded: Server) -> None:
     address gets 429 until they are a minute old, the right token included;
     another address is not held up, and nothing is read of a held-up login."""
     now = [1_000_000.0]
-    admin_rules = guarded.app._admin
+    admin_rules = guarded.app.pages.admin
     assert admin_rules is not None
     admin_rules.clock = lambda: now[0]
     attacker, other = ("10.0.0.5", 1), ("10.0.0.6", 1)
@@ -56,7 +56,7 @@ def test_failed_attempts_are_bounded_per_client(guarded: Server) -> None:
 
 def test_a_session_expires(guarded: Server) -> None:
     now = [2_000_000.0]
-    admin_rules = guarded.app._admin
+    admin_rules = guarded.app.pages.admin
     assert admin_rules is not None
     admin_rules.clock = lambda: now[0]
     r = guarded.post_form("/sparkcache/login", {"token": TOKEN})

@@ -404,10 +404,10 @@ def test_a_form_token_of_another_server_process_is_refused(server: Server,
                                                            stored: Stored) -> None:
     other = SparkCacheMiddleware(Inner(), ServeSettings(folder=str(stored.folder)))
     try:
-        token = other.csrf("clear")
+        token = other.pages.csrf("clear")
     finally:
         other._db.shutdown()
-    assert token != server.app.csrf("clear")
+    assert token != server.app.pages.csrf("clear")
     r = server.post_form("/sparkcache/clear", {"model": "1", "csrf": token})
     assert r.status == 403
 
