@@ -24,8 +24,8 @@ it names the request in the request log (``kv_transfer_params["sparkcache"]["id"
 always its own, whatever the client sent) and records the API, the model, the
 key, the status and the total time there; the connector records the tokens
 and the engine's timings in the same row.  ``/sparkcache`` is the page
-(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to loopback clients unless an
-admin token is set.  Everything else passes through untouched.
+(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to
+loopback clients unless an admin token is set.  Everything else passes through untouched.
 """
 
 from __future__ import annotations
