@@ -425,28 +425,35 @@ class SnapshotStore(StoreUpkeep, StoreLog):
         return reshard.siblings(self._core, identity, total_kv_heads)
 
     def read_resharded(self, match: Match, engine: ModelIdentity, tp_rank: int,
-                       total_kv_heads: int, *, pp_rank: int = 0,
-                       n_tokens: int | None = None) -> list[np.ndarray]:
-        """Engine rank ``tp_rank``'s pages of a snapshot stored under another
-        sharding of the same KV, verified (:func:`sparkcache.reshard.read_resharded`).
+                       total_kv_heads: int, out: Sequence[Sequence[Any]], *,
+                       pp_rank: int = 0, n_tokens: int | None = None, start_tokens: int = 0,
+                       threads: int = 1, cpus: Sequence[int] = ()) -> None:
+        """Engine rank ``tp_rank``'s heads of a snapshot stored under another
+        sharding of the same KV, verified, into its pages: each stored rank's
+        chunks checked, then their heads written to ``out``
+        (:func:`sparkcache.reshard.read_resharded`).
 
         Args:
             match: from :meth:`lookup` with a sibling identity.
             engine: the reading engine's identity.
             tp_rank: the reading rank's place in its tensor-parallel group.
-            pp_rank: its pipeline stage.
             total_kv_heads: the model's KV heads in all.
+            out: per layer, the destination pages (flat buffers, runs of KV
+                blocks in order); page 0 receives block ``start_tokens // block_size``.
+            pp_rank: the reading rank's pipeline stage.
             n_tokens: a prefix of the match (default: all of it).
-
-        Returns:
-            One uint8 array ``[n_blocks, engine.page_nbytes]`` per layer.
+            start_tokens: the first token copied (a multiple of the block size).
+            threads: copying threads, as :meth:`read_into`.
+            cpus: the cores they run on, as :meth:`read_into`.
 
         Raises:
             ShardingRefused: the pair of shardings is not supported.
-            CorruptSnapshot, NotFound: as :meth:`read` (a miss).
+            CorruptSnapshot, NotFound: as :meth:`read` (a miss); ``out`` may
+                then hold some verified bytes: recompute them.
         """
-        return reshard.read_resharded(self._core, match, engine, tp_rank, total_kv_heads,
-                                      pp_rank=pp_rank, n_tokens=n_tokens)
+        reshard.read_resharded(self._core, match, engine, tp_rank, total_kv_heads, out,
+                               pp_rank=pp_rank, n_tokens=n_tokens, start_tokens=start_tokens,
+                               threads=threads, cpus=cpus)
 
     def _tier(self) -> SharedTier:
         if self.shared is None:

@@ -5,8 +5,9 @@ none holds the prompt, :func:`sibling_match` looks under the index's other
 shardings of the same KV (:func:`sparkcache.reshard.siblings`) and the load
 job names that sharding (``LoadJob.source``).  Each worker then reads the
 heads it needs from whichever stored ranks hold them, verified
-(:func:`sparkcache.reshard.read_resharded`), and scatters them into the
-request's blocks: :func:`load_resharded`.  docs/connector.md, "Tensor
+(:func:`sparkcache.reshard.read_resharded`), and writes them into the
+request's blocks: straight into a KV cache in host memory, else assembled and
+scattered (:func:`load_resharded`).  docs/connector.md, "Tensor
 parallelism".
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkcache.connector.jobs import LoadJob
+from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.sharding import ShardingRefused, plan_reads
@@ -52,16 +53,31 @@ def sibling_match(store: SnapshotStore, identity: ModelIdentity, total_kv_heads:
 
 def load_resharded(store: SnapshotStore, identity: ModelIdentity, rank: int,
                    total_kv_heads: int, job: LoadJob, pages: Any,
-                   block_ids: Sequence[int]) -> None:
+                   block_ids: Sequence[int], counters: Counters, *, threads: int = 1,
+                   cpus: Sequence[int] = ()) -> None:
     """Restore ``job`` (a snapshot of ``job.source``'s sharding) into this
     worker's ``block_ids`` of ``pages`` (one KV cache group): this rank's heads,
-    read verified from the stored ranks holding them.  Raises a SparkCacheError
-    (a miss, vLLM recomputes) when it cannot."""
+    read verified from the stored ranks holding them.  Where the pages are the
+    host's own memory (``block_views``) each stored chunk's heads go straight
+    into the KV cache (counted in ``loads_direct``); else whole pages are
+    read, re-sharded and scattered.  Raises a
+    SparkCacheError (a miss, vLLM recomputes) when it cannot."""
     if job.source is None or total_kv_heads <= 0:
         raise ShardingRefused("the model's KV heads in all are unknown")
     tp_rank = rank // identity.dcp_size % identity.tp_size
     pp_rank = rank // (identity.dcp_size * identity.tp_size)
     match = Match(job.snapshot_id, job.n_tokens, job.source, job.token_ids)
-    layers = store.read_resharded(match, identity, tp_rank, total_kv_heads,
-                                  pp_rank=pp_rank, n_tokens=job.n_tokens)
-    pages.scatter(block_ids, [layer[job.start_block:] for layer in layers])
+    start = (job.n_tokens // identity.block_size - len(block_ids)) * identity.block_size
+    views = pages.block_views(block_ids)
+    if views is not None:
+        store.read_resharded(match, identity, tp_rank, total_kv_heads, views, pp_rank=pp_rank,
+                             n_tokens=job.n_tokens, start_tokens=start, threads=threads,
+                             cpus=cpus)
+        counters.add("loads_direct")
+        return
+    layers = [np.empty((len(block_ids), identity.page_nbytes), np.uint8)
+              for _ in range(identity.num_layers)]
+    store.read_resharded(match, identity, tp_rank, total_kv_heads,
+                         [[layer.reshape(-1)] for layer in layers], pp_rank=pp_rank,
+                         n_tokens=job.n_tokens, start_tokens=start, threads=threads, cpus=cpus)
+    pages.scatter(block_ids, layers)

@@ -278,21 +278,21 @@ class WorkerIO:
 
     def _load(self, job: LoadJob, on_layer: Callable[[int], None] | None = None) -> None:
         """Verified read of the match into the blocks vLLM allocated for it (a
-        snapshot of another TP size: ``load_resharded``, whole pages, this rank's heads).
+        snapshot of another TP size: ``load_resharded``, this rank's heads).
         Each layer gets its group's blocks (a window: only its window); the
         payload below ``start_block`` (vLLM's own hit) is not read.  On CPU
         straight into the KV cache, each read thread pinned to its own core
         (connector-notes.md, "CPU placement"); otherwise through each group's
         reused staging slots, each chunk uploaded while the next is read and
-        verified.  ``on_layer(i)`` runs once layer ``i`` is in place.
-        """
+        verified.  ``on_layer(i)`` runs once layer ``i`` is in place."""
         groups = self._groups_of(job)
         if self.kinds.bad_load(job.blocks):
             raise SparkCacheError(f"no blocks to restore in a group: "
                                   f"{[list(ids)[:4] for ids in job.blocks]}")
         if job.source is not None:  # stored by an engine of another TP size
             load_resharded(self.store, self.identity, self.rank, self.total_kv_heads, job,
-                           groups.pages[0], job.blocks[0])
+                           groups.pages[0], job.blocks[0], self.counters,
+                           threads=self.load_threads, cpus=read_cpus())
         else:
             self._load_own(job, groups, on_layer)
         if self.fault == "flip-restored":

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from sparkcache import ModelIdentity, SnapshotStore
 from sparkcache.connector.jobs import Counters
@@ -33,11 +34,13 @@ def ident(tp: int) -> ModelIdentity:
 class Pages(FakePages):
     """A worker's KV cache of ``heads`` heads a page: ``[layers, blocks, bytes]``."""
 
-    def __init__(self, blocks: int, heads: int, seed: int) -> None:
+    def __init__(self, blocks: int, heads: int, seed: int, direct: bool = True) -> None:
         super().__init__(blocks, seed, heads * HEAD_NBYTES)
+        self.direct = direct
 
-    def block_views(self, block_ids: Any) -> None:
-        return None  # (the resharded path scatters; the own path is test_ranks')
+    def block_views(self, block_ids: Any) -> list[list[np.ndarray]] | None:
+        # direct: host memory, written in place; else (a GPU cache) scattered.
+        return super().block_views(block_ids) if self.direct else None
 
     def staged(self, block_ids: Any) -> Any:
         raise AssertionError("not used")
@@ -55,7 +58,8 @@ def publish(store: SnapshotStore, tp: int, p: list[int], kv: list[Pages]) -> Non
         io.close()
 
 
-def restore(store: SnapshotStore, tp: int, p: list[int]) -> tuple[list[Pages], Counters]:
+def restore(store: SnapshotStore, tp: int, p: list[int],
+            direct: bool) -> tuple[list[Pages], Counters]:
     counters = Counters()
     sched = SchedulerSide(store, ident(tp), counters, min_tokens=BS, load_async=True)
     sched.restores.total_kv_heads = sched.saves.total_kv_heads = HEADS
@@ -64,13 +68,14 @@ def restore(store: SnapshotStore, tp: int, p: list[int]) -> tuple[list[Pages], C
     sched.after_alloc(req, list(range(9, 16)), len(p) - 1)
     (load,), _ = sched.take_jobs()
     assert load.source == ident(3 - tp)
-    fresh = [Pages(16, HEADS // tp, seed=50 + r) for r in range(tp)]
+    fresh = [Pages(16, HEADS // tp, seed=50 + r, direct=direct) for r in range(tp)]
     for rank in range(tp):
         io = WorkerIO(store, ident(tp), rank, fresh[rank], Counters())  # type: ignore[arg-type]
         io.total_kv_heads = HEADS
         io.submit_load(load)
         assert io.flush()
         assert io.poll()[1] == {"b"} and not io.take_failed_blocks()
+        assert io.counters.take().get("loads_direct", 0) == (1 if direct else 0)
         io.close()
     # Its save at the finish would copy the other TP size's snapshot: none.
     req = finished(Req("c", p))
@@ -79,12 +84,14 @@ def restore(store: SnapshotStore, tp: int, p: list[int]) -> tuple[list[Pages], C
     return fresh, counters
 
 
-def test_tp2_segments_restore_in_a_tp1_worker_and_are_not_stored_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", [True, False])
+def test_tp2_segments_restore_in_a_tp1_worker_and_are_not_stored_again(
+        tmp_path: Path, direct: bool) -> None:
     store = SnapshotStore(tmp_path / "s")
     kv = [Pages(16, 1, seed=rank) for rank in (0, 1)]
     p = prompt(100, 1)
     publish(store, 2, p, kv)
-    (one,), counters = restore(store, 1, p)
+    (one,), counters = restore(store, 1, p, direct)
     for layer in range(LAYERS):  # each page: rank 0's head, then rank 1's
         np.testing.assert_array_equal(one.arr[layer, 9:16, :HEAD_NBYTES], kv[0].arr[layer, :7])
         np.testing.assert_array_equal(one.arr[layer, 9:16, HEAD_NBYTES:], kv[1].arr[layer, :7])
@@ -92,12 +99,13 @@ def test_tp2_segments_restore_in_a_tp1_worker_and_are_not_stored_again(tmp_path:
     assert len(store.snapshots()) == 1
 
 
-def test_a_tp1_segment_restores_in_each_tp2_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_tp1_segment_restores_in_each_tp2_worker(tmp_path: Path, direct: bool) -> None:
     store = SnapshotStore(tmp_path / "s")
     kv = [Pages(16, 2, seed=7)]
     p = prompt(100, 2)
     publish(store, 1, p, kv)
-    two, _counters = restore(store, 2, p)
+    two, _counters = restore(store, 2, p, direct)
     for rank in (0, 1):
         heads = slice(rank * HEAD_NBYTES, (rank + 1) * HEAD_NBYTES)
         np.testing.assert_array_equal(two[rank].arr[:, 9:16], kv[0].arr[:, :7, heads])
