@@ -67,7 +67,9 @@ def _longer_than_5m(by_ttl: Any) -> int:
         return 0
     total = 0
     for seconds, tokens in by_ttl.items():
-        if str(seconds).isdigit() and int(seconds) > FIVE_MINUTES and isinstance(tokens, int):
+        key = str(seconds)
+        if len(key) <= 12 and key.isdigit() and int(key) > FIVE_MINUTES \
+                and isinstance(tokens, int):
             total += max(0, tokens)
     return total
 
