@@ -87,11 +87,16 @@ class RequestRow:
     total_s: float | None
     status: int | None  # the HTTP status answered
     remote_tokens: int | None = None  # of restored_tokens, from the shared tier
+    #: written_tokens by their breakpoints' keep time, whole seconds as text
+    #: ("300", "3600"; "0": a breakpoint without one); None: not recorded.
+    written_by_ttl: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         # The index holds the JSON text (or NULL).
         if not isinstance(self.breakpoints, tuple):
             object.__setattr__(self, "breakpoints", _read_breakpoints(self.breakpoints))
+        if self.written_by_ttl is not None and not isinstance(self.written_by_ttl, dict):
+            object.__setattr__(self, "written_by_ttl", _by_ttl(self.written_by_ttl))
 
     @property
     def cached_tokens(self) -> int:
@@ -147,6 +152,22 @@ def _read_breakpoints(stored: object) -> tuple[int, ...]:
     return ()
 
 
+def _by_ttl(value: object) -> dict[str, int] | None:
+    """``value`` (a mapping, or it as JSON text) as a ``written_by_ttl``: keys whole
+    seconds as text, values whole token counts; None when it is not one (a row
+    written by hand reads as None, as :func:`_read_breakpoints` reads it)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12 and _whole(v)
+            for k, v in value.items()):
+        return None
+    return {k: int(v) for k, v in value.items()}
+
+
 # -- writing ------------------------------------------------------------------------
 
 
@@ -183,6 +204,26 @@ def _whole(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
+def _json_field(name: str, value: Any) -> str:
+    """``breakpoints`` or ``written_by_ttl`` (given as it is, or as JSON text) as
+    the JSON text the index stores; InvalidArgument if it is not one."""
+    if name == "written_by_ttl":
+        by_ttl = _by_ttl(value)
+        if by_ttl is None:
+            raise _bad(name, value, 'a mapping of keep seconds as text to token counts '
+                       '({"300": 64})')
+        return json.dumps(by_ttl, separators=(",", ":"), sort_keys=True)
+    points = value
+    if isinstance(value, str):  # given as JSON already
+        try:
+            points = json.loads(value)
+        except ValueError:
+            points = None
+    if not isinstance(points, (list, tuple)) or not all(_whole(n) for n in points):
+        raise _bad(name, value, "a list of token positions (whole numbers >= 0)")
+    return json.dumps([int(n) for n in points], separators=(",", ":"))
+
+
 def _field(name: str, value: Any) -> Any:
     """``value`` as the index stores field ``name``; InvalidArgument if it cannot."""
     if value is None:
@@ -196,16 +237,8 @@ def _field(name: str, value: Any) -> Any:
                 or not math.isfinite(value) or value < 0):
             raise _bad(name, value, "a number of seconds >= 0")
         return float(value)
-    if name == "breakpoints":
-        points = value
-        if isinstance(value, str):  # given as JSON already
-            try:
-                points = json.loads(value)
-            except ValueError:
-                points = None
-        if not isinstance(points, (list, tuple)) or not all(_whole(n) for n in points):
-            raise _bad(name, value, "a list of token positions (whole numbers >= 0)")
-        return json.dumps([int(n) for n in points], separators=(",", ":"))
+    if name in ("breakpoints", "written_by_ttl"):
+        return _json_field(name, value)
     if name in ("model", "cache_key"):  # a client's text, as it sent it (even empty)
         if not isinstance(value, str):
             raise _bad(name, value, "a string")

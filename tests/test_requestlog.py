@@ -69,6 +69,26 @@ def test_a_later_record_fills_in_the_row(store: SnapshotStore) -> None:
     assert store.request("nope") is None
 
 
+def test_written_by_ttl_is_stored_as_json_and_read_as_a_mapping(store: SnapshotStore) -> None:
+    store.log_requests([{"request_id": "a", "written_tokens": 160,
+                         "written_by_ttl": {"3600": 96, "300": 64}},
+                        {"request_id": "b", "written_by_ttl": '{"0": 5}'}], keep=10)
+    a, b = store.request("a"), store.request("b")
+    assert a is not None and a.written_by_ttl == {"300": 64, "3600": 96}
+    assert b is not None and b.written_by_ttl == {"0": 5}
+    assert admin.to_dict(a)["written_by_ttl"] == {"300": 64, "3600": 96}
+    store.log_requests([{"request_id": "c"}], keep=10)
+    c = store.request("c")
+    assert c is not None and c.written_by_ttl is None  # never recorded
+    # A row written by hand that is no such mapping reads as None.
+    conn = sqlite3.connect(store.root / "index.sqlite")
+    with conn:
+        conn.execute("UPDATE request_log SET written_by_ttl = '[1]' WHERE request_id = 'c'")
+    conn.close()
+    c = store.request("c")
+    assert c is not None and c.written_by_ttl is None
+
+
 def test_created_at_defaults_to_the_first_record(store: SnapshotStore, clock: Clock) -> None:
     store.log_requests([{"request_id": "a"}], keep=10)
     clock.now += 60
@@ -125,6 +145,9 @@ def test_newest_first_or_after_a_seq_oldest_first(store: SnapshotStore) -> None:
     ({"request_id": "x", "breakpoints": "not json"}, "breakpoints='not json'"),
     ({"request_id": "x", "breakpoints": [16, -1]}, "breakpoints"),
     ({"request_id": "x", "breakpoints": 16}, "breakpoints=16"),
+    ({"request_id": "x", "written_by_ttl": {"5m": 3}}, "written_by_ttl=.*keep seconds"),
+    ({"request_id": "x", "written_by_ttl": {"300": -3}}, "written_by_ttl="),
+    ({"request_id": "x", "written_by_ttl": [300]}, "written_by_ttl="),
     ("x", "a mapping"),
 ])
 def test_bad_rows_are_refused_and_nothing_is_written(store: SnapshotStore, row: Any,

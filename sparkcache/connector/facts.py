@@ -14,13 +14,42 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Facts", "Reporter"]
+__all__ = ["Facts", "NewPrefix", "Reporter", "ttl_key"]
 
 logger = logging.getLogger("vllm.sparkcache")
 
 
 def _since(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else max(0.0, end - start)
+
+
+def ttl_key(seconds: float | None) -> str:
+    """A keep time as ``written_by_ttl`` names it: whole seconds as text ("0": none)."""
+    return str(int(seconds or 0))
+
+
+@dataclass(frozen=True)
+class NewPrefix:
+    """A breakpoint snapshot a request saves: ``[0, n)`` (whole blocks), of which
+    ``before`` tokens were stored already; ``marks`` are its breakpoints'
+    (whole-block end, keep seconds or None), ascending: the tokens up to each
+    end (above the previous one) are that breakpoint's."""
+
+    n: int
+    before: int
+    marks: tuple[tuple[int, float | None], ...] = ()
+
+    def split(self, lo: int, by_ttl: dict[str, int]) -> None:
+        """Add the tokens ``[lo, n)`` to ``by_ttl``, each to its breakpoint's keep
+        time (what no breakpoint ends above goes to the last one's)."""
+        for end, keep in self.marks:
+            hi = min(end, self.n)
+            if hi > lo:
+                by_ttl[ttl_key(keep)] = by_ttl.get(ttl_key(keep), 0) + hi - lo
+                lo = hi
+        if self.n > lo:
+            last = ttl_key(self.marks[-1][1] if self.marks else None)
+            by_ttl[last] = by_ttl.get(last, 0) + self.n - lo
 
 
 @dataclass
@@ -32,7 +61,7 @@ class Facts:
     local: int | None = None  # vLLM's own prefix hit at the last admission
     restored: int = 0  # tokens a planned restore supplies
     remote_restored: int = 0  # of ``restored``, those the tier supplied
-    new_prefixes: list[tuple[int, int]] = field(default_factory=list)  # (n, stored before)
+    new_prefixes: list[NewPrefix] = field(default_factory=list)
     admitted_at: float | None = None
     loaded_at: float | None = None  # an asynchronous restore landed
     first_token_at: float | None = None
@@ -50,14 +79,17 @@ class Facts:
         ``written_tokens`` counts the tokens its breakpoint saves add to the
         store beyond what it read (vLLM's own hit and the restore) and what
         was stored before: a breakpoint already stored adds none.
+        ``written_by_ttl`` splits them by the keep time of the breakpoint each
+        belongs to (:class:`NewPrefix`), in whole seconds as text ("300",
+        "3600"; "0" for a breakpoint without one), summing to ``written_tokens``.
         """
         arrival = float(getattr(request, "arrival_time", 0.0) or 0.0) or None
         covered = (self.local or 0) + self.restored
-        written = 0
-        for n, before in sorted(self.new_prefixes):
-            base = max(covered, before)
-            written += max(0, n - base)
-            covered = max(covered, n)
+        by_ttl: dict[str, int] = {}
+        for prefix in sorted(self.new_prefixes, key=lambda p: (p.n, p.before)):
+            prefix.split(max(covered, prefix.before), by_ttl)
+            covered = max(covered, prefix.n)
+        written = sum(by_ttl.values())
         row: dict[str, Any] = {
             "request_id": self.log_id or str(request.request_id),
             "created_at": arrival,
@@ -66,6 +98,7 @@ class Facts:
             "restored_tokens": self.restored,
             "remote_tokens": self.remote_restored,
             "written_tokens": written,
+            "written_by_ttl": by_ttl,
             "breakpoints": list(self.breakpoints),
             "queue_s": _since(arrival, self.admitted_at),
             "restore_s": _since(self.admitted_at, self.loaded_at),

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from sparkcache.connector.facts import NewPrefix
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.requests import RequestState, Rules, breakpoints_of
 from sparkcache.connector.resharded import sibling_match
@@ -96,12 +97,24 @@ class Saves:
                 if not here:  # the prompt's end alone: no breakpoint wrote it
                     self.counters.add("prompt_saves_planned")
                     continue
-                state.facts.new_prefixes.append((n, 0 if known is None else known.n_tokens))
+                state.facts.new_prefixes.append(NewPrefix(
+                    n, 0 if known is None else known.n_tokens, self._pieces(state, here)))
                 self.counters.add("breakpoint_saves_planned")
             elif known is not None and known.n_tokens == n and here:
-                state.facts.new_prefixes.append((n, n))
+                state.facts.new_prefixes.append(NewPrefix(n, n))
                 if keep is not None:
                     self._keep(known.snapshot_id, keep)
+
+    def _pieces(self, state: RequestState,
+                marks: Iterable[int]) -> tuple[tuple[int, float | None], ...]:
+        """The breakpoints ``marks`` as a :class:`NewPrefix` names them: (whole-block
+        end, keep seconds), ascending; of marks ending in one block, the longest keep."""
+        bs = self.rules.bs
+        ends: dict[int, float | None] = {}
+        for m in marks:
+            end, keep = m // bs * bs, state.params.keep.get(m)
+            ends[end] = keep if end not in ends else max(ends[end] or 0.0, keep or 0.0) or None
+        return tuple(sorted(ends.items()))
 
     def _keep(self, snapshot_id: int, seconds: float) -> None:
         """Renew the keep lease (a breakpoint's ``ttl``) on a stored snapshot, at

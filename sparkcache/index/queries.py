@@ -232,7 +232,7 @@ PUT_SETTING = (
 REQUEST_FIELDS = (
     "request_id, created_at, model_id, model, api, cache_key, prompt_tokens, live_tokens, "
     "restored_tokens, written_tokens, output_tokens, breakpoints, queue_s, restore_s, ttft_s, "
-    "total_s, status, remote_tokens"
+    "total_s, status, remote_tokens, written_by_ttl"
 )
 REQUEST_COLUMNS = f"seq, {REQUEST_FIELDS}"
 # A record fills in the row of its request: a column it leaves NULL keeps its

@@ -73,7 +73,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0007"
+SCHEMA_REVISION: Final = "0008"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -292,6 +292,8 @@ REQUEST_LOG: Final = Table(
     Column("status", Integer, nullable=True),
     # Revision 0007: of restored_tokens, those the shared tier supplied.
     Column("remote_tokens", Integer, nullable=True),
+    # Revision 0008: written_tokens by the keep time of their breakpoints (JSON).
+    Column("written_by_ttl", Text, nullable=True),
     CheckConstraint(_one_of("api", REQUEST_APIS), name="ck_request_log_api"),
     # One model's requests, newest first (the log's listing and --follow).
     Index("ix_request_log_model_seq", "model_id", "seq"),

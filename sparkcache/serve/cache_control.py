@@ -1,8 +1,10 @@
 """Anthropic ``cache_control`` blocks: validated, and turned into prompt cuts.
 
-A ``cache_control`` on a tool, a system block, a message or a content block
-marks the prompt prefix up to and including that block; a top-level
-``cache_control`` marks everything up to the last message.  Anthropic's prompt
+A ``cache_control`` on a tool, a system block, a message, a content block or
+a block inside a ``tool_result``'s content marks the prompt prefix up to and
+including that block; a top-level ``cache_control`` marks everything up to the
+last message (on a last block marked already: a no-op with the same ttl, an
+error with another, as Anthropic has it).  Anthropic's prompt
 order is tools, then system, then messages.  For each mark, :func:`cuts`
 returns the request with everything after the marked block removed (a
 :class:`Cut`); the server renders it with the model's chat template and the
@@ -50,20 +52,27 @@ class Cut:
     body: dict[str, Any]  # the request with everything after the block removed
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)``, at most 60 characters: an error never repeats a whole input."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _ttl(mark: Any, where: str) -> float | None:
     """The mark's ttl in seconds; None when there is no mark."""
     if mark is None:
         return None
     if not isinstance(mark, dict):
         raise CacheControlError(f"{where}.cache_control must be an object like "
-                                f'{{"type": "ephemeral"}}, got {mark!r}')
+                                f'{{"type": "ephemeral"}}, got {_shown(mark)}')
     kind = mark.get("type")
     if kind != "ephemeral":
-        raise CacheControlError(f"{where}.cache_control.type must be 'ephemeral', got {kind!r}")
+        raise CacheControlError(f"{where}.cache_control.type must be 'ephemeral', "
+                                f"got {_shown(kind)}")
     ttl = mark.get("ttl", DEFAULT_TTL)
     if not isinstance(ttl, str) or ttl not in TTLS:
         raise CacheControlError(f"{where}.cache_control.ttl must be one of "
-                                f"{sorted(TTLS)}, got {ttl!r}")
+                                f"{sorted(TTLS)}, got {_shown(ttl)}")
     return TTLS[ttl]
 
 
@@ -105,13 +114,37 @@ def _list_marks(body: dict[str, Any], key: str,
     return found
 
 
+def _tool_result_marks(body: dict[str, Any], messages: list[Any], k: int,
+                       j: int) -> list[_Mark]:
+    """The marks inside block ``j`` of message ``k`` when it is a ``tool_result``
+    whose ``content`` is a list of blocks: each cuts the message after that
+    block, inside the tool result (its earlier inner blocks kept)."""
+    message = messages[k]
+    block = message["content"][j]
+    inner = block.get("content")
+    if block.get("type") != "tool_result" or not isinstance(inner, list):
+        return []
+    found: list[_Mark] = []
+    for i, part in enumerate(inner):
+        if isinstance(part, dict):
+            where = f"messages[{k}].content[{j}].content[{i}]"
+            ttl = _ttl(part.get("cache_control"), where)
+            if ttl is not None:
+                cut_block = {**block, "content": inner[:i + 1]}
+                cut = {**message, "content": [*message["content"][:j], cut_block]}
+                found.append((where, ttl, _up_to(body, None, _KEEP, [*messages[:k], cut])))
+    return found
+
+
 def _message_marks(body: dict[str, Any], messages: list[Any], k: int) -> list[_Mark]:
-    """The marks of message ``k``: its content blocks', then its own."""
+    """The marks of message ``k``: its content blocks' (a tool result's inner
+    blocks' before its own), then its own."""
     message = messages[k]
     found: list[_Mark] = []
     content = message.get("content")
     for j, block in enumerate(content if isinstance(content, list) else []):
         if isinstance(block, dict):
+            found += _tool_result_marks(body, messages, k, j)
             where = f"messages[{k}].content[{j}]"
             ttl = _ttl(block.get("cache_control"), where)
             if ttl is not None:
@@ -135,8 +168,27 @@ def _marks(body: dict[str, Any]) -> list[_Mark]:
                 found += _message_marks(body, messages, k)
     ttl = _ttl(body.get("cache_control"), "request")
     if ttl is not None:
-        found.append(("cache_control", ttl, _up_to(body, None, _KEEP, None)))
+        _automatic(found, ttl, _up_to(body, None, _KEEP, None))
     return found
+
+
+def _automatic(found: list[_Mark], ttl: float, cut: dict[str, Any]) -> None:
+    """Add the request's own mark (automatic caching: the last block) to ``found``,
+    as Anthropic does: where the last block carries a mark already, the same
+    ttl makes it a no-op (one breakpoint) and another ttl is an error."""
+    if found and found[-1][2] == cut:
+        where, last_ttl, _ = found[-1]
+        if last_ttl == ttl:
+            return
+        raise CacheControlError(
+            f"the request's cache_control (ttl {_ttl_name(ttl)!r}) marks the last block, "
+            f"which {where}.cache_control marks with ttl {_ttl_name(last_ttl)!r} already: "
+            "give them the same ttl, or drop one of them")
+    found.append(("cache_control", ttl, cut))
+
+
+def _ttl_name(seconds: float) -> str:
+    return next((name for name, s in TTLS.items() if s == seconds), str(seconds))
 
 
 _KEEP: Any = object()  # "leave this part of the request as it is"

@@ -16,6 +16,8 @@ parsed off the event loop (:mod:`sparkcache.serve.bodies`), then
   connector did (:mod:`sparkcache.serve.usage`): from the finished request's
   ``kv_transfer_params`` when the answer is whole, from the request log row
   the connector writes when the prompt has been scheduled when it streams;
+  a pre-warm (``max_tokens: 0``) is answered as Anthropic does
+  (:mod:`sparkcache.serve.prewarm`);
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
   SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key`` (recorded
   in the log; it isolates nothing: a ``cache_salt`` does that);
@@ -65,6 +67,7 @@ from sparkcache.serve.cache_control import Cut
 from sparkcache.serve.checks import Refused, api_of, error_body, prepare, transfer_params
 from sparkcache.serve.launch import check_token
 from sparkcache.serve.pages import Pages
+from sparkcache.serve.prewarm import prewarm_answer, prewarm_of
 from sparkcache.serve.render import Renderer
 from sparkcache.serve.usage import SseRewriter, anthropic_usage, facts_of
 from sparkcache.store import SnapshotStore
@@ -206,7 +209,8 @@ class SparkCacheMiddleware:
             if row is not None and row.prompt_tokens is not None:
                 return {"prompt_tokens": row.prompt_tokens, "live_tokens": row.live_tokens,
                         "restored_tokens": row.restored_tokens,
-                        "written_tokens": row.written_tokens}
+                        "written_tokens": row.written_tokens,
+                        "written_by_ttl": row.written_by_ttl}
             if time.monotonic() > deadline:
                 logger.warning("sparkcache: no facts from the connector for %s within %.0f s; "
                                "usage is vLLM's own", request_id, FACTS_WAIT_S)
@@ -250,6 +254,7 @@ class SparkCacheMiddleware:
             row["api"] = api = api_of(route, scope.get("path", ""), body)
             if isinstance(body.get("model"), str):
                 row["model"] = body["model"]
+            prewarm = prewarm_of(api, body)  # before the marks' cuts copy max_tokens
             marks, row["cache_key"] = await off_loop(len(raw), lambda: prepare(api, body))
         except Gone:
             return None
@@ -261,7 +266,8 @@ class SparkCacheMiddleware:
             refused = exc
         else:
             final = self._final(scope, body, marks, request_id, len(raw))
-            return await log(await self._forward(api, scope, final, receive, send, request_id))
+            return await log(await self._forward(api, scope, final, receive, send, request_id,
+                                                 prewarm=prewarm))
         await respond(send, refused.status, error_body(row["api"], refused), "application/json")
         return await log(refused.status)
 
@@ -283,7 +289,7 @@ class SparkCacheMiddleware:
 
     async def _forward(self, api: str | None, scope: Scope,
                        body: Callable[[], Awaitable[bytes]], receive: Receive, send: Send,
-                       request_id: str) -> int:
+                       request_id: str, *, prewarm: bool = False) -> int:
         """Pass the request to vLLM (its body made when vLLM reads it); rewrite an
         Anthropic answer's usage.  Returns the status sent."""
         status = 500
@@ -321,7 +327,7 @@ class SparkCacheMiddleware:
             buffered.append(message.get("body", b""))
             if message.get("more_body"):
                 return None
-            whole = await self._rewrite_whole(b"".join(buffered))
+            whole = await self._rewrite_whole(b"".join(buffered), prewarm=prewarm)
             headers = [(k, v) for k, v in start.get("headers", [])
                        if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(whole)).encode()))
@@ -333,7 +339,7 @@ class SparkCacheMiddleware:
         return status
 
     @staticmethod
-    async def _rewrite_whole(body: bytes) -> bytes:
+    async def _rewrite_whole(body: bytes, *, prewarm: bool = False) -> bytes:
         try:
             answer = await parse_json(body)
         except BadBody:
@@ -341,7 +347,8 @@ class SparkCacheMiddleware:
         if not isinstance(answer, dict):
             return body
         facts = facts_of(answer)
-        if facts is None:
+        if facts is None and not prewarm:
             return body
-        answer["usage"] = anthropic_usage(answer.get("usage"), facts)
-        return dumps(answer)
+        if facts is not None:
+            answer["usage"] = anthropic_usage(answer.get("usage"), facts)
+        return dumps(prewarm_answer(answer) if prewarm else answer)

@@ -8,7 +8,10 @@ store at the request's breakpoints, beyond what it read and what was stored).
 Anthropic's usage is then
 
 * ``cache_read_input_tokens`` = live + restored,
-* ``cache_creation_input_tokens`` = written,
+* ``cache_creation_input_tokens`` = written, and ``cache_creation`` its split
+  by the ttl of the breakpoint each token belongs to (``written_by_ttl``):
+  ``ephemeral_1h_input_tokens`` those of breakpoints kept longer than five
+  minutes, ``ephemeral_5m_input_tokens`` the rest,
 * ``input_tokens`` = the rest of the prompt,
 
 so that the three add up to the prompt.  OpenAI's
@@ -45,9 +48,30 @@ def anthropic_usage(usage: Mapping[str, Any] | None, facts: Facts) -> dict[str, 
     written = min(int(facts.get("written_tokens") or 0), max(0, prompt - read))
     out["cache_read_input_tokens"] = read
     out["cache_creation_input_tokens"] = written
+    one_hour = min(written, _longer_than_5m(facts.get("written_by_ttl")))
+    out["cache_creation"] = {"ephemeral_5m_input_tokens": written - one_hour,
+                             "ephemeral_1h_input_tokens": one_hour}
     out["input_tokens"] = max(0, prompt - read - written)
     out.setdefault("output_tokens", 0)
     return out
+
+
+#: A breakpoint kept longer than this (seconds) writes Anthropic's 1-hour cache.
+FIVE_MINUTES = 300
+
+
+def _longer_than_5m(by_ttl: Any) -> int:
+    """Of a ``written_by_ttl`` (keep seconds as text -> tokens), the tokens of
+    breakpoints kept longer than five minutes; 0 when there is none."""
+    if not isinstance(by_ttl, Mapping):
+        return 0
+    total = 0
+    for seconds, tokens in by_ttl.items():
+        key = str(seconds)
+        if len(key) <= 12 and key.isdigit() and int(key) > FIVE_MINUTES \
+                and isinstance(tokens, int):
+            total += max(0, tokens)
+    return total
 
 
 class SseRewriter:

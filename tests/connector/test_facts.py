@@ -152,3 +152,40 @@ def test_facts_go_under_the_connectors_own_key(one_rank: Any) -> None:
     _held, params = sched.finished(req, list(range(7)))
     assert params is not None and list(params) == ["sparkcache.1"]
     assert params["sparkcache.1"]["request_id"] == "sc-a"
+
+
+def test_written_tokens_split_by_each_breakpoints_ttl(one_rank: Any) -> None:
+    """Each written token is its breakpoint's: the tokens up to a breakpoint's
+    whole blocks, above the one before it, count for its ttl ("0": none)."""
+    store, _sched, io, _counters = one_rank
+    facts: list[dict[str, Any]] = []
+    sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=True,
+                          on_facts=facts.append)
+    p = prompt(300, 24)
+    marks = [{"at": 100, "ttl": 3600}, 200, {"at": 260, "ttl": 300}]
+    req = Req("a", p, kv_transfer_params={"sparkcache": {"id": "sc-a", "breakpoints": marks}})
+    saves = run(sched, req, list(range(20)))
+    (prefill,) = facts
+    assert prefill["written_tokens"] == 256
+    assert prefill["written_by_ttl"] == {"3600": 96, "0": 192 - 96, "300": 256 - 192}
+    for job in saves:
+        io.submit_save(job)
+    assert io.flush()
+    _held, params = sched.finished(req, list(range(20)))
+    assert params is not None
+    assert params["sparkcache"]["written_by_ttl"] == {"3600": 96, "0": 96, "300": 64}
+    # The same prefix under a longer prompt: the first two breakpoints are read,
+    # the third (1h now) writes only what lies above what was stored.
+    facts.clear()
+    other = Req("b", p[:260] + prompt(40, 25), kv_transfer_params={"sparkcache": {
+        "breakpoints": [{"at": 100, "ttl": 3600}, {"at": 290, "ttl": 3600}]}})
+    run(sched, other, list(range(20, 40)))
+    (prefill,) = facts
+    read = prefill["live_tokens"] + prefill["restored_tokens"]
+    assert read >= 256 and prefill["written_tokens"] == 288 - read
+    assert prefill["written_by_ttl"] == {"3600": 288 - read}
+    # Nothing written: an empty split.
+    facts.clear()
+    run(sched, Req("c", p[:100] + prompt(20, 26), kv_transfer_params={"sparkcache": {
+        "breakpoints": [{"at": 100, "ttl": 3600}]}}), list(range(40, 48)))
+    assert (facts[0]["written_tokens"], facts[0]["written_by_ttl"]) == (0, {})

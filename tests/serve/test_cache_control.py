@@ -253,3 +253,99 @@ def test_common_prefix_is_the_longest_shared_start(a: list[int], b: list[int]) -
     n = common_prefix(a, b)
     assert a[:n] == b[:n]
     assert n == min(len(a), len(b)) or a[n] != b[n]
+
+
+def tool_turns(inner: list[dict[str, Any]], mark: dict[str, Any] | None = None
+               ) -> list[dict[str, Any]]:
+    """A tool call and its result, whose content is ``inner`` (blocks)."""
+    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": "call_1", "content": inner}
+    if mark is not None:
+        result["cache_control"] = mark
+    return [{"role": "user", "content": "look it up"},
+            {"role": "assistant", "content": [
+                text("calling"), {"type": "tool_use", "id": "call_1", "name": "find",
+                                  "input": {}}]},
+            {"role": "user", "content": [result, text("and now?")]}]
+
+
+def test_a_mark_inside_a_tool_result_cuts_inside_it() -> None:
+    """A block of a tool_result's content with cache_control is a breakpoint: the
+    cut keeps the tool result up to and including that block (the earlier
+    messages and blocks whole), before the tool result's own mark."""
+    messages = tool_turns([text("r0"), text("r1", ONE_HOUR), text("r2")], FIVE_MINUTES)
+    found = cuts({"model": "tiny", "messages": messages})
+    assert [(c.where, c.ttl) for c in found] == [
+        ("messages[2].content[0].content[1]", 3600.0), ("messages[2].content[0]", 300.0)]
+    cut = found[0].body["messages"]
+    assert cut[:2] == messages[:2]
+    assert cut[2] == {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "call_1", "cache_control": FIVE_MINUTES,
+         "content": [text("r0"), text("r1", ONE_HOUR)]}]}
+    assert found[1].body["messages"][2]["content"] == [messages[2]["content"][0]]
+
+
+def test_tool_result_marks_are_checked_and_counted_like_any() -> None:
+    bad = tool_turns([text("r0", {"type": "ephemeral", "ttl": "2h"})])
+    with pytest.raises(CacheControlError, match=re.escape(
+            "messages[2].content[0].content[0].cache_control.ttl")):
+        cuts({"model": "tiny", "messages": bad})
+    five = tool_turns([text(f"r{i}", FIVE_MINUTES) for i in range(5)])
+    with pytest.raises(CacheControlError, match="found 5"):
+        cuts({"model": "tiny", "messages": five})
+    # Only a tool_result's content is looked into; a string content has no blocks.
+    other = tool_turns([])
+    other[2]["content"][0]["content"] = "plain"
+    other[1]["content"][0]["content"] = [text("x", FIVE_MINUTES)]  # not a tool_result
+    assert cuts({"model": "tiny", "messages": other}) == []
+
+
+@pytest.mark.parametrize("where", ["block", "message", "tool_result_inner"])
+def test_a_top_level_mark_on_a_marked_last_block_with_its_ttl_is_one_breakpoint(
+        where: str) -> None:
+    body: dict[str, Any] = {"model": "tiny", "cache_control": ONE_HOUR,
+                            "system": [text("s", ONE_HOUR)]}
+    if where == "block":
+        body["messages"] = [{"role": "user", "content": [text("q0"), text("q1", ONE_HOUR)]}]
+    elif where == "message":
+        body["messages"] = [{"role": "user", "content": "q", "cache_control": ONE_HOUR}]
+    else:
+        turns = tool_turns([text("r0"), text("r1", ONE_HOUR)])
+        turns[2]["content"] = turns[2]["content"][:1]  # the tool result is the last block
+        body["messages"] = turns
+    found = cuts(body)
+    assert len(found) == 2 and found[-1].where != "cache_control"
+    assert found[-1].body == strip(body)
+    # ... so it takes one of the four slots, not two.
+    body["system"] = [text(f"s{i}", ONE_HOUR) for i in range(3)]
+    assert len(cuts(body)) == 4
+
+
+@pytest.mark.parametrize(("last", "top"), [(ONE_HOUR, FIVE_MINUTES), (FIVE_MINUTES, ONE_HOUR)])
+def test_a_top_level_mark_on_a_marked_last_block_with_another_ttl_is_refused(
+        last: dict[str, Any], top: dict[str, Any]) -> None:
+    body = {"model": "tiny", "cache_control": top,
+            "messages": [{"role": "user", "content": [text("q0"), text("q1", last)]}]}
+    with pytest.raises(CacheControlError) as info:
+        cuts(body)
+    message = str(info.value)
+    assert "messages[0].content[1]" in message and "same ttl" in message
+
+
+def test_a_top_level_mark_past_the_last_mark_is_its_own_breakpoint() -> None:
+    body = {"model": "tiny", "cache_control": FIVE_MINUTES,
+            "messages": [{"role": "user", "content": [text("q0", ONE_HOUR), text("q1")]}]}
+    assert [(c.where, c.ttl) for c in cuts(body)] == [
+        ("messages[0].content[0]", 3600.0), ("cache_control", 300.0)]
+    # There the usual order holds: a 1h top-level mark after a 5m block is refused.
+    body["cache_control"] = ONE_HOUR
+    body["messages"][0]["content"][0]["cache_control"] = FIVE_MINUTES
+    with pytest.raises(CacheControlError, match="cache_control asks for a longer ttl"):
+        cuts(body)
+
+
+def test_a_malformed_mark_is_shown_bounded() -> None:
+    body = {"model": "tiny", "system": [text("s", "x" * 10_000)],  # type: ignore[arg-type]
+            "messages": [{"role": "user", "content": "q"}]}
+    with pytest.raises(CacheControlError) as info:
+        cuts(body)
+    assert len(str(info.value)) < 300

@@ -23,7 +23,9 @@ def test_usage_splits_the_prompt_into_read_written_and_the_rest() -> None:
     vllm = {"input_tokens": 40, "output_tokens": 7, "cache_read_input_tokens": 32}
     out = anthropic_usage(vllm, FACTS)
     assert out == {"input_tokens": 4, "output_tokens": 7, "cache_read_input_tokens": 32,
-                   "cache_creation_input_tokens": 4}
+                   "cache_creation_input_tokens": 4,
+                   "cache_creation": {"ephemeral_5m_input_tokens": 4,
+                                      "ephemeral_1h_input_tokens": 0}}
     assert vllm == {"input_tokens": 40, "output_tokens": 7, "cache_read_input_tokens": 32}
 
 
@@ -39,7 +41,28 @@ def test_written_is_clamped_to_what_was_not_read() -> None:
 def test_missing_usage_and_missing_facts_count_as_zero() -> None:
     out = anthropic_usage(None, {"prompt_tokens": 12, "live_tokens": None})
     assert out == {"cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+                   "cache_creation": {"ephemeral_5m_input_tokens": 0,
+                                      "ephemeral_1h_input_tokens": 0},
                    "input_tokens": 12, "output_tokens": 0}
+
+
+@pytest.mark.parametrize(("by_ttl", "written", "five", "hour"), [
+    ({"3600": 96, "300": 64}, 160, 64, 96),
+    ({"3600": 96}, 96, 0, 96),
+    ({"300": 32, "0": 32}, 64, 64, 0),  # a breakpoint without a ttl: the default, 5m
+    ({"1800": 32, "300": 32}, 64, 32, 32),  # kept longer than 5 minutes: the 1h cache
+    (None, 64, 64, 0),  # a row from before the split: all 5m
+    ({"3600": 200}, 64, 0, 64),  # clamped with the written total
+    ({"3600": "x", "h": 3, "300": 64}, 64, 64, 0),  # garbage counts for nothing
+])
+def test_cache_creation_splits_the_written_tokens_by_ttl(
+        by_ttl: Any, written: int, five: int, hour: int) -> None:
+    facts = {"prompt_tokens": 500, "live_tokens": 0, "restored_tokens": 0,
+             "written_tokens": written, "written_by_ttl": by_ttl}
+    out = anthropic_usage({"input_tokens": 500, "output_tokens": 1}, facts)
+    assert out["cache_creation"] == {"ephemeral_5m_input_tokens": five,
+                                     "ephemeral_1h_input_tokens": hour}
+    assert five + hour == out["cache_creation_input_tokens"] == written
 
 
 def test_other_usage_fields_are_kept() -> None:
@@ -63,6 +86,9 @@ def test_usage_adds_up_to_the_prompt(prompt: int, live: int, restored: int, writ
     assert out["input_tokens"] >= 0
     assert out["cache_read_input_tokens"] + out["cache_creation_input_tokens"] \
         + out["input_tokens"] == prompt
+    split = out["cache_creation"]
+    assert split["ephemeral_5m_input_tokens"] + split["ephemeral_1h_input_tokens"] == \
+        out["cache_creation_input_tokens"]
     assert out["output_tokens"] == output
 
 
@@ -113,12 +139,14 @@ REWRITTEN = STREAM.replace(
     b'{"type":"message_start","message":{"id":"chatcmpl-1","type":"message",'
     b'"role":"assistant","content":[],"model":"tiny","stop_reason":null,'
     b'"stop_sequence":null,"usage":{"input_tokens":4,"output_tokens":0,'
-    b'"cache_read_input_tokens":32,"cache_creation_input_tokens":4}}}',
+    b'"cache_read_input_tokens":32,"cache_creation_input_tokens":4,'
+    b'"cache_creation":{"ephemeral_5m_input_tokens":4,"ephemeral_1h_input_tokens":0}}}}',
 ).replace(
     DELTA.encode(),
     b'{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},'
     b'"usage":{"input_tokens":4,"output_tokens":5,"cache_read_input_tokens":32,'
-    b'"cache_creation_input_tokens":4}}',
+    b'"cache_creation_input_tokens":4,'
+    b'"cache_creation":{"ephemeral_5m_input_tokens":4,"ephemeral_1h_input_tokens":0}}}',
 )
 
 
