@@ -18,14 +18,17 @@ parsed off the event loop (:mod:`sparkcache.serve.bodies`), then
   the connector writes when the prompt has been scheduled when it streams;
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
   SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key`` (recorded
-  in the log; it isolates nothing: a ``cache_salt`` does that);
+  in the log; it isolates nothing: a ``cache_salt`` does that), checks and
+  applies OpenAI's prompt caching fields (:mod:`sparkcache.serve.openai_cache`:
+  breakpoints rendered as Anthropic's are) and adds ``cache_write_tokens`` to
+  the usage (:mod:`sparkcache.serve.openai_usage`), whole answers and streams;
 
 it names the request in the request log (``kv_transfer_params["sparkcache"]["id"]``,
 always its own, whatever the client sent) and records the API, the model, the
 key, the status and the total time there; the connector records the tokens
 and the engine's timings in the same row.  ``/sparkcache`` is the page
-(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to loopback clients unless an
-admin token is set.  Everything else passes through untouched.
+(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to
+loopback clients unless an admin token is set.  Everything else passes through untouched.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ from sparkcache.serve.bodies import (
 from sparkcache.serve.cache_control import Cut
 from sparkcache.serve.checks import Refused, api_of, error_body, prepare, transfer_params
 from sparkcache.serve.launch import check_token
+from sparkcache.serve.openai_cache import NONE, OpenAICacheError, Plan, plan
+from sparkcache.serve.openai_usage import OpenAISseRewriter, rewrite_answer
 from sparkcache.serve.pages import Pages
 from sparkcache.serve.render import Renderer
 from sparkcache.serve.usage import SseRewriter, anthropic_usage, facts_of
@@ -88,6 +93,8 @@ ROUTES: dict[str, str | None] = {
     "/inference/v1/generate": None,
     "/cohere/v2/chat": None,
 }
+#: The APIs whose answers' usage is rewritten from the connector's facts.
+USAGE_APIS = ("messages", "chat", "completions", "responses")
 #: A streamed Anthropic answer waits at most this long for the connector's
 #: facts (they are written while the prompt's last chunk is computed, so
 #: normally before its first token).
@@ -206,7 +213,9 @@ class SparkCacheMiddleware:
             if row is not None and row.prompt_tokens is not None:
                 return {"prompt_tokens": row.prompt_tokens, "live_tokens": row.live_tokens,
                         "restored_tokens": row.restored_tokens,
-                        "written_tokens": row.written_tokens}
+                        "written_tokens": row.written_tokens,
+                        # the split by keep lease, where the log records one
+                        "written_by_ttl": getattr(row, "written_by_ttl", None)}
             if time.monotonic() > deadline:
                 logger.warning("sparkcache: no facts from the connector for %s within %.0f s; "
                                "usage is vLLM's own", request_id, FACTS_WAIT_S)
@@ -251,6 +260,7 @@ class SparkCacheMiddleware:
             if isinstance(body.get("model"), str):
                 row["model"] = body["model"]
             marks, row["cache_key"] = await off_loop(len(raw), lambda: prepare(api, body))
+            caching = await off_loop(len(raw), lambda: plan(api, body))
         except Gone:
             return None
         except TooLarge as exc:
@@ -259,20 +269,30 @@ class SparkCacheMiddleware:
             refused = Refused(400, str(exc))
         except Refused as exc:
             refused = exc
+        except OpenAICacheError as exc:
+            refused = Refused(400, str(exc), exc.param)
         else:
-            final = self._final(scope, body, marks, request_id, len(raw))
-            return await log(await self._forward(api, scope, final, receive, send, request_id))
+            final = self._final(scope, body, marks, request_id, len(raw), api, caching)
+            return await log(await self._forward(api, scope, final, receive, send, request_id,
+                                                 caching))
         await respond(send, refused.status, error_body(row["api"], refused), "application/json")
         return await log(refused.status)
 
     def _final(self, scope: Scope, body: dict[str, Any], marks: list[Cut], request_id: str,
-               size: int) -> Callable[[], Awaitable[bytes]]:
+               size: int, api: str | None = None,
+               caching: Plan = NONE) -> Callable[[], Awaitable[bytes]]:
         """The body vLLM reads: the request named for the log, its breakpoints set."""
+        marks = [*marks, *caching.cuts]
+
         async def final_body() -> bytes:
             # Runs when vLLM's route reads the body, after vLLM's own checks.
-            breakpoints = await self._renderer.positions(scope, body, marks) if marks else []
+            breakpoints = await self._renderer.positions(
+                scope, body, marks, api if api in ("chat", "responses") else "messages") \
+                if marks else []
             params, ours = transfer_params(body)  # checked already: they are objects
             ours["id"] = request_id
+            if not caching.cache:
+                ours["cache"] = False
             if breakpoints:
                 ours["breakpoints"] = [*(ours.get("breakpoints") or []), *breakpoints]
             params["sparkcache"] = ours
@@ -283,9 +303,9 @@ class SparkCacheMiddleware:
 
     async def _forward(self, api: str | None, scope: Scope,
                        body: Callable[[], Awaitable[bytes]], receive: Receive, send: Send,
-                       request_id: str) -> int:
-        """Pass the request to vLLM (its body made when vLLM reads it); rewrite an
-        Anthropic answer's usage.  Returns the status sent."""
+                       request_id: str, caching: Plan = NONE) -> int:
+        """Pass the request to vLLM (its body made when vLLM reads it); rewrite the
+        answer's usage (Anthropic's, OpenAI's).  Returns the status sent."""
         status = 500
         start: Message | None = None
         buffered: list[bytes] = []
@@ -299,10 +319,12 @@ class SparkCacheMiddleware:
                 for key, value in message.get("headers", []):
                     if key.lower() == b"content-type":
                         content_type = value.decode("latin-1")
-                if api != "messages" or status != 200:
+                if api not in USAGE_APIS or status != 200:
                     return await send(message)
                 if content_type.startswith("text/event-stream"):
-                    rewriter = SseRewriter(lambda: self._facts(request_id))
+                    rewriter = SseRewriter(lambda: self._facts(request_id)) \
+                        if api == "messages" else \
+                        OpenAISseRewriter(api, caching, lambda: self._facts(request_id))
                     return await send(message)
                 start = message  # a whole JSON answer: held until its body is rewritten
                 return None
@@ -321,7 +343,7 @@ class SparkCacheMiddleware:
             buffered.append(message.get("body", b""))
             if message.get("more_body"):
                 return None
-            whole = await self._rewrite_whole(b"".join(buffered))
+            whole = await self._rewrite_whole(api, caching, request_id, b"".join(buffered))
             headers = [(k, v) for k, v in start.get("headers", [])
                        if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(whole)).encode()))
@@ -332,8 +354,8 @@ class SparkCacheMiddleware:
         await self.app(without_length(scope), replay_lazy(body, receive), relay)
         return status
 
-    @staticmethod
-    async def _rewrite_whole(body: bytes) -> bytes:
+    async def _rewrite_whole(self, api: str | None, caching: Plan, request_id: str,
+                             body: bytes) -> bytes:
         try:
             answer = await parse_json(body)
         except BadBody:
@@ -341,6 +363,11 @@ class SparkCacheMiddleware:
         if not isinstance(answer, dict):
             return body
         facts = facts_of(answer)
+        if api != "messages":
+            # An answer without the connector's facts (completions): the log's row.
+            facts = facts or await self._facts(request_id)
+            rewrite_answer(str(api), answer, facts, caching)
+            return dumps(answer)
         if facts is None:
             return body
         answer["usage"] = anthropic_usage(answer.get("usage"), facts)
