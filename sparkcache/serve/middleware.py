@@ -364,8 +364,8 @@ class SparkCacheMiddleware:
             return body
         facts = facts_of(answer)
         if api != "messages":
-            # An answer without the connector's facts (completions): the log's row.
-            facts = facts or await self._facts(request_id)
+            if facts is None and isinstance(answer.get("usage"), dict):
+                facts = await self._facts(request_id)  # not in the answer: the log's row
             rewrite_answer(str(api), answer, facts, caching)
             return dumps(answer)
         if facts is None:

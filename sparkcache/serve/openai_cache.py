@@ -69,6 +69,13 @@ class Plan:
     comparison_response_id: str | None = None
     retention: str | None = None
 
+    @property
+    def write_ttl(self) -> float:
+        """The keep lease the request's writes have when the facts do not say:
+        its cuts' one ttl when they agree, else the request's ``ttl``."""
+        ttls = {cut.ttl for cut in self.cuts}
+        return ttls.pop() if len(ttls) == 1 else self.ttl
+
 
 #: The plan of a request that says nothing of caching (or of another API).
 NONE = Plan()

@@ -9,7 +9,7 @@ From the connector's facts (:mod:`sparkcache.serve.usage`):
 * Responses' ``cache_write_tokens_details`` splits them by ttl
   (``ttl_30m_tokens``, ``ttl_12h_tokens``), from the facts' ``written_by_ttl``
   (keep seconds -> tokens) when the connector reports it, else all in the
-  request's own ttl;
+  one ttl of the request's breakpoints (the request's own when they differ);
 * ``cached_tokens`` stays vLLM's count (live + restored), ``prompt_tokens`` /
   ``input_tokens`` the whole prompt, so that ``input_tokens - cached_tokens -
   cache_write_tokens`` is what the request computed without caching it.
@@ -48,9 +48,9 @@ def written_split(facts: Facts, plan: Plan) -> tuple[int, int, int]:
     ``written_by_ttl`` maps keep seconds (a string; "0": no keep) to tokens;
     a bucket of 12 hours or more is ``ttl_12h``, a shorter one ``ttl_30m``, "0"
     the request's own.  Absent, or not adding up to the written tokens, all go
-    to the request's own ttl."""
+    to :attr:`Plan.write_ttl`'s bucket."""
     written = _written(facts)
-    own_long = plan.ttl >= TTLS["12h"]
+    own_long = plan.write_ttl >= TTLS["12h"]
     by_ttl = facts.get("written_by_ttl")
     short = long = 0
     if isinstance(by_ttl, Mapping):

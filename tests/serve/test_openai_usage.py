@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from sparkcache.serve.cache_control import Cut
 from sparkcache.serve.openai_cache import Plan
 from sparkcache.serve.openai_usage import (
     OpenAISseRewriter,
@@ -68,6 +69,12 @@ def test_the_split_follows_the_connectors_written_by_ttl() -> None:
     assert written_split(wrong, TWELVE) == (96, 0, 96)
     junk = {**facts, "written_by_ttl": {"soon": "x"}}
     assert written_split(junk, THIRTY) == (96, 96, 0)
+    # No split from the connector: the breakpoints' one ttl, else the request's.
+    cuts = (Cut("a", 43200.0, {}), Cut("b", 43200.0, {}))
+    bare = {**facts, "written_by_ttl": None}
+    assert written_split(bare, Plan(cuts=cuts)) == (96, 0, 96)
+    mixed = Plan(cuts=(*cuts, Cut("c", 1800.0, {})))
+    assert written_split(bare, mixed) == (96, 96, 0)
 
 
 def test_a_prewarm_answer_is_completed_and_empty() -> None:

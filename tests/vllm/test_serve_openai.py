@@ -16,7 +16,9 @@ agrees with the whole prompt for ``len(text) + SYSTEM_FRAME - 2`` tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,22 @@ def snapshots(server: Server) -> set[int]:
         return {s.id for s in store.snapshots()}
 
 
+def keep_leases(server: Server, until: Callable[[dict[int, float]], bool]) -> dict[int, float]:
+    """Snapshot tokens -> the longest keep lease on it, in seconds (the index's
+    ``leases`` table, docs/index.md); polled until ``until`` holds (a
+    breakpoint's snapshot is published just after its step)."""
+    deadline = time.monotonic() + 20
+    while True:
+        with sqlite3.connect(server.folder / "index.sqlite") as db:
+            rows = db.execute("SELECT s.n_tokens, MAX(l.expires_at - l.created_at) FROM leases l "
+                              "JOIN snapshots s ON s.id = l.snapshot_id WHERE l.kind = 'keep' "
+                              "GROUP BY s.n_tokens").fetchall()
+        found = {int(n): float(seconds) for n, seconds in rows}
+        if until(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
 def test_a_chat_breakpoint_writes_its_prefix_and_another_question_reads_it(
         served: Server) -> None:
     system = system_prompt(31, 700)
@@ -109,6 +127,31 @@ def test_implicit_mode_also_writes_the_prompt_end_and_a_stream_reports_it(
             usage.prompt_tokens_details.cache_write_tokens) == (0, whole(prompt))
     row = log_rows(served.folder, lambda rows: rows[0].prompt_tokens == prompt)[0]
     assert row.breakpoints == (len(system) + CUT_FRAME, prompt)
+    # One prefill step passed both: one snapshot to the prompt's end (the
+    # breakpoint an alias inside it), kept the request's ttl, 30 minutes.
+    kept = keep_leases(served, lambda k: whole(prompt) in k)
+    assert 1799 < kept[whole(prompt)] <= 1800
+    assert whole(len(system) + CUT_FRAME) not in kept
+
+
+def test_retention_24h_keeps_every_breakpoint_a_day(served: Server) -> None:
+    system = system_prompt(37, 520)
+    user = "hotel: keep it long"
+    prompt = len(system) + SYSTEM_FRAME + len(user) + USER_FRAME
+    answer = chat(served, system, user, prompt_cache_retention="24h")
+    assert answer.usage.prompt_tokens_details.cache_write_tokens == whole(prompt)
+    kept = keep_leases(served, lambda k: whole(prompt) in k)
+    assert 86399 < kept[whole(prompt)] <= 86400
+
+
+def test_completions_report_cache_write_tokens(served: Server) -> None:
+    text = system_prompt(38, 300)
+    done = client(served).completions.create(model=MODEL_NAME, prompt=text, max_tokens=4,
+                                             temperature=0)
+    details = done.usage.prompt_tokens_details
+    # Automatic caching: saved when it finishes, no breakpoint wrote anything.
+    assert (done.usage.prompt_tokens, details.cached_tokens, details.cache_write_tokens) == \
+        (len(text), 0, 0)  # no template, no special token
 
 
 def test_a_responses_breakpoint_with_a_12h_ttl_is_split_by_ttl(served: Server) -> None:
@@ -138,6 +181,27 @@ def test_a_responses_breakpoint_with_a_12h_ttl_is_split_by_ttl(served: Server) -
     assert (again.cached_tokens, again.cache_write_tokens) == (whole(boundary), 0)
     assert (again.cache_write_tokens_details.ttl_30m_tokens,
             again.cache_write_tokens_details.ttl_12h_tokens) == (0, 0)
+    assert 43199 < keep_leases(served, lambda k: whole(boundary) in k)[whole(boundary)] <= 43200
+
+
+def test_a_streamed_response_reports_the_write_in_response_completed(served: Server) -> None:
+    text = system_prompt(39, 450)
+    boundary = len(text) + CUT_FRAME
+    events = list(client(served).responses.create(
+        model=MODEL_NAME, max_output_tokens=4, temperature=0, stream=True,
+        prompt_cache_options={"mode": "explicit"},
+        input=[{"role": "system", "content": [
+                    {"type": "input_text", "text": text,
+                     "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]},
+               {"role": "user", "content": "india?"}]))
+    (done,) = [e for e in events if e.type == "response.completed"]
+    details = done.response.usage.input_tokens_details
+    assert done.response.usage.input_tokens == len(text) + SYSTEM_FRAME + len("india?") + \
+        USER_FRAME
+    assert (details.cached_tokens, details.cache_write_tokens) == (0, whole(boundary))
+    # The one breakpoint's ttl, 12h (the request's own is 30m).
+    assert (details.cache_write_tokens_details.ttl_30m_tokens,
+            details.cache_write_tokens_details.ttl_12h_tokens) == (0, whole(boundary))
 
 
 def test_explicit_mode_without_a_breakpoint_writes_nothing(served: Server) -> None:
