@@ -366,6 +366,8 @@ class SparkCacheMiddleware:
         if api != "messages":
             if facts is None and isinstance(answer.get("usage"), dict):
                 facts = await self._facts(request_id)  # not in the answer: the log's row
+            if facts is None and not caching.prewarm:
+                return body
             rewrite_answer(str(api), answer, facts, caching)
             return dumps(answer)
         if facts is None:

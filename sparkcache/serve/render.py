@@ -73,7 +73,7 @@ class Renderer:
         renderer = getattr(getattr(scope.get("app"), "state", None), "serving_render", None)
         if renderer is None:
             logger.warning("sparkcache: this vLLM server has no renderer; "
-                           "cache_control sets no breakpoint")
+                           "no breakpoint is set")
             return None
         try:
             result = await _render(renderer, api, body)
