@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/serve_bench.py [--quick] [--repeats N] [--blocks N]
                                           [--server-args ARGS] [--cache DIR] [--json]
+                                          [--openai-explicit]
 
 A random-weight Llama (:data:`sparkcache.demo.model.DEMO`: prefilling 2000
 tokens takes a second or two on two cores), built once into ``--cache`` and
@@ -41,6 +42,17 @@ the column to compare), then the ratios sparkcache / plain measured in this
 run (STYLE habit 10).  Server start-up times are shown but not in the totals.
 Exit status 1 when a server fails to start, dies or answers with an error;
 nothing is written but a temporary folder (removed) and the model cache.
+
+``--openai-explicit`` measures instead what OpenAI's explicit breakpoints cost
+a request: the same conversations (no restart) go to one ``sparkcache
+serve`` as streamed chat completions through the official ``openai`` client,
+once plainly and once with the system prompt's text part marked
+``prompt_cache_breakpoint: {"mode": "explicit"}`` under
+``prompt_cache_options: {"mode": "explicit"}``, each pass on a new server and
+store (``--repeats`` alternates which goes first); TTFT is the time to the
+first content delta.  The table shows both passes' TTFT p50/p90 and the
+usage (``cached_tokens``, ``cache_write_tokens``), then the ratio with /
+without (the target: at most 1.05x).
 docs/benchmarks.md has the results.
 """
 
@@ -69,6 +81,7 @@ from types import FrameType
 from typing import Any
 
 import anthropic
+import openai
 from anthropic.types import MessageParam, TextBlockParam
 from common import log, machine, pct
 
@@ -349,6 +362,97 @@ def replay(kind: str, model: Path, work: Path, plan: Plan, wl: Workload, tag: st
     return run
 
 
+# -- OpenAI explicit breakpoints ---------------------------------------------------------
+
+OPENAI_PASSES = ("without breakpoints", "with breakpoints")
+
+
+def ask_openai(client: Any, system: str, messages: list[Any], max_tokens: int,
+               mark: bool) -> tuple[float, Any]:
+    """One streamed chat completion: (TTFT, the usage chunk's usage)."""
+    part: dict[str, Any] = {"type": "text", "text": system}
+    extra: dict[str, Any] = {}
+    if mark:
+        part["prompt_cache_breakpoint"] = {"mode": "explicit"}
+        extra["prompt_cache_options"] = {"mode": "explicit"}
+    started = time.perf_counter()
+    first, usage = None, None
+    for chunk in client.chat.completions.create(
+            model=SERVED_NAME, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": [part]}, *messages], **extra):
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+        usage = chunk.usage or usage
+    return (first or time.perf_counter()) - started, usage
+
+
+def openai_pass(mark: bool, model: Path, work: Path, plan: Plan, wl: Workload, tag: str,
+                extra: Sequence[str]) -> list[tuple[float, int, int]]:
+    """Every conversation round-robin on a new server: (TTFT, cached, written) each."""
+    name = OPENAI_PASSES[mark]
+    port = free_port()
+    server = Server(name, server_command("sparkcache", model, work / f"store-{tag}", port, wl,
+                                         extra), server_env(), work / f"{tag}.log", port)
+    out: list[tuple[float, int, int]] = []
+    history: list[list[Any]] = [[] for _ in range(plan.conversations)]
+    with running(server):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=REQUEST_TIMEOUT_S)
+        try:
+            ask_openai(client, "Warm up.", [{"role": "user", "content": "Say it."}], 4, False)
+            for t in range(plan.turns):
+                for c in range(plan.conversations):
+                    messages = [*history[c], {"role": "user", "content": wl.users[c][t]}]
+                    ttft, usage = ask_openai(client, wl.system, messages, plan.max_tokens, mark)
+                    history[c] = [*messages, {"role": "assistant", "content": "ok"}]
+                    details = usage.prompt_tokens_details
+                    out.append((ttft, details.cached_tokens or 0,
+                                details.cache_write_tokens or 0))
+                    log(f"{name}: conversation {c + 1} turn {t + 1}: TTFT {ttft:.2f} s, "
+                        f"cached {out[-1][1]}, written {out[-1][2]}")
+        except openai.APIError as exc:
+            server.check()
+            raise ServerFailed(f"{server.name} answered with an error: {exc}") from exc
+    return out
+
+
+def openai_report(passes: dict[bool, list[tuple[float, int, int]]]) -> str:
+    body = []
+    for mark in (False, True):
+        ttft = [t for t, _, _ in passes[mark]]
+        body.append([OPENAI_PASSES[mark], str(len(ttft)), f"{pct(ttft, 50):.2f}",
+                     f"{pct(ttft, 90):.2f}", f"{sum(c for _, c, _ in passes[mark])}",
+                     f"{sum(w for _, _, w in passes[mark])}"])
+    ratio = pct([t for t, _, _ in passes[True]], 50) / pct([t for t, _, _ in passes[False]], 50)
+    return (table(["requests", "n", "TTFT p50 s", "p90 s", "cached_tokens",
+                   "cache_write_tokens"], body)
+            + f"\n\nwith / without breakpoints: TTFT p50 {ratio:.2f}x (target <= 1.05x)")
+
+
+def openai_main(plan: Plan, model: Path, wl: Workload, repeats: int,
+                extra: Sequence[str]) -> int:
+    """``--openai-explicit``: both passes ``repeats`` times, then the table."""
+    work = Path(tempfile.mkdtemp(prefix="sparkcache-serve-bench-"))
+    passes: dict[bool, list[tuple[float, int, int]]] = {False: [], True: []}
+    try:
+        for rep in range(repeats):
+            for mark in ((False, True) if rep % 2 == 0 else (True, False)):
+                passes[mark] += openai_pass(mark, model, work, plan, wl, f"r{rep}-{mark}", extra)
+    except ServerFailed as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for key, value in machine().items():
+        print(f"{key}: {value}")
+    print(f"model: random-weight Llama, {plan.size.describe()}; {plan.conversations} "
+          f"conversations x {plan.turns} turns, system prompt >= {plan.system_tokens} tokens, "
+          f"{repeats} repeat(s)\n")
+    print(openai_report(passes))
+    return 0
+
+
 # -- the table -------------------------------------------------------------------------
 
 
@@ -433,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--json", action="store_true",
                         help="print JSON (plan, machine, every request) instead of the table")
+    parser.add_argument("--openai-explicit", action="store_true",
+                        help="instead: TTFT of OpenAI chat completions with explicit "
+                        "breakpoints against without, on sparkcache serve alone")
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
@@ -450,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.cache / "model-demo"
     log(f"model in {model} ({'built' if ensure_model(model, plan.size) else 'reused'})")
     wl = workload(plan, model, args.blocks)
+    if args.openai_explicit:
+        return openai_main(plan, model, wl, args.repeats, extra)
     work = Path(tempfile.mkdtemp(prefix="sparkcache-serve-bench-"))
     runs: list[Run] = []
     try:

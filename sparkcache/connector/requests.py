@@ -31,8 +31,9 @@ __all__ = ["MAX_KEEP_SECONDS", "Offer", "RequestParams", "RequestState", "Restor
 
 logger = logging.getLogger("vllm.sparkcache")
 
-#: The longest ``ttl`` a breakpoint may ask for (Anthropic's longest cache lifetime).
-MAX_KEEP_SECONDS = 3600.0
+#: The longest ``ttl`` a breakpoint may ask for (a day: OpenAI's ``prompt_cache_retention``
+#: ``24h``; Anthropic's longest is an hour, OpenAI's ``prompt_cache_options.ttl`` 12 hours).
+MAX_KEEP_SECONDS = 86400.0
 
 
 def scope_of(request: Any) -> RequestScope | None:
@@ -56,11 +57,14 @@ class RequestParams:
     each breakpoint is a token position, or ``{"at": position, "ttl": seconds}``
     to keep the prefix's snapshot at least that long after its last write or
     read (a lease retention respects; at most :data:`MAX_KEEP_SECONDS`).
+    ``"cache": false``: the request neither restores from the store nor saves
+    to it (OpenAI's explicit mode without a breakpoint).
     """
 
     log_id: str | None = None
     breakpoints: tuple[int, ...] = ()
     keep: Mapping[int, float] = field(default_factory=dict)  # position -> seconds
+    cache: bool = True
 
 
 def _position(mark: Any) -> tuple[int, float | None] | None:
@@ -99,7 +103,12 @@ def params_of(request: Any) -> RequestParams:
     for at, ttl in (p for p in parsed if p is not None):
         if ttl is not None:
             keep[at] = max(ttl, keep.get(at, 0.0))
-    return RequestParams(log_id, tuple(p[0] for p in parsed if p is not None), keep)
+    cache = ours.get("cache", True)
+    if not isinstance(cache, bool):
+        logger.warning("sparkcache: ignoring cache %r of %s (want true or false)", cache,
+                       getattr(request, "request_id", "?"))
+        cache = True
+    return RequestParams(log_id, tuple(p[0] for p in parsed if p is not None), keep, cache)
 
 
 def breakpoints_of(request: Any) -> tuple[int, ...]:

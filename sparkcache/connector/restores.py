@@ -84,10 +84,11 @@ class Restores:
     def matched(self, request: Any, state: RequestState,
                 num_computed: int) -> tuple[int | None, bool]:
         """``(tokens past num_computed a restore supplies, async)``; ``(None,
-        False)``: ask again.  Replaces the request's pending offer."""
+        False)``: ask again.  Replaces the request's pending offer.  A request
+        that asks not to be cached (``"cache": false``) is offered nothing."""
         state.restore.offer = None
         state.facts.local = num_computed
-        if not self.enabled:
+        if not self.enabled or not state.params.cache:
             return 0, False
         bs = self.rules.bs
         tokens = request.all_token_ids

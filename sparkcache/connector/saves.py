@@ -54,8 +54,9 @@ class Saves:
         self.total_kv_heads = 0
 
     def start(self, state: RequestState) -> None:
-        """Note a new request's marks: its breakpoints and the prompt's own save point."""
-        if not self.enabled:
+        """Note a new request's marks: its breakpoints and the prompt's own save point
+        (none for a request that asks not to be cached)."""
+        if not self.enabled or not state.params.cache:
             return
         request, bs = state.request, self.rules.bs
         marks = set(state.params.breakpoints)
@@ -153,7 +154,7 @@ class Saves:
 
     def _plan_save(self, state: RequestState, groups: list[list[int]]) -> bool:
         request, bs = state.request, self.rules.bs
-        if not self.enabled or request.prompt_token_ids is None:
+        if not self.enabled or request.prompt_token_ids is None or not state.params.cache:
             return False
         tokens = request.all_token_ids
         held = max(len(ids) for ids in groups)

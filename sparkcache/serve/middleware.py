@@ -20,7 +20,10 @@ parsed off the event loop (:mod:`sparkcache.serve.bodies`), then
   (:mod:`sparkcache.serve.prewarm`);
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
   SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key`` (recorded
-  in the log; it isolates nothing: a ``cache_salt`` does that);
+  in the log; it isolates nothing: a ``cache_salt`` does that), checks and
+  applies OpenAI's prompt caching fields (:mod:`sparkcache.serve.openai_cache`:
+  breakpoints rendered as Anthropic's are) and adds ``cache_write_tokens`` to
+  the usage (:mod:`sparkcache.serve.openai_usage`), whole answers and streams;
 
 it names the request in the request log (``kv_transfer_params["sparkcache"]["id"]``,
 always its own, whatever the client sent) and records the API, the model, the
@@ -66,6 +69,8 @@ from sparkcache.serve.bodies import (
 from sparkcache.serve.cache_control import Cut
 from sparkcache.serve.checks import Refused, api_of, error_body, prepare, transfer_params
 from sparkcache.serve.launch import check_token
+from sparkcache.serve.openai_cache import NONE, OpenAICacheError, Plan, plan
+from sparkcache.serve.openai_usage import OpenAISseRewriter, rewrite_answer
 from sparkcache.serve.pages import Pages
 from sparkcache.serve.prewarm import prewarm_answer, prewarm_of
 from sparkcache.serve.render import Renderer
@@ -91,6 +96,8 @@ ROUTES: dict[str, str | None] = {
     "/inference/v1/generate": None,
     "/cohere/v2/chat": None,
 }
+#: The APIs whose answers' usage is rewritten from the connector's facts.
+USAGE_APIS = ("messages", "chat", "completions", "responses")
 #: A streamed Anthropic answer waits at most this long for the connector's
 #: facts (they are written while the prompt's last chunk is computed, so
 #: normally before its first token).
@@ -256,6 +263,7 @@ class SparkCacheMiddleware:
                 row["model"] = body["model"]
             prewarm = prewarm_of(api, body)  # before the marks' cuts copy max_tokens
             marks, row["cache_key"] = await off_loop(len(raw), lambda: prepare(api, body))
+            caching = await off_loop(len(raw), lambda: plan(api, body))
         except Gone:
             return None
         except TooLarge as exc:
@@ -264,21 +272,30 @@ class SparkCacheMiddleware:
             refused = Refused(400, str(exc))
         except Refused as exc:
             refused = exc
+        except OpenAICacheError as exc:
+            refused = Refused(400, str(exc), exc.param)
         else:
-            final = self._final(scope, body, marks, request_id, len(raw))
+            final = self._final(scope, body, marks, request_id, len(raw), api, caching)
             return await log(await self._forward(api, scope, final, receive, send, request_id,
-                                                 prewarm=prewarm))
+                                                 caching, prewarm=prewarm))
         await respond(send, refused.status, error_body(row["api"], refused), "application/json")
         return await log(refused.status)
 
     def _final(self, scope: Scope, body: dict[str, Any], marks: list[Cut], request_id: str,
-               size: int) -> Callable[[], Awaitable[bytes]]:
+               size: int, api: str | None = None,
+               caching: Plan = NONE) -> Callable[[], Awaitable[bytes]]:
         """The body vLLM reads: the request named for the log, its breakpoints set."""
+        marks = [*marks, *caching.cuts]
+
         async def final_body() -> bytes:
             # Runs when vLLM's route reads the body, after vLLM's own checks.
-            breakpoints = await self._renderer.positions(scope, body, marks) if marks else []
+            breakpoints = await self._renderer.positions(
+                scope, body, marks, api if api in ("chat", "responses") else "messages") \
+                if marks else []
             params, ours = transfer_params(body)  # checked already: they are objects
             ours["id"] = request_id
+            if not caching.cache:
+                ours["cache"] = False
             if breakpoints:
                 ours["breakpoints"] = [*(ours.get("breakpoints") or []), *breakpoints]
             params["sparkcache"] = ours
@@ -289,9 +306,10 @@ class SparkCacheMiddleware:
 
     async def _forward(self, api: str | None, scope: Scope,
                        body: Callable[[], Awaitable[bytes]], receive: Receive, send: Send,
-                       request_id: str, *, prewarm: bool = False) -> int:
-        """Pass the request to vLLM (its body made when vLLM reads it); rewrite an
-        Anthropic answer's usage.  Returns the status sent."""
+                       request_id: str, caching: Plan = NONE, *,
+                       prewarm: bool = False) -> int:
+        """Pass the request to vLLM (its body made when vLLM reads it); rewrite the
+        answer's usage (Anthropic's, OpenAI's).  Returns the status sent."""
         status = 500
         start: Message | None = None
         buffered: list[bytes] = []
@@ -305,10 +323,12 @@ class SparkCacheMiddleware:
                 for key, value in message.get("headers", []):
                     if key.lower() == b"content-type":
                         content_type = value.decode("latin-1")
-                if api != "messages" or status != 200:
+                if api not in USAGE_APIS or status != 200:
                     return await send(message)
                 if content_type.startswith("text/event-stream"):
-                    rewriter = SseRewriter(lambda: self._facts(request_id))
+                    rewriter = SseRewriter(lambda: self._facts(request_id)) \
+                        if api == "messages" else \
+                        OpenAISseRewriter(api, caching, lambda: self._facts(request_id))
                     return await send(message)
                 start = message  # a whole JSON answer: held until its body is rewritten
                 return None
@@ -327,7 +347,8 @@ class SparkCacheMiddleware:
             buffered.append(message.get("body", b""))
             if message.get("more_body"):
                 return None
-            whole = await self._rewrite_whole(b"".join(buffered), prewarm=prewarm)
+            whole = await self._rewrite_whole(api, caching, request_id, b"".join(buffered),
+                                              prewarm=prewarm)
             headers = [(k, v) for k, v in start.get("headers", [])
                        if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(whole)).encode()))
@@ -338,8 +359,8 @@ class SparkCacheMiddleware:
         await self.app(without_length(scope), replay_lazy(body, receive), relay)
         return status
 
-    @staticmethod
-    async def _rewrite_whole(body: bytes, *, prewarm: bool = False) -> bytes:
+    async def _rewrite_whole(self, api: str | None, caching: Plan, request_id: str,
+                             body: bytes, *, prewarm: bool = False) -> bytes:
         try:
             answer = await parse_json(body)
         except BadBody:
@@ -347,6 +368,13 @@ class SparkCacheMiddleware:
         if not isinstance(answer, dict):
             return body
         facts = facts_of(answer)
+        if api != "messages":
+            if facts is None and isinstance(answer.get("usage"), dict):
+                facts = await self._facts(request_id)  # not in the answer: the log's row
+            if facts is None and not caching.prewarm:
+                return body
+            rewrite_answer(str(api), answer, facts, caching)
+            return dumps(answer)
         if facts is None and not prewarm:
             return body
         if facts is not None:

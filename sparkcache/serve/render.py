@@ -5,7 +5,10 @@ with the whole prompt (:func:`~sparkcache.serve.cache_control.common_prefix`):
 whatever the chat template does with the blocks, it is a prefix of the real
 prompt.  :class:`Renderer` renders through the server's ``serving_render`` (the
 same code ``/v1/messages`` prefills with) and remembers renders by content, so
-that a shared system prompt is rendered once.
+that a shared system prompt is rendered once.  Anthropic requests render
+through ``render_messages_request``, OpenAI chat completions and Responses
+requests through ``render_chat_request`` and ``render_responses_request``
+(their cuts: :mod:`sparkcache.serve.openai_cache`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from sparkcache.serve.bodies import Scope, dumps
 from sparkcache.serve.cache_control import Cut, common_prefix, strip
+from sparkcache.serve.openai_cache import IMPLICIT
 
 __all__ = ["RENDER_CACHE", "Renderer"]
 
@@ -33,17 +37,19 @@ class Renderer:
     def __init__(self) -> None:
         self._renders: OrderedDict[str, list[int]] = OrderedDict()
 
-    async def positions(self, scope: Scope, body: dict[str, Any],
-                        marks: list[Cut]) -> list[dict[str, Any]]:
-        """Each mark's token position and ttl.  A mark whose render fails is left
-        out (logged); when the whole prompt does not render, none is set (vLLM
-        then answers the request with its own error)."""
-        full = await self.render(scope, strip(body))
+    async def positions(self, scope: Scope, body: dict[str, Any], marks: list[Cut],
+                        api: str = "messages") -> list[dict[str, Any]]:
+        """Each mark's token position and ttl (the implicit mark's: the prompt's
+        length).  A mark whose render fails is left out (logged); when the whole
+        prompt does not render, none is set (vLLM then answers the request with
+        its own error)."""
+        full = await self.render(scope, strip(body), api)
         if full is None:
             return []
         positions: list[dict[str, Any]] = []
         for mark in marks:
-            tokens = await self.render(scope, mark.body)
+            tokens = full if mark.where == IMPLICIT else \
+                await self.render(scope, mark.body, api)
             if tokens is None:
                 logger.warning("sparkcache: the prompt up to %s does not render; "
                                "no breakpoint there", mark.where)
@@ -51,28 +57,26 @@ class Renderer:
             positions.append({"at": common_prefix(tokens, full), "ttl": mark.ttl})
         return positions
 
-    async def render(self, scope: Scope, body: dict[str, Any]) -> list[int] | None:
-        """The token ids vLLM's own renderer makes of an Anthropic request, the
-        same as ``/v1/messages`` prefills (remembered by content)."""
+    async def render(self, scope: Scope, body: dict[str, Any],
+                     api: str = "messages") -> list[int] | None:
+        """The token ids vLLM's own renderer makes of an ``api`` request
+        ("messages", "chat", "responses"), the same as its route prefills
+        (remembered by content)."""
         body = copy.deepcopy(body)
         body.pop("kv_transfer_params", None)
+        body.pop("stream_options", None)
         body["stream"] = False
-        key = hashlib.sha256(dumps(body)).hexdigest()
+        key = hashlib.sha256(api.encode() + dumps(body)).hexdigest()
         if key in self._renders:
             self._renders.move_to_end(key)
             return self._renders[key]
         renderer = getattr(getattr(scope.get("app"), "state", None), "serving_render", None)
         if renderer is None:
             logger.warning("sparkcache: this vLLM server has no renderer; "
-                           "cache_control sets no breakpoint")
+                           "no breakpoint is set")
             return None
-        # vLLM's own request model: imported here, where vLLM's server has loaded it,
-        # so that the page and the checks load without vLLM.
-        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-
         try:
-            request = AnthropicMessagesRequest.model_validate(body)
-            result = await renderer.render_messages_request(request)
+            result = await _render(renderer, api, body)
         except Exception as exc:  # a breakpoint is never worth a failed request
             logger.warning("sparkcache: render failed (%s: %s); no breakpoint there",
                            type(exc).__name__, exc)
@@ -85,3 +89,20 @@ class Renderer:
         if len(self._renders) > RENDER_CACHE:
             self._renders.popitem(last=False)
         return tokens
+
+
+async def _render(renderer: Any, api: str, body: dict[str, Any]) -> Any:
+    """``serving_render``'s answer for a request of ``api``."""
+    # vLLM's own request models: imported here, where vLLM's server has loaded them,
+    # so that the page and the checks load without vLLM.
+    if api == "chat":
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return await renderer.render_chat_request(ChatCompletionRequest.model_validate(body))
+    if api == "responses":
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        return await renderer.render_responses_request(ResponsesRequest.model_validate(body))
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+    return await renderer.render_messages_request(AnthropicMessagesRequest.model_validate(body))

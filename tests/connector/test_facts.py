@@ -34,6 +34,13 @@ def test_params_accept_positions_and_ttls_and_ignore_garbage() -> None:
             "sparkcache": {"breakpoints": bad}})).breakpoints == (), bad
     assert params_of(Req("c", [1], kv_transfer_params={"sparkcache": {"id": 7}})).log_id is None
     assert params_of(Req("d", [1])).log_id is None
+    assert params_of(Req("e", [1])).cache is True
+    assert params_of(Req("f", [1], kv_transfer_params={"sparkcache": {"cache": False}})).cache \
+        is False
+    assert params_of(Req("g", [1], kv_transfer_params={"sparkcache": {"cache": "no"}})).cache
+    day = params_of(Req("h", [1], kv_transfer_params={"sparkcache": {"breakpoints": [
+        {"at": 70, "ttl": 86400}]}}))
+    assert dict(day.keep) == {70: 86400.0}  # OpenAI's 24h retention
 
 
 def run(sched: SchedulerSide, req: Req, blocks: list[int], local: int = 0) -> list[SaveJob]:
@@ -122,6 +129,26 @@ def test_a_ttl_keeps_the_snapshot_from_retention_not_from_clear(tmp_path: Path) 
 def _leases(store: SnapshotStore, snapshot_id: int) -> list[Any]:
     with store._core.read() as conn:
         return store._core.leases(conn, snapshot_id)
+
+
+def test_a_request_that_asks_not_to_be_cached_neither_restores_nor_saves(
+        one_rank: Any) -> None:
+    store, sched, io, _counters = one_rank
+    p = prompt(200, 25)
+    save(sched, io, Req("x", p[:128]))  # a stored prefix the request could restore
+    before = {s.id for s in store.snapshots()}
+    assert before
+    off = {"sparkcache": {"cache": False, "breakpoints": [150]}}
+    req = Req("a", p, kv_transfer_params=off)
+    assert sched.matched_tokens(req, 0) == (0, False)  # no restore offered
+    assert step(sched, req, 200, list(range(10))) == []  # no breakpoint save
+    held, params = sched.finished(req, list(range(10)))
+    assert not held and sched.take_jobs() == ([], [])  # no save at the finish
+    assert params is not None and params["sparkcache"]["written_tokens"] == 0
+    assert {s.id for s in store.snapshots()} == before
+    # The same request without the flag restores the stored prefix.
+    again = Req("b", p, kv_transfer_params={"sparkcache": {"breakpoints": [150]}})
+    assert sched.matched_tokens(again, 0)[0] == 128
 
 
 def test_the_log_writer_commits_rows_off_the_caller(tmp_path: Path) -> None:
