@@ -50,11 +50,11 @@ LOG_ROWS_VARIABLE: Final = "SPARK_KV_CACHE_LOG_ROWS"
 #: The columns a row given to :func:`record` may name: every one but ``seq``.
 LOG_FIELDS: Final[tuple[str, ...]] = tuple(q.REQUEST_FIELDS.split(", "))
 
-# What each field holds (request_id, model, api, cache_key are text).
+# What each field holds (request_id, model, api, cache_key, tenant are text).
 _COUNTS: Final = frozenset({"model_id", "prompt_tokens", "live_tokens", "restored_tokens",
                             "written_tokens", "output_tokens", "status", "remote_tokens"})
 _TIMES: Final = frozenset({"created_at", "queue_s", "restore_s", "ttft_s", "total_s"})
-#: The longest model name or prompt_cache_key stored (longer ones are cut, marked
+#: The longest model name, prompt_cache_key or tenant stored (longer ones are cut, marked
 #: with a trailing "..."); a request id longer than MAX_ID is refused.
 MAX_TEXT: Final = 1024
 MAX_ID: Final = 256
@@ -87,6 +87,7 @@ class RequestRow:
     total_s: float | None
     status: int | None  # the HTTP status answered
     remote_tokens: int | None = None  # of restored_tokens, from the shared tier
+    tenant: str | None = None  # the request's tenant (docs/serve.md, "Tenants")
 
     def __post_init__(self) -> None:
         # The index holds the JSON text (or NULL).
@@ -206,7 +207,7 @@ def _field(name: str, value: Any) -> Any:
         if not isinstance(points, (list, tuple)) or not all(_whole(n) for n in points):
             raise _bad(name, value, "a list of token positions (whole numbers >= 0)")
         return json.dumps([int(n) for n in points], separators=(",", ":"))
-    if name in ("model", "cache_key"):  # a client's text, as it sent it (even empty)
+    if name in ("model", "cache_key", "tenant"):  # a client's text, as it sent it (even empty)
         if not isinstance(value, str):
             raise _bad(name, value, "a string")
         return _text(value)

@@ -26,25 +26,49 @@ from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.store import Match
 
-__all__ = ["MAX_KEEP_SECONDS", "Offer", "RequestParams", "RequestState", "RestorePart",
-           "Rules", "SavePart", "breakpoints_of", "params_of", "scope_of"]
+__all__ = ["MAX_KEEP_SECONDS", "MAX_TENANT", "Offer", "RequestParams", "RequestState",
+           "RestorePart", "Rules", "SavePart", "breakpoints_of", "params_of", "scope_of",
+           "tenant_of"]
 
 logger = logging.getLogger("vllm.sparkcache")
 
+#: The longest tenant name (OpenAI's ``prompt_cache_key`` limit).
+MAX_TENANT = 1024
 #: The longest ``ttl`` a breakpoint may ask for (Anthropic's longest cache lifetime).
 MAX_KEEP_SECONDS = 3600.0
 
 
 def scope_of(request: Any) -> RequestScope | None:
-    """The request's partition of the prefix space (cache salt, LoRA, multimodal)."""
+    """The request's partition of the prefix space (cache salt, LoRA, multimodal,
+    the tenant ``kv_transfer_params["sparkcache"]["tenant"]`` names)."""
     lora = getattr(request, "lora_request", None)
     mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or [])]
     scope = RequestScope(
         cache_salt=getattr(request, "cache_salt", None),
         lora=None if lora is None else f"{lora.lora_name}:{lora.lora_int_id}",
         mm_hashes=tuple(mm),
+        tenant=tenant_of(request),
     )
     return None if scope.is_default else scope
+
+
+def tenant_of(request: Any) -> str | None:
+    """``kv_transfer_params["sparkcache"]["tenant"]``: a non-empty string of at most
+    :data:`MAX_TENANT` characters of valid Unicode; anything else is ignored (logged)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    ours = params.get("sparkcache") if isinstance(params, dict) else None
+    tenant = ours.get("tenant") if isinstance(ours, dict) else None
+    if tenant is None:
+        return None
+    if isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT:
+        try:
+            tenant.encode()
+            return tenant
+        except UnicodeEncodeError:
+            pass
+    logger.warning("sparkcache: ignoring the tenant of %s (want a string of 1 to %d "
+                   "characters)", getattr(request, "request_id", "?"), MAX_TENANT)
+    return None
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,18 @@ parsed off the event loop (:mod:`sparkcache.serve.bodies`), then
   ``kv_transfer_params`` when the answer is whole, from the request log row
   the connector writes when the prompt has been scheduled when it streams;
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
-  SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key`` (recorded
-  in the log; it isolates nothing: a ``cache_salt`` does that);
+  SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key``;
+
+a request's tenant (its ``prompt_cache_key``, or an Anthropic request's
+``x-sparkcache-tenant`` header) salts its cache apart from every other
+tenant's (:mod:`sparkcache.serve.tenants`);
 
 it names the request in the request log (``kv_transfer_params["sparkcache"]["id"]``,
 always its own, whatever the client sent) and records the API, the model, the
-key, the status and the total time there; the connector records the tokens
-and the engine's timings in the same row.  ``/sparkcache`` is the page
-(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to loopback clients unless an
-admin token is set.  Everything else passes through untouched.
+key, the tenant, the status and the total time there; the connector records
+the tokens and the engine's timings in the same row.  ``/sparkcache`` is the
+page (:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only
+to loopback clients unless an admin token is set.  Everything else passes through untouched.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from sparkcache.serve.checks import Refused, api_of, error_body, prepare, transf
 from sparkcache.serve.launch import check_token
 from sparkcache.serve.pages import Pages
 from sparkcache.serve.render import Renderer
+from sparkcache.serve.tenants import apply_tenant
 from sparkcache.serve.usage import SseRewriter, anthropic_usage, facts_of
 from sparkcache.store import SnapshotStore
 
@@ -251,6 +255,7 @@ class SparkCacheMiddleware:
             if isinstance(body.get("model"), str):
                 row["model"] = body["model"]
             marks, row["cache_key"] = await off_loop(len(raw), lambda: prepare(api, body))
+            row["tenant"] = apply_tenant(api, body, scope.get("headers", []), row["cache_key"])
         except Gone:
             return None
         except TooLarge as exc:
