@@ -247,3 +247,19 @@ def test_the_page_clears_one_tenant(served: Server) -> None:
     with urllib.request.urlopen(request, timeout=30) as answer:  # follows the 303
         assert "Cleared 2 snapshots of tenant tenant-c of" in html.unescape(answer.read().decode())
     assert snapshots(served) == {i: t for i, t in before.items() if t != "tenant-c"}
+
+
+def test_per_tenant_counters_reach_prometheus(served: Server) -> None:
+    """vLLM's /metrics has the connector's counters per tenant label: A's one
+    restore from disk (640 tokens, the first test); B never restored one."""
+    def series() -> dict[str, float]:
+        with urllib.request.urlopen(served.url + "/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+        found = re.findall(r'^vllm:sparkcache_tenant_hit_tokens_total\{([^}]*)\} (\S+)$', text,
+                           re.MULTILINE)
+        return {dict(re.findall(r'(\w+)="([^"]*)"', labels))["tenant"]: float(value)
+                for labels, value in found}
+
+    got = wait_for(lambda: series().get("tenant-a"))
+    assert got == SHARED
+    assert series().get("tenant-b", 0.0) == 0.0
