@@ -89,6 +89,10 @@ def _limits(store: SnapshotStore, nbytes: int) -> list[tuple[str, str]]:
         ("free disk kept", free),
         ("all models", "no limit beyond the disk margin" if not settings.total_mb
          else f"{settings.total_mb} MB"),
+        ("per tenant", ", ".join(
+            [f"{settings.tenant_mb} MB"] * bool(settings.tenant_mb)
+            + [f"{settings.tenant_entries} snapshots"] * bool(settings.tenant_entries))
+         or "no limit beyond the model's"),
     ]
 
 

@@ -47,6 +47,7 @@ def test_each_tenant_has_a_row_and_a_clear(server: Server, stored: Stored,
     assert f'id="clear-{tiny}-t0"' in section and f'id="clear-{tiny}-t1"' in section
     other = text.split(f'id="model-{stored.models["other"]}"')[1].split("</section>")[0]
     assert "<h3>Tenants</h3>" not in other
+    assert "<dt>per tenant</dt><dd>no limit beyond the model&#x27;s</dd>" in section
 
 
 def test_clear_of_one_tenant_leaves_the_others(server: Server, stored: Stored,

@@ -81,6 +81,24 @@ def snapshots(server: Server) -> dict[int, str | None]:
         return {s.id: s.tenant for s in store.snapshots()}
 
 
+def settled(server: Server) -> dict[int, str | None]:
+    """:func:`snapshots`, once every publish has finished and nothing changed for a
+    second (the saves of answers already sent land after them)."""
+    seen: list[Any] = []
+
+    def still() -> bool:
+        with SnapshotStore(server.folder) as store:
+            now = sorted((s.id, s.tenant, s.state) for s in store.snapshots())
+        seen.append((time.monotonic(), now))
+        while seen[0][1] != now:
+            seen.pop(0)
+        return all(state == "ready" for *_, state in now) and \
+            seen[-1][0] - seen[0][0] >= 1.0
+
+    wait_for(still)
+    return snapshots(server)
+
+
 def wait_for(what: Any, timeout: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout
     while not (found := what()):
@@ -187,7 +205,7 @@ def test_a_server_salt_sent_by_a_client_is_a_400(served: Server) -> None:
 
 
 def test_a_tenant_s_limit_evicts_only_its_own_oldest(served: Server) -> None:
-    before = snapshots(served)
+    before = settled(served)
     others = {i: t for i, t in before.items() if t != "tenant-c"}
     ids = []
     for seed in (41, 42, 43):
@@ -198,13 +216,15 @@ def test_a_tenant_s_limit_evicts_only_its_own_oldest(served: Server) -> None:
     # SPARK_KV_CACHE_TENANT_ENTRIES=2: c's third snapshot pushed out c's first.
     after = snapshots(served)
     assert sorted(i for i, t in after.items() if t == "tenant-c") == ids[1:]
+    # Every other snapshot is still there, and c's first was the only eviction.
     assert {i: t for i, t in after.items() if t != "tenant-c"} == others
     with SnapshotStore(served.folder) as store:
         assert store.stats().get("evictions.tenant_entries") == 1
+        assert sum(v for k, v in store.stats().items() if k.startswith("evictions.")) == 1
 
 
 def test_clear_of_a_tenant_leaves_the_others_and_tenants_counts_them(served: Server) -> None:
-    before = snapshots(served)
+    before = settled(served)
     model_id = sparkcache(served, "tenants")[0]["model_id"]
     b_ids = sorted(i for i, t in before.items() if t == "tenant-b")
     assert len(b_ids) == 2
@@ -230,6 +250,7 @@ def test_clear_of_a_tenant_leaves_the_others_and_tenants_counts_them(served: Ser
 def test_the_page_clears_one_tenant(served: Server) -> None:
     with urllib.request.urlopen(served.url + "/sparkcache", timeout=30) as answer:
         page = answer.read().decode()
+    assert "<dt>per tenant</dt><dd>2 snapshots</dd>" in page  # the server's limit
     rows = re.findall(r'<tr><td class="l">([^<]*)</td><td>(\d+)</td>', page)
     assert sorted((html.unescape(n), int(c)) for n, c in rows) == [
         ("tenant-a", 2), ("tenant-b", 0), ("tenant-c", 2), ("tenant-h", 1), ("tenant-x", 1)]
@@ -239,7 +260,7 @@ def test_the_page_clears_one_tenant(served: Server) -> None:
     csrf = html.unescape(re.findall(r'name="csrf" value="([^"]+)"', page)[0])
     names = [html.unescape(n) for n, _c in rows]
     model_id, ref = forms[names.index("tenant-c")]
-    before = snapshots(served)
+    before = settled(served)
     request = urllib.request.Request(
         served.url + "/sparkcache/clear", method="POST",
         data=urlencode({"model": model_id, "tenant": ref, "csrf": csrf}).encode(),
