@@ -292,7 +292,7 @@ class Bulk:
             "start_token": start, "parent_id": pid, "depth": depth, "world_size": 1,
             "nbytes": BULK_NBYTES, "state": "ready", "reason": None, "pinned": 0,
             "created_at": last_used, "last_used": last_used, "use_count": 1,
-            "scope_json": None, "uploaded_at": None})
+            "scope_json": None, "uploaded_at": None, "tenant": None})
         self.segments.append({
             "snapshot_id": sid, "rank": 0,
             "object_key": f"{self.folder}/{key[:2]}/{key}{BULK_SUFFIX}",

@@ -78,6 +78,7 @@ __all__ = [
     "SnapshotStore",
     "Stats",
     "SweepReport",
+    "TenantRow",
     "TierLimits",
     "TierSweepReport",
     "UploadReport",
@@ -108,6 +109,7 @@ __all__ = [
     "show",
     "stats",
     "sweep",
+    "tenants",
     "to_dict",
     "unpin",
     "upload",
@@ -143,6 +145,24 @@ class ClearReport:
     deleted: list[int]
     kept_leased: list[int]  # leased, or an ancestor of a leased snapshot
     kept_pinned: list[int]  # only with keep_pinned
+    tenant: str | None = None  # only this tenant's snapshots were cleared
+    nbytes: int = 0  # of the deleted snapshots
+
+
+@dataclass(frozen=True)
+class TenantRow:
+    """One tenant of one model (:func:`tenants`)."""
+
+    model: str
+    model_id: int
+    tenant: str  # as the client sent it: print it through printable()
+    snapshots: int
+    nbytes: int
+    mb: float
+    requests: int  # in the request log, which keeps the newest rows only
+    prompt_tokens: int
+    cached_tokens: int  # live + restored
+    hit_rate: float  # cached / prompt tokens; 0.0 without requests
 
 
 @dataclass(frozen=True)
@@ -369,13 +389,15 @@ def check(store: SnapshotStore, *, fix: bool = False,
 
 @overload
 def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = False,
-                dry_run: Literal[False] = False) -> ClearReport: ...
+                dry_run: Literal[False] = False, tenant: str | None = None) -> ClearReport: ...
 @overload
 def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = False,
-                dry_run: Literal[True]) -> DryRun[ClearReport]: ...
+                dry_run: Literal[True], tenant: str | None = None) -> DryRun[ClearReport]: ...
 def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = False,
-                dry_run: bool = False) -> ClearReport | DryRun[ClearReport]:
-    """Delete every snapshot of a model, in one transaction, deepest first.
+                dry_run: bool = False,
+                tenant: str | None = None) -> ClearReport | DryRun[ClearReport]:
+    """Delete every snapshot of a model (``tenant``: only that tenant's), in one
+    transaction, deepest first.
 
     Leased snapshots stay, with their ancestors (they cannot be read without
     them), and are reported; so are pinned ones with ``keep_pinned``.  The model
@@ -383,11 +405,28 @@ def clear_model(store: SnapshotStore, model: str | int, *, keep_pinned: bool = F
     go after the commit.  ``dry_run``: see :class:`DryRun`.
     """
     row = resolve_model(store, model)
+    sizes = {s.id: s.nbytes for s in store.catalog.snapshots(row.id)}
+
+    def report(cleared: tuple[list[int], list[int], list[int]]) -> ClearReport:
+        return ClearReport(row.name, row.id, *cleared, tenant=tenant,
+                           nbytes=sum(sizes.get(i, 0) for i in cleared[0]))
+
     if dry_run:
-        rehearsed = store.clear_model(row.id, keep_pinned=keep_pinned, dry_run=True)
-        return DryRun(ClearReport(row.name, row.id, *rehearsed.report), rehearsed.files,
-                      rehearsed.folders)
-    return ClearReport(row.name, row.id, *store.clear_model(row.id, keep_pinned=keep_pinned))
+        rehearsed = store.clear_model(row.id, keep_pinned=keep_pinned, dry_run=True,
+                                      tenant=tenant)
+        return DryRun(report(rehearsed.report), rehearsed.files, rehearsed.folders)
+    return report(store.clear_model(row.id, keep_pinned=keep_pinned, tenant=tenant))
+
+
+def tenants(store: SnapshotStore, model: str | int | None = None) -> list[TenantRow]:
+    """Every tenant (of one model) with its snapshots and its requests in the
+    log, by model, then most requests (:func:`sparkcache.tenants.tenant_usage`)."""
+    model_id = None if model is None else resolve_model(store, model).id
+    names = {m.id: m.name for m in store.catalog.models()}
+    return [TenantRow(names.get(t.model_id, f"#{t.model_id}"), t.model_id, t.tenant,
+                      t.snapshots, t.nbytes, mb(t.nbytes), t.requests, t.prompt_tokens,
+                      t.cached_tokens, round(t.hit_rate, 4))
+            for t in store.tenants(model_id=model_id)]
 
 
 @overload

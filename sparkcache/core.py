@@ -142,6 +142,8 @@ class SnapshotInfo:
     scope_json: str | None
     # When its manifest reached the shared tier (revision 0006); None: not uploaded.
     uploaded_at: float | None = None
+    # The tenant whose request published it (revision 0009); None: none.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pinned", bool(self.pinned))  # SQLite stores 0 or 1

@@ -281,35 +281,45 @@ class ModelIdentity:
 
 @dataclass(frozen=True)
 class RequestScope:
-    """Per-request partition of the prefix space: cache salt, LoRA, multimodal inputs."""
+    """Per-request partition of the prefix space: cache salt, LoRA, multimodal
+    inputs, tenant (docs/serve.md, "Tenants")."""
 
     cache_salt: str | None = None
     lora: str | None = None
     mm_hashes: tuple[str, ...] = ()
+    #: The tenant whose request it is; recorded on the snapshots it publishes
+    #: (``snapshots.tenant``) for the tenant's limits and clear.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mm_hashes", tuple(str(h) for h in self.mm_hashes))
 
     def canonical(self) -> str:
-        return canonical_json(
-            {"cache_salt": self.cache_salt, "lora": self.lora, "mm": list(self.mm_hashes)}
-        )
+        doc: dict[str, Any] = {"cache_salt": self.cache_salt, "lora": self.lora,
+                               "mm": list(self.mm_hashes)}
+        if self.tenant is not None:  # absent otherwise: scopes without one hash as before
+            doc["tenant"] = self.tenant
+        return canonical_json(doc)
 
     @property
     def is_default(self) -> bool:
-        return self.cache_salt is None and self.lora is None and not self.mm_hashes
+        return (self.cache_salt is None and self.lora is None and not self.mm_hashes
+                and self.tenant is None)
 
     @classmethod
     def from_dict(cls, doc: Any) -> RequestScope:
         """The scope whose :meth:`canonical` JSON parses to ``doc``: every field
-        present, of its type, nothing else; else InvalidArgument."""
-        if not (isinstance(doc, dict) and set(doc) == {"cache_salt", "lora", "mm"}):
+        present (``tenant`` only when there is one), of its type, nothing else;
+        else InvalidArgument."""
+        if not (isinstance(doc, dict) and set(doc) - {"tenant"} == {"cache_salt", "lora", "mm"}):
             raise InvalidArgument(f"not a request scope: {doc!r}")
-        salt, lora, mm = doc["cache_salt"], doc["lora"], doc["mm"]
+        salt, lora, mm, tenant = doc["cache_salt"], doc["lora"], doc["mm"], doc.get("tenant")
         if not (all(v is None or isinstance(v, str) for v in (salt, lora))
-                and isinstance(mm, list) and all(isinstance(h, str) for h in mm)):
+                and isinstance(mm, list) and all(isinstance(h, str) for h in mm)
+                and (tenant is None or isinstance(tenant, str))
+                and not ("tenant" in doc and tenant is None)):
             raise InvalidArgument(f"not a request scope: {doc!r}")
-        return cls(cache_salt=salt, lora=lora, mm_hashes=tuple(mm))
+        return cls(cache_salt=salt, lora=lora, mm_hashes=tuple(mm), tenant=tenant)
 
     @classmethod
     def from_canonical(cls, text: str) -> RequestScope:

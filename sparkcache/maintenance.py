@@ -145,12 +145,14 @@ def evict_lru(
     core: Core, *, model: ModelIdentity | None = None, model_id: int | None = None,
     count: int | None = None, free_bytes: int | None = None, older_than: float | None = None,
     keep: Iterable[int] = (), reason: str = "lru", model_ids: Sequence[int] | None = None,
+    tenant: str | None = None,
 ) -> list[int]:
     """Delete snapshots, quarantined ones first, then least recently used, until
     ``count`` went or ``free_bytes`` were freed (whichever comes first; with
     neither, every candidate goes).  ``older_than`` keeps snapshots used since;
     ``keep`` protects ids (e.g. the snapshot being published); ``model_ids``
-    takes candidates from those models together (a :func:`budget_group`).
+    takes candidates from those models together (a :func:`budget_group`);
+    ``tenant`` only that tenant's snapshots.
 
     Only leaves go (a parent still needed by a child waits until the child has
     gone, which may happen in this same call), never pinned or leased ones.
@@ -166,6 +168,8 @@ def evict_lru(
         filters.append((q.EVICT_FILTER_MODELS, json.dumps([int(i) for i in model_ids])))
     if older_than is not None:
         filters.append((q.EVICT_FILTER_OLDER, older_than))
+    if tenant is not None:
+        filters.append((q.EVICT_FILTER_TENANT, tenant))
     return core.freeing(lambda: _evict(core, model, model_id, count, free_bytes, filters,
                                        keep, reason))
 
@@ -417,23 +421,26 @@ def delete_model(core: Core, model_id: int) -> bool:
 
 def clear_model(
     core: Core, model_id: int, *, keep_pinned: bool = False, reason: str = "cleared",
+    tenant: str | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Delete every snapshot of a model in one transaction, deepest first.
+    """Delete every snapshot of a model (``tenant``: only that tenant's, whose
+    chains are its own) in one transaction, deepest first.
 
     Leased snapshots stay with their ancestors (they cannot be read without
     them), and pinned ones too with ``keep_pinned``; a keep lease (an API
     breakpoint's ttl) does not stop an explicit clear.  Files go after the commit.
     Returns (deleted, kept because leased, kept because pinned).
     """
-    return core.freeing(lambda: _clear(core, model_id, keep_pinned, reason))
+    return core.freeing(lambda: _clear(core, model_id, keep_pinned, reason, tenant))
 
 
-def _clear(core: Core, model_id: int, keep_pinned: bool,
-           reason: str) -> tuple[list[int], list[int], list[int]]:
+def _clear(core: Core, model_id: int, keep_pinned: bool, reason: str,
+           tenant: str | None) -> tuple[list[int], list[int], list[int]]:
     now = core.clock()
     deleted: list[int] = []
     with core.write() as conn:
-        deepest_first = ids(conn, q.MODEL_SNAPSHOTS_DEEPEST_FIRST, (model_id,))
+        deepest_first = (ids(conn, q.MODEL_SNAPSHOTS_DEEPEST_FIRST, (model_id,)) if tenant is None
+                         else ids(conn, q.TENANT_SNAPSHOTS_DEEPEST_FIRST, (model_id, tenant)))
 
         def with_ancestors(chosen: set[int]) -> set[int]:
             return {link.id for sid in chosen for link in core.chain(conn, sid)}

@@ -103,6 +103,7 @@ class _Plan:
     compact: bool
     tail_start: int  # first token of the pages the caller passed (the parent's end)
     holder: str
+    tenant: str | None = None  # the scope's tenant, recorded with the snapshot
 
     @property
     def n(self) -> int:
@@ -222,7 +223,7 @@ def _plan(
         if not compact:
             start, depth = p.n_tokens, p.depth + 1
     return _Plan(identity, rank, tokens, scope.canonical(), hashes, marks, parent, start, depth,
-                 compact, tail_start, this_holder())
+                 compact, tail_start, this_holder(), scope.tenant)
 
 
 def _token_counts(breakpoints: Iterable[int]) -> list[int]:
@@ -301,7 +302,7 @@ def _reserve(core: Core, plan: _Plan) -> _Reserved | PublishResult:
             snapshot_id = scalar(
                 conn, q.INSERT_SNAPSHOT,
                 (model_id, plan.snap_key, plan.n, start, plan.parent if start else None,
-                 plan.depth, plan.identity.world_size, now, now, plan.scope_json))
+                 plan.depth, plan.identity.world_size, now, now, plan.scope_json, plan.tenant))
         object_key = (
             f"{model_folder(plan.identity)}/{plan.snap_key[:2]}/{plan.snap_key}-"
             f"{secrets.token_hex(4)}.r{plan.rank}.safetensors"

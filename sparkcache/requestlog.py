@@ -50,11 +50,11 @@ LOG_ROWS_VARIABLE: Final = "SPARK_KV_CACHE_LOG_ROWS"
 #: The columns a row given to :func:`record` may name: every one but ``seq``.
 LOG_FIELDS: Final[tuple[str, ...]] = tuple(q.REQUEST_FIELDS.split(", "))
 
-# What each field holds (request_id, model, api, cache_key are text).
+# What each field holds (request_id, model, api, cache_key, tenant are text).
 _COUNTS: Final = frozenset({"model_id", "prompt_tokens", "live_tokens", "restored_tokens",
                             "written_tokens", "output_tokens", "status", "remote_tokens"})
 _TIMES: Final = frozenset({"created_at", "queue_s", "restore_s", "ttft_s", "total_s"})
-#: The longest model name or prompt_cache_key stored (longer ones are cut, marked
+#: The longest model name, prompt_cache_key or tenant stored (longer ones are cut, marked
 #: with a trailing "..."); a request id longer than MAX_ID is refused.
 MAX_TEXT: Final = 1024
 MAX_ID: Final = 256
@@ -90,6 +90,7 @@ class RequestRow:
     #: written_tokens by their breakpoints' keep time, whole seconds as text
     #: ("300", "3600"; "0": a breakpoint without one); None: not recorded.
     written_by_ttl: dict[str, int] | None = None
+    tenant: str | None = None  # the request's tenant (docs/serve.md, "Tenants")
 
     def __post_init__(self) -> None:
         # The index holds the JSON text (or NULL).
@@ -239,7 +240,7 @@ def _field(name: str, value: Any) -> Any:
         return float(value)
     if name in ("breakpoints", "written_by_ttl"):
         return _json_field(name, value)
-    if name in ("model", "cache_key"):  # a client's text, as it sent it (even empty)
+    if name in ("model", "cache_key", "tenant"):  # a client's text, as it sent it (even empty)
         if not isinstance(value, str):
             raise _bad(name, value, "a string")
         return _text(value)

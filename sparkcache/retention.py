@@ -7,7 +7,9 @@ docs/retention.md); users who know them get exactly that behaviour:
   least recently used first; shorter contexts than MIN_TOKENS are not stored;
   below the free-disk margin nothing new is saved;
 * the sweeper handles the rest, across models: folders of deleted models, age,
-  the disk margin (least recently used of every model first) and the total.
+  the disk margin (least recently used of every model first) and the total;
+* both apply the per-tenant limits (TENANT_ENTRIES, TENANT_MB) to each tenant
+  of a model separately, within the model's (:mod:`sparkcache.tenants`).
 
 Leased and pinned snapshots never go, and a copy-on-write parent goes only
 after its children.  Free space is measured on the medium that holds the
@@ -37,10 +39,12 @@ from sparkcache.folder import resolve_folder
 from sparkcache.maintenance import (
     budget_group,
     evict_lru,
+    live_identities,
     reclaim_publishes,
     remove_deleted_models,
 )
 from sparkcache.periodic import Periodic
+from sparkcache.tenants import TenantLimits, tenants_of, trim_tenant
 
 __all__ = [
     "DiskUsage",
@@ -105,6 +109,9 @@ class RetentionSettings:
     max_age_hours           168       unused this long -> deleted; 0 keeps
     total_mb (TOTAL_MB)     0         all models together; 0 = disk margin only
     sweep_seconds           300       how often the sweeper runs
+    tenant_mb (TENANT_MB)   0         per tenant of a model; 0 = no limit
+    tenant_entries          0         snapshots kept per tenant of a model; 0 =
+                                      no limit
     ======================  ========  ==========================================
     """
 
@@ -116,6 +123,8 @@ class RetentionSettings:
     max_age_hours: float = 168.0
     total_mb: int = 0
     sweep_seconds: float = 300.0
+    tenant_mb: int = 0
+    tenant_entries: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "folder", Path(self.folder).expanduser())
@@ -129,6 +138,9 @@ class RetentionSettings:
             ("max_age_hours", self.max_age_hours >= 0, "hours >= 0 (0 keeps while there is room)"),
             ("total_mb", self.total_mb >= 0, "megabytes >= 0 (0 = no limit)"),
             ("sweep_seconds", self.sweep_seconds > 0, "seconds > 0"),
+            ("tenant_mb", self.tenant_mb >= 0, "megabytes >= 0 (0 = no per-tenant limit)"),
+            ("tenant_entries", self.tenant_entries >= 0,
+             "snapshots >= 0 (0 = no per-tenant limit)"),
         ]
         for name, ok, hint in checks:
             if not ok:
@@ -157,6 +169,10 @@ class RetentionSettings:
                                hint="an integer number of megabytes; 0 means no limit"),
             "sweep_seconds": _parse(env, "SWEEP_SECONDS", float, minimum=1e-3,
                                     hint="a number of seconds > 0"),
+            "tenant_mb": _parse(env, "TENANT_MB", int, minimum=0,
+                                hint="an integer number of megabytes; 0 means no limit"),
+            "tenant_entries": _parse(env, "TENANT_ENTRIES", int, minimum=0,
+                                     hint="an integer number of snapshots; 0 means no limit"),
         }
         kwargs = {k: v for k, v in found.items() if v is not ...}
         kwargs["folder"] = resolve_folder(env=env)
@@ -166,6 +182,10 @@ class RetentionSettings:
     @property
     def enabled(self) -> bool:
         return self.mb != -1
+
+    @property
+    def tenant_limits(self) -> TenantLimits:
+        return TenantLimits(entries=self.tenant_entries, nbytes=self.tenant_mb * MB)
 
 
 @dataclass
@@ -266,7 +286,35 @@ class Retention:
         if nbytes > budget:
             report.add("budget", evict_lru(core, model_ids=group, free_bytes=nbytes - budget,
                                            count=None, keep=keep, reason="budget"))
+        limits = self.settings.tenant_limits
+        if limits.any:
+            with core.read() as conn:
+                info = core.snapshot(conn, snapshot_id)
+            if info is not None and info.tenant is not None:
+                for reason, ids in trim_tenant(core, group, info.tenant, limits,
+                                               keep=keep).items():
+                    report.add(reason, ids)
         return report
+
+    def _sweep_tenants(self, core: Core, report: SweepReport) -> None:
+        """Every tenant of every live model (a budget group at a time) within
+        the per-tenant limits."""
+        limits = self.settings.tenant_limits
+        if not limits.any:
+            return
+        seen: set[int] = set()
+        with core.read() as conn:
+            groups = []
+            for model_id, _identity in live_identities(conn):
+                if model_id not in seen:
+                    group = budget_group(core, conn, model_id)
+                    seen.update(group)
+                    groups.append((group, tenants_of(conn, group)))
+        for group, tenants in groups:
+            for tenant, count, nbytes in tenants:
+                if count > (limits.entries or count) or nbytes > (limits.nbytes or nbytes):
+                    for reason, ids in trim_tenant(core, group, tenant, limits).items():
+                        report.add(reason, ids)
 
     # -- the sweeper -------------------------------------------------------------------
 
@@ -300,6 +348,7 @@ class Retention:
                 return {"free_bytes": over} if over > 0 else None
 
             report.add("total", _in_chunks(core, "total", over_total))
+        self._sweep_tenants(core, report)
         if report.count or report.folders_removed:
             log.info("sparkcache sweep: %s, folders removed: %d", report.counts(),
                      len(report.folders_removed))

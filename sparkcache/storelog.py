@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sparkcache import requestlog
+from sparkcache import requestlog, tenants
 from sparkcache.core import Core
 from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
+from sparkcache.tenants import TenantUsage
 
 __all__ = ["StoreLog"]
 
@@ -69,3 +70,12 @@ class StoreLog:
             model_id: only this model's.
         """
         return requestlog.by_cache_key(self._core, model_id=model_id)
+
+    def tenants(self, *, model_id: int | None = None) -> list[TenantUsage]:
+        """Every tenant's snapshots and logged requests, per model
+        (:func:`sparkcache.tenants.tenant_usage`).
+
+        Args:
+            model_id: only this model's.
+        """
+        return tenants.tenant_usage(self._core, model_id=model_id)

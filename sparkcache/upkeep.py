@@ -196,12 +196,13 @@ class StoreUpkeep:
 
     @overload
     def clear_model(self, model_id: int, *, keep_pinned: bool = False,
-                    dry_run: Literal[False] = False) -> Cleared: ...
+                    dry_run: Literal[False] = False, tenant: str | None = None) -> Cleared: ...
     @overload
     def clear_model(self, model_id: int, *, keep_pinned: bool = False,
-                    dry_run: Literal[True]) -> DryRun[Cleared]: ...
+                    dry_run: Literal[True], tenant: str | None = None) -> DryRun[Cleared]: ...
     def clear_model(self, model_id: int, *, keep_pinned: bool = False,
-                    dry_run: bool = False) -> Cleared | DryRun[Cleared]:
+                    dry_run: bool = False,
+                    tenant: str | None = None) -> Cleared | DryRun[Cleared]:
         """Delete every snapshot of a model but the leased ones and their ancestors
         (:func:`sparkcache.maintenance.clear_model`).
 
@@ -209,13 +210,14 @@ class StoreUpkeep:
             model_id: the model row.
             keep_pinned: keep pinned snapshots (and their ancestors) too.
             dry_run: rehearse it (:func:`sparkcache.rehearsal.run`).
+            tenant: only this tenant's snapshots (docs/serve.md, "Tenants").
 
         Returns:
             (deleted, kept because leased, kept because pinned) ids, or with
             ``dry_run`` the rehearsal's.
         """
         return rehearsal.run(self._core, dry_run, lambda core: maintenance.clear_model(
-            core, model_id, keep_pinned=keep_pinned))
+            core, model_id, keep_pinned=keep_pinned, tenant=tenant))
 
     @overload
     def delete_model(self, model_id: int, *,

@@ -9,7 +9,7 @@ terminal or ``--progress`` is given.  Errors print one line on stderr,
 ``message``, ``exit_code``), never a traceback (``--debug`` shows it), and the
 exit status says what happened (:data:`EXIT_CODES`).
 
-Read-only commands (models, ls, show, stats, log, check without --fix) and every
+Read-only commands (models, ls, show, stats, log, tenants, check without --fix) and every
 ``--dry-run`` open the store without upgrading its schema; commands that delete
 (clear, rm, sweep, check --fix) can rehearse with ``--dry-run``, and ``clear``
 asks first on a terminal.
@@ -45,6 +45,7 @@ from sparkcache.cli.commands import (
     cmd_shell,
     cmd_show,
     cmd_stats,
+    cmd_tenants,
 )
 from sparkcache.cli.maintenance import (
     cmd_check,
@@ -145,9 +146,11 @@ COMMANDS: list[tuple[str, Callable[[Context], int], str]] = [
     ("stats", cmd_stats, "hits, misses, written/restored tokens and bytes, evictions, "
                          "quarantines"),
     ("log", cmd_log, "the requests served: what each found cached, wrote and cost"),
+    ("tenants", cmd_tenants, "each tenant of each model: snapshots, MB, requests, hit rate"),
     ("verify", cmd_verify, "re-hash every segment file; quarantine the corrupt ones"),
     ("check", cmd_check, "compare the index with the files and processes (fsck)"),
-    ("clear", cmd_clear, "delete every snapshot of a model (leased ones stay)"),
+    ("clear", cmd_clear, "delete every snapshot of a model, or of one tenant (leased ones "
+                         "stay)"),
     ("rm", cmd_rm, "delete a model: its snapshots, its row and its folder"),
     ("pin", cmd_pin, "never evict a snapshot"),
     ("unpin", cmd_pin, "let a pinned snapshot be evicted again"),
@@ -209,6 +212,7 @@ def _reading_arguments(sub: dict[str, argparse.ArgumentParser]) -> None:
     """The arguments of the commands that read a store (and of pin, unpin)."""
     sub["ls"].add_argument("model", nargs="?", help=MODEL_HELP + "; default: every model")
     sub["stats"].add_argument("model", nargs="?", help=MODEL_HELP + "; default: every model")
+    sub["tenants"].add_argument("model", nargs="?", help=MODEL_HELP + "; default: every model")
     sub["log"].add_argument("--model", help=MODEL_HELP + "; default: every model")
     sub["log"].add_argument("--limit", type=_limit, default=50, metavar="N",
                             help="show the newest N requests (default 50)")
@@ -233,6 +237,9 @@ def _deleting_arguments(sub: dict[str, argparse.ArgumentParser]) -> None:
     sub["check"].add_argument("--fix", action="store_true",
                               help="repair what was found (remove dead rows and orphan files)")
     sub["clear"].add_argument("model", help=MODEL_HELP)
+    sub["clear"].add_argument("--tenant", metavar="KEY",
+                              help="delete only this tenant's snapshots (its prompt_cache_key; "
+                                   "see `sparkcache tenants`)")
     sub["clear"].add_argument("--keep-pinned", action="store_true",
                               help="keep pinned snapshots (and their ancestors)")
     sub["clear"].add_argument("--yes", action="store_true",

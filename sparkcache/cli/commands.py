@@ -37,7 +37,7 @@ from sparkcache.serve import launch
 
 __all__ = [
     "cmd_db_current", "cmd_db_downgrade", "cmd_db_upgrade", "cmd_log", "cmd_ls",
-    "cmd_models", "cmd_serve", "cmd_shell", "cmd_show", "cmd_stats",
+    "cmd_models", "cmd_serve", "cmd_shell", "cmd_show", "cmd_stats", "cmd_tenants",
 ]
 
 #: How often ``log --follow`` looks for new requests, in seconds.
@@ -194,6 +194,23 @@ class _LogTable:
 
 def _seconds(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+def cmd_tenants(ctx: Context) -> int:
+    """Each tenant of each model: snapshots, MB, requests and hit rate; a tenant's
+    name printed with control and format characters escaped, as ``log`` does."""
+    with ctx.store(upgrade=False) as store:
+        rows = admin.tenants(store, ctx.args.model)
+
+    def text() -> str:
+        if not rows:
+            return "no tenants"
+        return table(("MODEL", "TENANT", "SNAPSHOTS", "MB", "REQUESTS", "HIT RATE"),
+                     [[admin.printable(r.model), admin.printable(r.tenant), r.snapshots, r.mb,
+                       r.requests, f"{r.hit_rate:.1%}" if r.requests else "-"] for r in rows])
+
+    ctx.emit(rows, text)
+    return EXIT_OK
 
 
 def cmd_log(ctx: Context) -> int:

@@ -116,27 +116,28 @@ def cmd_check(ctx: Context) -> int:
 
 def cmd_clear(ctx: Context) -> int:
     a = ctx.args
+    whose = "the model" if a.tenant is None else "the tenant"
     if not (a.yes or a.dry_run or ctx.interactive):
         raise InvalidArgument(
-            f"`sparkcache clear {a.model}` deletes every snapshot of the model and there is "
+            f"`sparkcache clear {a.model}` deletes every snapshot of {whose} and there is "
             "no terminal to ask on: pass --yes to go ahead (--dry-run shows what would go)")
     with ctx.store(upgrade=not a.dry_run) as store:
         if not (a.yes or a.dry_run):
             plan = admin.clear_model(store, a.model, keep_pinned=a.keep_pinned,
-                                     dry_run=True).report
+                                     dry_run=True, tenant=a.tenant).report
             if plan.deleted and not ctx.confirm(
-                    f"delete {plural(len(plan.deleted), 'snapshot')} of {plan.model} "
-                    f"(id {plan.model_id})?"):
+                    f"delete {plural(len(plan.deleted), 'snapshot')} of {_whose(plan)}, "
+                    f"{admin.mb(plan.nbytes)} MB?"):
                 raise Declined("not confirmed: nothing was deleted")
         with ctx.bar("clear").spin():
             result = admin.clear_model(store, a.model, keep_pinned=a.keep_pinned,
-                                       dry_run=a.dry_run)
+                                       dry_run=a.dry_run, tenant=a.tenant)
     r = _report(result)
     dry = a.dry_run
 
     def text() -> str:
         lines = [f"{_would(dry, 'deleted', 'would delete')} "
-                 f"{plural(len(r.deleted), 'snapshot')} of {r.model} (id {r.model_id})"
+                 f"{plural(len(r.deleted), 'snapshot')} of {_whose(r)}, {admin.mb(r.nbytes)} MB"
                  + (": " + ", ".join(map(str, r.deleted)) if dry and r.deleted else "")]
         if r.kept_leased:
             lines.append(f"{_would(dry, 'kept', 'would keep')} {len(r.kept_leased)} in use "
@@ -149,6 +150,12 @@ def cmd_clear(ctx: Context) -> int:
 
     ctx.emit(result, text)
     return EXIT_OK
+
+
+def _whose(r: admin.ClearReport) -> str:
+    """``model (id N)``, or ``tenant T of model (id N)`` (the name escaped)."""
+    own = f"{r.model} (id {r.model_id})"
+    return own if r.tenant is None else f"tenant {admin.printable(r.tenant)} of {own}"
 
 
 def cmd_rm(ctx: Context) -> int:

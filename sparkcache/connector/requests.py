@@ -24,28 +24,97 @@ from sparkcache.connector.fetcher import Fetch
 from sparkcache.connector.groups import KVGroups
 from sparkcache.hashing import prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
+from sparkcache.requestlog import printable
 from sparkcache.store import Match
 
-__all__ = ["MAX_KEEP_SECONDS", "Offer", "RequestParams", "RequestState", "RestorePart",
-           "Rules", "SavePart", "breakpoints_of", "params_of", "scope_of"]
+__all__ = [
+    "MAX_KEEP_SECONDS",
+    "MAX_TENANT",
+    "TENANT_KEY",
+    "TENANT_LABELS",
+    "Offer",
+    "RequestParams",
+    "RequestState",
+    "RestorePart",
+    "Rules",
+    "SavePart",
+    "TenantLabels",
+    "breakpoints_of",
+    "params_of",
+    "scope_of",
+    "tenant_of",
+]
 
 logger = logging.getLogger("vllm.sparkcache")
 
+#: The longest tenant name (OpenAI's ``prompt_cache_key`` limit).
+MAX_TENANT = 1024
+#: Tenants one engine names in its Prometheus labels (the first it sees); the
+#: later ones are counted under the label "other", so the series stay bounded.
+TENANT_LABELS = 20
+#: The longest tenant label (the name, its control characters escaped, cut).
+TENANT_LABEL_CHARS = 64
+#: A per-tenant counter's name is ``TENANT_KEY + label + "\x00" + counter``.
+TENANT_KEY = "tenant\x00"
 #: The longest ``ttl`` a breakpoint may ask for (a day: OpenAI's ``prompt_cache_retention``
 #: ``24h``; Anthropic's longest is an hour, OpenAI's ``prompt_cache_options.ttl`` 12 hours).
 MAX_KEEP_SECONDS = 86400.0
 
 
 def scope_of(request: Any) -> RequestScope | None:
-    """The request's partition of the prefix space (cache salt, LoRA, multimodal)."""
+    """The request's partition of the prefix space (cache salt, LoRA, multimodal,
+    the tenant ``kv_transfer_params["sparkcache"]["tenant"]`` names)."""
     lora = getattr(request, "lora_request", None)
     mm = [str(f.identifier) for f in (getattr(request, "mm_features", None) or [])]
     scope = RequestScope(
         cache_salt=getattr(request, "cache_salt", None),
         lora=None if lora is None else f"{lora.lora_name}:{lora.lora_int_id}",
         mm_hashes=tuple(mm),
+        tenant=tenant_of(request),
     )
     return None if scope.is_default else scope
+
+
+def tenant_of(request: Any) -> str | None:
+    """``kv_transfer_params["sparkcache"]["tenant"]``: a non-empty string of at most
+    :data:`MAX_TENANT` characters of valid Unicode; anything else is ignored (logged)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    ours = params.get("sparkcache") if isinstance(params, dict) else None
+    tenant = ours.get("tenant") if isinstance(ours, dict) else None
+    if tenant is None:
+        return None
+    if isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT:
+        try:
+            tenant.encode()
+            return tenant
+        except UnicodeEncodeError:
+            pass
+    logger.warning("sparkcache: ignoring the tenant of %s (want a string of 1 to %d "
+                   "characters)", getattr(request, "request_id", "?"), MAX_TENANT)
+    return None
+
+
+class TenantLabels:
+    """Each tenant's Prometheus label, bounded: the first :data:`TENANT_LABELS`
+    tenants get their own (escaped as ``sparkcache log`` prints it, cut to
+    :data:`TENANT_LABEL_CHARS`), every later one is "other".  Counters that are
+    never relabelled stay monotonic, which a "top N" that changes would break."""
+
+    def __init__(self, limit: int = TENANT_LABELS) -> None:
+        self.limit = limit
+        self._known: dict[str, str] = {}
+
+    def counter(self, scope: RequestScope | None, name: str) -> str | None:
+        """The per-tenant counter ``name`` of a request's tenant; None: no tenant."""
+        tenant = None if scope is None else scope.tenant
+        if tenant is None:
+            return None
+        label = self._known.get(tenant)
+        if label is None:
+            if len(self._known) >= self.limit:
+                return f"{TENANT_KEY}other\x00{name}"
+            label = self._known[tenant] = (printable(tenant) or "")[:TENANT_LABEL_CHARS]
+        return f"{TENANT_KEY}{label}\x00{name}"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import numpy as np
 
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.jobs import Counters, LoadJob
-from sparkcache.connector.requests import Offer, RequestState, Rules
+from sparkcache.connector.requests import Offer, RequestState, Rules, TenantLabels
 from sparkcache.connector.resharded import sibling_match
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
 from sparkcache.store import Match, SnapshotStore
@@ -69,6 +69,7 @@ class Restores:
         self.tail_block = tail_block
         #: Fetches from the shared tier (None: no tier, or restoring from it is off).
         self.fetcher = fetcher
+        self.tenants = TenantLabels()  # the per-tenant counters' bounded labels
         self._live: set[str] = set()
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
@@ -109,14 +110,14 @@ class Restores:
         part = state.restore
         if self._ask_tier(request, state, limit, max(claim, num_computed), hashes):
             return None, False  # ask again once the tier answered
-        self.counters.add("lookups")  # once per answer, however often it was asked
+        self._count(state, "lookups")  # once per answer, however often it was asked
         part.remote = 0
         fetch = part.fetch
         if fetch is not None and fetch.future.done() and claim > part.before_fetch \
                 and fetch.future.result().hit:
             part.remote = claim - part.before_fetch
         if match is None or claim <= num_computed:
-            self.counters.add("misses")
+            self._count(state, "misses")
             return 0, False
         load_async = self.load_async
         if load_async is None:
@@ -152,6 +153,13 @@ class Restores:
                     self.fetcher.failed()  # and do not make the next ones wait
             part.fetch_done = True
         return False
+
+    def _count(self, state: RequestState, name: str, value: int = 1) -> None:
+        """Count ``name``, and the same for the request's tenant when it has one."""
+        self.counters.add(name, value)
+        per_tenant = self.tenants.counter(state.scope, name)
+        if per_tenant is not None:
+            self.counters.add(per_tenant, value)
 
     def _find(self, state: RequestState, tokens: Any, limit: int, want: int, tail: bool,
               hashes: list[bytes]) -> tuple[Match | None, int] | None:
@@ -281,8 +289,8 @@ class Restores:
             logger.warning("sparkcache: no lease on snapshot %d for %s: %s",
                            match.snapshot_id, request.request_id, exc)
             self.counters.add("lease_failures")
-        self.counters.add("hits")
-        self.counters.add("hit_tokens", num_external)
+        self._count(state, "hits")
+        self._count(state, "hit_tokens", num_external)
         facts.restored = num_external
         if state.restore.remote:  # the shared tier supplied the tokens past before_fetch
             facts.remote_restored = min(state.restore.remote, num_external)

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache.connector.jobs import LoadJob, SaveJob
+from sparkcache.connector.requests import TENANT_KEY
 
-__all__ = ["PROM_COUNTERS", "SparkCacheMetadata", "SparkCachePromMetrics", "SparkCacheStats"]
+__all__ = ["PROM_COUNTERS", "TENANT_PROM_COUNTERS", "SparkCacheMetadata", "SparkCachePromMetrics",
+           "SparkCacheStats"]
 
 _base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
 _metrics = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
@@ -63,8 +65,9 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
         return self
 
     def reduce(self) -> dict[str, int | float]:
+        """The totals vLLM logs (the per-tenant ones are left to Prometheus)."""
         out = {key: round(value, 4) if isinstance(value, float) else value
-               for key, value in sorted(self.data.items())}
+               for key, value in sorted(self.data.items()) if not key.startswith(TENANT_KEY)}
         lookups = self.data.get("lookups", 0)
         if lookups:
             out["hit_rate"] = round(self.data.get("hits", 0) / lookups, 4)
@@ -100,8 +103,19 @@ PROM_COUNTERS = {
 }
 
 
+#: Counters exported per tenant as ``vllm:sparkcache_tenant_<name>`` (``_total``),
+#: with a ``tenant`` label (bounded: :class:`~sparkcache.connector.requests.TenantLabels`).
+TENANT_PROM_COUNTERS = {
+    "lookups": "Prompts of the tenant looked up in the sparkcache index.",
+    "hits": "Requests of the tenant that restored a prefix from sparkcache.",
+    "misses": "Lookups of the tenant that found nothing restorable beyond vLLM's own hit.",
+    "hit_tokens": "Tokens of the tenant restored from sparkcache.",
+}
+
+
 class SparkCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
-    """Per-engine Prometheus counters of :data:`PROM_COUNTERS`."""
+    """Per-engine Prometheus counters of :data:`PROM_COUNTERS`, and of
+    :data:`TENANT_PROM_COUNTERS` per tenant label."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -113,8 +127,20 @@ class SparkCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                              per_engine_labelvalues)
             for name, doc in PROM_COUNTERS.items()
         }
+        self.tenant_counters = {
+            name: self._counter_cls(name=f"vllm:sparkcache_tenant_{name}", documentation=doc,
+                                    labelnames=[*labelnames, "tenant"])
+            for name, doc in TENANT_PROM_COUNTERS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in (transfer_stats_data or {}).items():
-            if name in self.counters and value > 0:
+            if value <= 0:
+                continue
+            if name in self.counters:
                 self.counters[name][engine_idx].inc(value)
+            elif name.startswith(TENANT_KEY):
+                label, _, counter = name[len(TENANT_KEY):].rpartition("\x00")
+                if counter in self.tenant_counters:
+                    engine = self.per_engine_labelvalues.get(engine_idx, [])
+                    self.tenant_counters[counter].labels(*engine, label).inc(value)

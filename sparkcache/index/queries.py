@@ -22,11 +22,40 @@ COUNT_MODEL_SNAPSHOTS = "SELECT count(*) FROM snapshots WHERE model_id = ?"
 MODEL_SNAPSHOTS_DEEPEST_FIRST = (
     "SELECT id FROM snapshots WHERE model_id = ? ORDER BY depth DESC, id DESC"
 )
+# One tenant's snapshots of a model (its clear), through ix_snapshots_tenant_used.
+TENANT_SNAPSHOTS_DEEPEST_FIRST = (
+    "SELECT id FROM snapshots WHERE model_id = ? AND tenant = ? ORDER BY depth DESC, id DESC"
+)
+
+# -- tenants (revision 0009; docs/serve.md, "Tenants") -------------------------
+#: (snapshots, bytes) of one tenant in a group of models (json list of ids).
+TENANT_USAGE = (
+    "SELECT count(*), coalesce(sum(nbytes), 0) FROM snapshots "
+    "WHERE tenant = ? AND model_id IN (SELECT value FROM json_each(?))"
+)
+#: The tenants of a group of models with their (snapshots, bytes), most bytes first.
+TENANTS_OF_MODELS = (
+    "SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM snapshots "
+    "WHERE tenant IS NOT NULL AND model_id IN (SELECT value FROM json_each(?)) "
+    "GROUP BY tenant ORDER BY 3 DESC, tenant"
+)
+#: Every (model, tenant) with snapshots: (model_id, tenant, snapshots, bytes).
+TENANT_SNAPSHOT_SUMS = (
+    "SELECT model_id, tenant, count(*), coalesce(sum(nbytes), 0) FROM snapshots "
+    "WHERE tenant IS NOT NULL GROUP BY model_id, tenant"
+)
+#: Every (model, tenant) in the request log: (model_id, tenant, requests, prompt
+#: tokens, cached tokens); model_id NULL where the connector never saw the request.
+TENANT_REQUEST_SUMS = (
+    "SELECT model_id, tenant, count(*), coalesce(sum(prompt_tokens), 0), "
+    "coalesce(sum(live_tokens), 0) + coalesce(sum(restored_tokens), 0) FROM request_log "
+    "WHERE tenant IS NOT NULL GROUP BY model_id, tenant"
+)
 
 # -- snapshots ----------------------------------------------------------------
 SNAPSHOT_COLUMNS = (
     "id, model_id, snap_key, n_tokens, start_token, parent_id, depth, world_size, nbytes, "
-    "state, reason, pinned, created_at, last_used, use_count, scope_json, uploaded_at"
+    "state, reason, pinned, created_at, last_used, use_count, scope_json, uploaded_at, tenant"
 )
 SNAPSHOT_BY_ID = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?"
 LIVE_SNAPSHOT_BY_KEY = (
@@ -35,8 +64,8 @@ LIVE_SNAPSHOT_BY_KEY = (
 )
 INSERT_SNAPSHOT = (
     "INSERT INTO snapshots (model_id, snap_key, n_tokens, start_token, parent_id, depth, "
-    "world_size, nbytes, state, pinned, created_at, last_used, use_count, scope_json) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, 0, 'pending', 0, ?, ?, 0, ?) RETURNING id"
+    "world_size, nbytes, state, pinned, created_at, last_used, use_count, scope_json, tenant) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, 0, 'pending', 0, ?, ?, 0, ?, ?) RETURNING id"
 )
 ADD_SNAPSHOT_BYTES = "UPDATE snapshots SET nbytes = nbytes + ? WHERE id = ?"
 MARK_READY = (
@@ -133,6 +162,7 @@ ORDER BY s.last_used LIMIT ?
 EVICT_FILTER_MODEL = "AND s.model_id = ?"
 EVICT_FILTER_MODELS = "AND s.model_id IN (SELECT value FROM json_each(?))"
 EVICT_FILTER_OLDER = "AND s.last_used < ?"
+EVICT_FILTER_TENANT = "AND s.tenant = ?"
 
 # -- segments -----------------------------------------------------------------
 SEGMENT_COLUMNS = (
@@ -232,7 +262,7 @@ PUT_SETTING = (
 REQUEST_FIELDS = (
     "request_id, created_at, model_id, model, api, cache_key, prompt_tokens, live_tokens, "
     "restored_tokens, written_tokens, output_tokens, breakpoints, queue_s, restore_s, ttft_s, "
-    "total_s, status, remote_tokens, written_by_ttl"
+    "total_s, status, remote_tokens, written_by_ttl, tenant"
 )
 REQUEST_COLUMNS = f"seq, {REQUEST_FIELDS}"
 # A record fills in the row of its request: a column it leaves NULL keeps its

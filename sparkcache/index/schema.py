@@ -73,7 +73,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0008"
+SCHEMA_REVISION: Final = "0009"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -162,6 +162,9 @@ SNAPSHOTS: Final = Table(
     # Revision 0006: when the snapshot's manifest reached the shared tier
     # (docs/shared.md); NULL: not uploaded, or no shared tier.
     Column("uploaded_at", REAL, nullable=True),
+    # Revision 0009: the tenant whose request published it (docs/serve.md,
+    # "Tenants"); NULL: none.
+    Column("tenant", Text, nullable=True),
     CheckConstraint(_one_of("state", SNAPSHOT_STATES), name="ck_snapshots_state"),
     Index("ix_snapshots_model_state_used", "model_id", "state", "last_used"),
     Index("ix_snapshots_state_used", "state", "last_used"),
@@ -170,6 +173,10 @@ SNAPSHOTS: Final = Table(
     # snapshots not uploaded yet.
     Index("ix_snapshots_upload", "depth", "id",
           sqlite_where=text("state = 'ready' AND uploaded_at IS NULL")),
+    # Revision 0009: one tenant's snapshots, least recently used first (its
+    # limits, its listing and its clear); holds only the rows with a tenant.
+    Index("ix_snapshots_tenant_used", "model_id", "tenant", "state", "last_used",
+          sqlite_where=text("tenant IS NOT NULL")),
     # One live snapshot per key and model; quarantined rows may pile up beside it.
     Index(
         "ux_snapshots_model_key_live",
@@ -294,6 +301,8 @@ REQUEST_LOG: Final = Table(
     Column("remote_tokens", Integer, nullable=True),
     # Revision 0008: written_tokens by the keep time of their breakpoints (JSON).
     Column("written_by_ttl", Text, nullable=True),
+    # Revision 0009: the request's tenant (docs/serve.md, "Tenants").
+    Column("tenant", Text, nullable=True),
     CheckConstraint(_one_of("api", REQUEST_APIS), name="ck_request_log_api"),
     # One model's requests, newest first (the log's listing and --follow).
     Index("ix_request_log_model_seq", "model_id", "seq"),

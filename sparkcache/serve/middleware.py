@@ -19,18 +19,21 @@ parsed off the event loop (:mod:`sparkcache.serve.bodies`), then
   a pre-warm (``max_tokens: 0``) is answered as Anthropic does
   (:mod:`sparkcache.serve.prewarm`);
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
-  SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key`` (recorded
-  in the log; it isolates nothing: a ``cache_salt`` does that), checks and
+  SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key``, checks and
   applies OpenAI's prompt caching fields (:mod:`sparkcache.serve.openai_cache`:
   breakpoints rendered as Anthropic's are) and adds ``cache_write_tokens`` to
   the usage (:mod:`sparkcache.serve.openai_usage`), whole answers and streams;
 
+a request's tenant (its ``prompt_cache_key``, or an Anthropic request's
+``x-sparkcache-tenant`` header) salts its cache apart from every other
+tenant's (:mod:`sparkcache.serve.tenants`);
+
 it names the request in the request log (``kv_transfer_params["sparkcache"]["id"]``,
 always its own, whatever the client sent) and records the API, the model, the
-key, the status and the total time there; the connector records the tokens
-and the engine's timings in the same row.  ``/sparkcache`` is the page
-(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to
-loopback clients unless an admin token is set.  Everything else passes through untouched.
+key, the tenant, the status and the total time there; the connector records
+the tokens and the engine's timings in the same row.  ``/sparkcache`` is the
+page (:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only
+to loopback clients unless an admin token is set.  Everything else passes through untouched.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from sparkcache.serve.openai_usage import OpenAISseRewriter, rewrite_answer
 from sparkcache.serve.pages import Pages
 from sparkcache.serve.prewarm import prewarm_answer, prewarm_of
 from sparkcache.serve.render import Renderer
+from sparkcache.serve.tenants import apply_tenant
 from sparkcache.serve.usage import SseRewriter, anthropic_usage, facts_of
 from sparkcache.store import SnapshotStore
 
@@ -264,6 +268,7 @@ class SparkCacheMiddleware:
             prewarm = prewarm_of(api, body)  # before the marks' cuts copy max_tokens
             marks, row["cache_key"] = await off_loop(len(raw), lambda: prepare(api, body))
             caching = await off_loop(len(raw), lambda: plan(api, body))
+            row["tenant"] = apply_tenant(api, body, scope.get("headers", []), row["cache_key"])
         except Gone:
             return None
         except TooLarge as exc:

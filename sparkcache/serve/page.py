@@ -2,7 +2,8 @@
 
 Plain server-rendered HTML (no script, no build step; every value escaped).
 Per model: the snapshots (tokens, MB, last used, hits), the hit rate over the
-request log, the retention limits in force, the latest requests with their
+request log, its tenants (snapshots, MB, hit rate, a Clear of one tenant's
+snapshots), the retention limits in force, the latest requests with their
 cached and written tokens, and a **Clear KV snapshots** button: a POST form
 carrying a token only a page this server rendered has (the middleware checks
 it, the request's origin and who asks: see :mod:`sparkcache.serve.middleware`).
@@ -11,6 +12,7 @@ it, the request's origin and who asks: see :mod:`sparkcache.serve.middleware`).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import html
 from collections.abc import Iterable, Sequence
 
@@ -18,7 +20,7 @@ from sparkcache import admin
 from sparkcache.retention import Retention
 from sparkcache.store import SnapshotStore
 
-__all__ = ["COOKIE", "HTML", "PATH", "clear", "login_form", "render"]
+__all__ = ["COOKIE", "HTML", "PATH", "clear", "login_form", "render", "tenant_ref"]
 
 PATH = "/sparkcache"
 HTML = "text/html; charset=utf-8"
@@ -26,6 +28,7 @@ COOKIE = "sparkcache_admin"
 #: Rows of each table the page shows at most.
 SNAPSHOT_ROWS = 50
 REQUEST_ROWS = 20
+TENANT_ROWS = 50
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1d232a;max-width:1100px}
@@ -86,6 +89,10 @@ def _limits(store: SnapshotStore, nbytes: int) -> list[tuple[str, str]]:
         ("free disk kept", free),
         ("all models", "no limit beyond the disk margin" if not settings.total_mb
          else f"{settings.total_mb} MB"),
+        ("per tenant", ", ".join(
+            [f"{settings.tenant_mb} MB"] * bool(settings.tenant_mb)
+            + [f"{settings.tenant_entries} snapshots"] * bool(settings.tenant_entries))
+         or "no limit beyond the model's"),
     ]
 
 
@@ -117,6 +124,7 @@ def _model(store: SnapshotStore, model: admin.ModelRow, csrf: str) -> str:
               s.parent if s.parent is not None else "-"] for s in snapshots[:SNAPSHOT_ROWS])))
     else:
         parts.append('<p class="muted">No snapshots.</p>')
+    parts.append(_tenants(store, model, csrf))
     parts.append("<h3>Retention limits in force</h3><dl>")
     parts.extend(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>"
                  for k, v in _limits(store, sum(s.nbytes for s in snapshots)))
@@ -132,6 +140,36 @@ def _model(store: SnapshotStore, model: admin.ModelRow, csrf: str) -> str:
     else:
         parts.append('<p class="muted">No requests yet.</p>')
     parts.append("</section>")
+    return "".join(parts)
+
+
+def tenant_ref(tenant: str) -> str:
+    """How the page's form names a tenant: a digest of its name (any name, of any
+    length or characters, fits a small form)."""
+    return hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _tenants(store: SnapshotStore, model: admin.ModelRow, csrf: str) -> str:
+    """The model's tenants, most requests first, each with its own Clear."""
+    rows = admin.tenants(store, model.id)
+    if not rows:
+        return ""
+    parts = ['<h3>Tenants</h3><table><tr><th class="l">tenant</th><th>snapshots</th>'
+             "<th>MB</th><th>requests</th><th>hit rate</th><th></th></tr>"]
+    for i, t in enumerate(rows[:TENANT_ROWS]):
+        rate = f"{t.hit_rate:.0%}" if t.requests else "-"
+        parts.append(
+            f'<tr><td class="l">{_e(admin.printable(t.tenant))}</td><td>{t.snapshots}</td>'
+            f"<td>{t.nbytes / 2**20:.2f}</td><td>{t.requests}</td><td>{rate}</td><td>"
+            f'<form method="post" action="{PATH}/clear">'
+            f'<input type="hidden" name="model" value="{model.id}">'
+            f'<input type="hidden" name="tenant" value="{tenant_ref(t.tenant)}">'
+            f'<input type="hidden" name="csrf" value="{_e(csrf)}">'
+            f'<button type="submit" id="clear-{model.id}-t{i}">Clear</button></form></td></tr>')
+    parts.append("</table>")
+    if len(rows) > TENANT_ROWS:
+        parts.append(f'<p class="muted">{len(rows) - TENANT_ROWS} more tenants: '
+                     "<code>sparkcache tenants</code> lists them all.</p>")
     return "".join(parts)
 
 
@@ -157,12 +195,20 @@ def render(store: SnapshotStore, *, csrf: str, note: str = "") -> str:
     return "".join(body)
 
 
-def clear(store: SnapshotStore, model_id: int) -> str:
-    """Clear one model's snapshots (a keep lease does not stop it; a restore in
-    flight does); returns what happened, for the page."""
-    report = admin.clear_model(store, model_id)
+def clear(store: SnapshotStore, model_id: int, tenant: str | None = None) -> str:
+    """Clear one model's snapshots, or with ``tenant`` (a :func:`tenant_ref`) one
+    tenant's (a keep lease does not stop it; a restore in flight does); returns
+    what happened, for the page."""
+    name = None
+    if tenant is not None:
+        names = [t.tenant for t in admin.tenants(store, model_id) if tenant_ref(t.tenant) == tenant]
+        if not names:
+            return "not cleared: no such tenant of this model"
+        name = names[0]
+    report = admin.clear_model(store, model_id, tenant=name)
+    whose = report.model if name is None else f"tenant {admin.printable(name)} of {report.model}"
     note = f"Cleared {len(report.deleted)} snapshot{'s' if len(report.deleted) != 1 else ''} " \
-           f"of {report.model}"
+           f"of {whose}"
     if report.kept_leased:
         note += f"; {len(report.kept_leased)} in use by a restore stay until it is done"
     return note

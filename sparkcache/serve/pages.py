@@ -5,7 +5,8 @@ The HTML is :mod:`sparkcache.serve.page`'s; this module decides who gets it
 :class:`~sparkcache.serve.access.Admin`), reads the forms bounded, checks that
 a form comes from a page this server process rendered (an HMAC of a
 per-process secret, and the browser's ``Origin`` and ``Sec-Fetch-Site``), and
-carries out Clear on the index thread the middleware gives it.
+carries out Clear (of a model, or of one of its tenants) on the index thread
+the middleware gives it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -151,12 +153,17 @@ class Pages:
             model_id = int(form.get("model", ""))
         except ValueError:
             return await respond(send, 400, b"no model chosen\n", TEXT)
+        tenant = form.get("tenant")
+        if tenant is not None and not re.fullmatch(r"[0-9a-f]{32}", tenant):
+            return await respond(send, 400, b"no tenant chosen\n", TEXT)
         try:
-            note = await self.db(lambda store: page.clear(store, model_id))
+            note = await self.db(lambda store: page.clear(store, model_id, tenant))
         except SparkCacheError as exc:
             note = f"not cleared: {exc}"
         engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
-        if engine is not None and hasattr(engine, "reset_prefix_cache"):
+        # A tenant's live blocks are its own (salted): resetting vLLM's cache
+        # would drop every other tenant's too.
+        if tenant is None and engine is not None and hasattr(engine, "reset_prefix_cache"):
             try:
                 reset = await engine.reset_prefix_cache()
             except Exception as exc:  # vLLM's own reasons; the snapshots are gone anyway

@@ -27,6 +27,7 @@ from ..store.helpers import identity, pages_for, tokens
 # The middleware imports vLLM's Anthropic request model.
 pytest.importorskip("vllm", reason="needs vLLM (bash scripts/install-vllm.sh)")
 from sparkcache.serve.middleware import ServeSettings, SparkCacheMiddleware
+from sparkcache.serve.tenants import tenant_salt
 
 pytestmark = pytest.mark.vllm
 
@@ -530,13 +531,16 @@ def test_a_good_request_reaches_vllm_named_for_the_log(server: Server) -> None:
     ((scope, seen),) = server.inner.calls
     forwarded = json.loads(seen)
     ours = forwarded.pop("kv_transfer_params")["sparkcache"]
+    # The key is the request's tenant: its salt and its name for the connector.
+    assert forwarded.pop("cache_salt") == tenant_salt("user-7", None)
     assert forwarded == {k: v for k, v in request.items() if k != "prompt_cache_key"}
     assert re.fullmatch(r"sc-[0-9a-f]{32}", ours["id"])
+    assert ours["tenant"] == "user-7"
     assert all(k != b"content-length" for k, _ in scope["headers"])
     with SnapshotStore(server.folder) as store:
         row = store.request(ours["id"])
     assert row is not None
-    assert (row.api, row.cache_key, row.status) == ("chat", "user-7", 200)
+    assert (row.api, row.cache_key, row.tenant, row.status) == ("chat", "user-7", "user-7", 200)
 
 
 class Renderer:
