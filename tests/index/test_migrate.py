@@ -36,7 +36,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert upgrade(conn, "0001") == ["0001"]
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
-    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006", "0007"]
+    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006", "0007", "0008"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -49,7 +49,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
-        assert db.migrated == ["0002", "0003", "0004", "0005", "0006", "0007"]
+        assert db.migrated == ["0002", "0003", "0004", "0005", "0006", "0007", "0008"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -91,7 +91,7 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0003.sqlite", path)
     assert current_revision(raw(path)) == "0003"
     with Database(path) as db:
-        assert db.migrated == ["0004", "0005", "0006", "0007"]
+        assert db.migrated == ["0004", "0005", "0006", "0007", "0008"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -119,7 +119,7 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0004.sqlite", path)
     assert current_revision(raw(path)) == "0004"
     with Database(path) as db:
-        assert db.migrated == ["0005", "0006", "0007"]
+        assert db.migrated == ["0005", "0006", "0007", "0008"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -147,7 +147,7 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0005.sqlite", path)
     assert current_revision(raw(path)) == "0005"
     with Database(path) as db:
-        assert db.migrated == ["0006", "0007"]
+        assert db.migrated == ["0006", "0007", "0008"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -205,6 +205,16 @@ def test_0007_downgrades_to_the_schema_of_0006(tmp_path: Path) -> None:
     """0007's downgrade (the column) leaves exactly 0006's schema and the log's rows."""
     conn = _golden_downgraded(tmp_path, "0007", "0006",
                               "UPDATE request_log SET remote_tokens = 500")
+    assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
+        ("r1", 600)]
+
+
+def test_0008_downgrades_to_the_schema_of_0007(tmp_path: Path) -> None:
+    """0008's downgrade (the index, then the two columns) leaves exactly 0007's
+    schema and the log's rows."""
+    conn = _golden_downgraded(
+        tmp_path, "0008", "0007",
+        "UPDATE request_log SET answer_id = 'msg_1', fingerprint = '{\"v\":1}'")
     assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
         ("r1", 600)]
 

@@ -87,5 +87,5 @@ def test_installed_wheel_creates_an_index_at_head(tmp_path: Path) -> None:
     result = json.loads(out)
     assert result["migrations"].startswith(str(venv))
     assert not result["top_level_migrations"]
-    assert result["applied"] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
-    assert result["revision"] == result["head"] == "0007"
+    assert result["applied"] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008"]
+    assert result["revision"] == result["head"] == "0008"
