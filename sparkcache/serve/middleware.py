@@ -19,13 +19,15 @@ parsed off the event loop (:mod:`sparkcache.serve.bodies`), then
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
   SageMaker's ``/invocations`` (OpenAI): accepts ``prompt_cache_key`` (recorded
   in the log; it isolates nothing: a ``cache_salt`` does that);
+* Anthropic's ``diagnostics`` and the Responses' ``comparison_response_id``:
+  cache-miss diagnostics (:mod:`sparkcache.serve.diagnostics`, hooks only here);
 
 it names the request in the request log (``kv_transfer_params["sparkcache"]["id"]``,
 always its own, whatever the client sent) and records the API, the model, the
 key, the status and the total time there; the connector records the tokens
 and the engine's timings in the same row.  ``/sparkcache`` is the page
-(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to loopback clients unless an
-admin token is set.  Everything else passes through untouched.
+(:mod:`sparkcache.serve.pages`, :mod:`sparkcache.serve.page`), served only to
+loopback clients unless an admin token is set.  Everything else passes through untouched.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from sparkcache.serve.bodies import (
 )
 from sparkcache.serve.cache_control import Cut
 from sparkcache.serve.checks import Refused, api_of, error_body, prepare, transfer_params
+from sparkcache.serve.diagnostics import Editor, Plan, edit_answer, plan, resolve
 from sparkcache.serve.launch import check_token
 from sparkcache.serve.pages import Pages
 from sparkcache.serve.render import Renderer
@@ -250,7 +253,8 @@ class SparkCacheMiddleware:
             row["api"] = api = api_of(route, scope.get("path", ""), body)
             if isinstance(body.get("model"), str):
                 row["model"] = body["model"]
-            marks, row["cache_key"] = await off_loop(len(raw), lambda: prepare(api, body))
+            (marks, row["cache_key"]), diag = await off_loop(
+                len(raw), lambda: (prepare(api, body), plan(api, body, request_id[3:])))
         except Gone:
             return None
         except TooLarge as exc:
@@ -260,16 +264,30 @@ class SparkCacheMiddleware:
         except Refused as exc:
             refused = exc
         else:
-            final = self._final(scope, body, marks, request_id, len(raw))
-            return await log(await self._forward(api, scope, final, receive, send, request_id))
+            final = self._final(scope, body, marks, request_id, len(raw), diag)
+            return await log(await self._forward(api, scope, final, receive, send, request_id,
+                                                 diag))
         await respond(send, refused.status, error_body(row["api"], refused), "application/json")
         return await log(refused.status)
 
+    async def _diagnose(self, scope: Scope, body: dict[str, Any], diag: Plan,
+                        request_id: str) -> None:
+        """Compare the request with the one it names; record its fingerprint
+        (before the answer, so that the client's next request finds it)."""
+        await resolve(diag, body, lambda answer: self.db(lambda s: s.request_by_answer(answer)),
+                      lambda b: self._renderer.render(scope, b, diag.api),
+                      log_on=self.settings.log_rows > 0)
+        if self.settings.log_rows > 0:
+            await self._log({"request_id": request_id, "answer_id": diag.answer_id,
+                             "fingerprint": dumps(diag.fingerprint).decode()})
+
     def _final(self, scope: Scope, body: dict[str, Any], marks: list[Cut], request_id: str,
-               size: int) -> Callable[[], Awaitable[bytes]]:
+               size: int, diag: Plan | None) -> Callable[[], Awaitable[bytes]]:
         """The body vLLM reads: the request named for the log, its breakpoints set."""
         async def final_body() -> bytes:
             # Runs when vLLM's route reads the body, after vLLM's own checks.
+            if diag is not None:
+                await self._diagnose(scope, body, diag, request_id)
             breakpoints = await self._renderer.positions(scope, body, marks) if marks else []
             params, ours = transfer_params(body)  # checked already: they are objects
             ours["id"] = request_id
@@ -283,45 +301,44 @@ class SparkCacheMiddleware:
 
     async def _forward(self, api: str | None, scope: Scope,
                        body: Callable[[], Awaitable[bytes]], receive: Receive, send: Send,
-                       request_id: str) -> int:
+                       request_id: str, diag: Plan | None = None) -> int:
         """Pass the request to vLLM (its body made when vLLM reads it); rewrite an
-        Anthropic answer's usage.  Returns the status sent."""
+        Anthropic answer's usage and put diagnostics in the answer.  Returns the
+        status sent."""
         status = 500
         start: Message | None = None
         buffered: list[bytes] = []
         rewriter: SseRewriter | None = None
+        editor: Editor | None = None
+        edits = api == "messages" or (diag is not None and diag.asked)
 
         async def relay(message: Message) -> None:
-            nonlocal status, start, rewriter
+            nonlocal status, start, rewriter, editor
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 content_type = ""
                 for key, value in message.get("headers", []):
                     if key.lower() == b"content-type":
                         content_type = value.decode("latin-1")
-                if api != "messages" or status != 200:
+                if not edits or status != 200:
                     return await send(message)
                 if content_type.startswith("text/event-stream"):
-                    rewriter = SseRewriter(lambda: self._facts(request_id))
+                    if api == "messages":
+                        rewriter = SseRewriter(lambda: self._facts(request_id))
+                    editor = Editor(diag) if diag is not None else None
                     return await send(message)
                 start = message  # a whole JSON answer: held until its body is rewritten
                 return None
             if message["type"] != "http.response.body":
                 return await send(message)
-            if rewriter is not None:
-                chunk = await rewriter.feed(message.get("body", b""))
-                more = bool(message.get("more_body"))
-                if not more:
-                    chunk += rewriter.rest()
-                if chunk or not more:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": more})
-                return None
+            if rewriter is not None or editor is not None:
+                return await _stream(send, message, rewriter, editor)
             if start is None:
                 return await send(message)
             buffered.append(message.get("body", b""))
             if message.get("more_body"):
                 return None
-            whole = await self._rewrite_whole(b"".join(buffered))
+            whole = await self._rewrite_whole(b"".join(buffered), api, diag)
             headers = [(k, v) for k, v in start.get("headers", [])
                        if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(whole)).encode()))
@@ -333,15 +350,35 @@ class SparkCacheMiddleware:
         return status
 
     @staticmethod
-    async def _rewrite_whole(body: bytes) -> bytes:
+    async def _rewrite_whole(body: bytes, api: str | None, diag: Plan | None) -> bytes:
         try:
             answer = await parse_json(body)
         except BadBody:
             return body
         if not isinstance(answer, dict):
             return body
-        facts = facts_of(answer)
-        if facts is None:
+        facts = facts_of(answer) if api == "messages" else None
+        if facts is None and diag is None:
             return body
-        answer["usage"] = anthropic_usage(answer.get("usage"), facts)
+        if facts is not None:
+            answer["usage"] = anthropic_usage(answer.get("usage"), facts)
+        if diag is not None:
+            edit_answer(diag, answer)
         return dumps(answer)
+
+
+async def _stream(send: Send, message: Message, rewriter: SseRewriter | None,
+                  editor: Editor | None) -> None:
+    """Pass one piece of a streamed answer on, its events rewritten."""
+    chunk = message.get("body", b"")
+    more = bool(message.get("more_body"))
+    if rewriter is not None:
+        chunk = await rewriter.feed(chunk)
+        if not more:
+            chunk += rewriter.rest()
+    if editor is not None:
+        chunk = editor.feed(chunk)
+        if not more:
+            chunk += editor.rest()
+    if chunk or not more:
+        await send({"type": "http.response.body", "body": chunk, "more_body": more})

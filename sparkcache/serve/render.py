@@ -51,13 +51,15 @@ class Renderer:
             positions.append({"at": common_prefix(tokens, full), "ttl": mark.ttl})
         return positions
 
-    async def render(self, scope: Scope, body: dict[str, Any]) -> list[int] | None:
-        """The token ids vLLM's own renderer makes of an Anthropic request, the
-        same as ``/v1/messages`` prefills (remembered by content)."""
+    async def render(self, scope: Scope, body: dict[str, Any],
+                     api: str = "messages") -> list[int] | None:
+        """The token ids vLLM's own renderer makes of an Anthropic request (or,
+        with ``api="responses"``, of a Responses one), the same as the route
+        prefills (remembered by content)."""
         body = copy.deepcopy(body)
         body.pop("kv_transfer_params", None)
         body["stream"] = False
-        key = hashlib.sha256(dumps(body)).hexdigest()
+        key = api + hashlib.sha256(dumps(body)).hexdigest()
         if key in self._renders:
             self._renders.move_to_end(key)
             return self._renders[key]
@@ -69,10 +71,15 @@ class Renderer:
         # vLLM's own request model: imported here, where vLLM's server has loaded it,
         # so that the page and the checks load without vLLM.
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
         try:
-            request = AnthropicMessagesRequest.model_validate(body)
-            result = await renderer.render_messages_request(request)
+            if api == "responses":
+                result = await renderer.render_responses_request(
+                    ResponsesRequest.model_validate(body))
+            else:
+                result = await renderer.render_messages_request(
+                    AnthropicMessagesRequest.model_validate(body))
         except Exception as exc:  # a breakpoint is never worth a failed request
             logger.warning("sparkcache: render failed (%s: %s); no breakpoint there",
                            type(exc).__name__, exc)
