@@ -13,7 +13,9 @@ prompt), never their text, with the id the client sees on the answer.
 :func:`missed` turns it into tokens: the previous request's prompt tokens
 beyond the tokens the two prompts share before that part.  docs/serve.md
 ("Cache-miss diagnostics") states the rules.  Pure functions over JSON, but
-:class:`Editor`, which puts the result into the answer as it passes.
+:class:`Editor`, which puts the result into a streamed answer as it passes,
+and :func:`resolve`, which awaits the log lookup and the renders it is given.
+A request is compared only with its own tenant's (:func:`visible`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from sparkcache.errors import SparkCacheError
@@ -216,7 +218,6 @@ class Plan:
     asked: bool
     previous: str | None
     result: dict[str, Any] | None = None
-    done: bool = field(default=False)
 
 
 def _previous_id(value: Any, param: str) -> str | None:
