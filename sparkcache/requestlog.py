@@ -35,6 +35,7 @@ __all__ = [
     "KeySummary",
     "LogSummary",
     "RequestRow",
+    "by_answer",
     "by_cache_key",
     "log_rows_setting",
     "printable",
@@ -58,6 +59,8 @@ _TIMES: Final = frozenset({"created_at", "queue_s", "restore_s", "ttft_s", "tota
 #: with a trailing "..."); a request id longer than MAX_ID is refused.
 MAX_TEXT: Final = 1024
 MAX_ID: Final = 256
+#: The longest fingerprint stored (JSON of digests, sparkcache.serve.diagnostics).
+MAX_FINGERPRINT: Final = 64 * 1024
 _CUT: Final = "..."
 
 
@@ -91,6 +94,8 @@ class RequestRow:
     #: ("300", "3600"; "0": a breakpoint without one); None: not recorded.
     written_by_ttl: dict[str, int] | None = None
     tenant: str | None = None  # the request's tenant (docs/serve.md, "Tenants")
+    answer_id: str | None = None  # the id the client saw on the answer (diagnostics)
+    fingerprint: str | None = None  # the prompt's parts' digests, JSON (diagnostics)
 
     def __post_init__(self) -> None:
         # The index holds the JSON text (or NULL).
@@ -225,6 +230,13 @@ def _json_field(name: str, value: Any) -> str:
     return json.dumps([int(n) for n in points], separators=(",", ":"))
 
 
+def _fingerprint(value: Any) -> str:
+    """A fingerprint as stored: digests only, made by the server, never cut."""
+    if not isinstance(value, str) or len(value) > MAX_FINGERPRINT:
+        raise _bad("fingerprint", value, f"a string of at most {MAX_FINGERPRINT} characters")
+    return value
+
+
 def _field(name: str, value: Any) -> Any:
     """``value`` as the index stores field ``name``; InvalidArgument if it cannot."""
     if value is None:
@@ -240,14 +252,16 @@ def _field(name: str, value: Any) -> Any:
         return float(value)
     if name in ("breakpoints", "written_by_ttl"):
         return _json_field(name, value)
+    if name == "fingerprint":
+        return _fingerprint(value)
     if name in ("model", "cache_key", "tenant"):  # a client's text, as it sent it (even empty)
         if not isinstance(value, str):
             raise _bad(name, value, "a string")
         return _text(value)
-    if not isinstance(value, str) or not value or (name == "request_id"
+    if not isinstance(value, str) or not value or (name in ("request_id", "answer_id")
                                                    and len(value) > MAX_ID):
         raise _bad(name, value, "a non-empty string" + (
-            f" of at most {MAX_ID} characters" if name == "request_id" else ""))
+            f" of at most {MAX_ID} characters" if name in ("request_id", "answer_id") else ""))
     if name == "api" and value not in REQUEST_APIS:
         raise _bad(name, value, f"one of {', '.join(REQUEST_APIS)} (None: not the server)")
     return _text(value)
@@ -326,6 +340,13 @@ def request(core: Core, request_id: str) -> RequestRow | None:
     """The row of one request, or None (never recorded, or trimmed since)."""
     with core.read() as conn:
         return select_one(conn, q.REQUEST_BY_ID, (request_id,), into=RequestRow)
+
+
+def by_answer(core: Core, answer_id: str) -> RequestRow | None:
+    """The newest row whose answer the client saw as ``answer_id``, or None
+    (never recorded, or trimmed since)."""
+    with core.read() as conn:
+        return select_one(conn, q.REQUEST_BY_ANSWER, (answer_id,), into=RequestRow)
 
 
 def _sums(conn: Conn, model_id: int | None) -> LogSummary:

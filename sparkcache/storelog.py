@@ -55,6 +55,14 @@ class StoreLog:
         """
         return requestlog.request(self._core, request_id)
 
+    def request_by_answer(self, answer_id: str) -> RequestRow | None:
+        """The logged request whose answer had this id (``msg_...``, ``resp_...``), or None.
+
+        Args:
+            answer_id: the id the client saw on the answer.
+        """
+        return requestlog.by_answer(self._core, answer_id)
+
     def request_summary(self, *, model_id: int | None = None) -> LogSummary:
         """Requests and token sums over the request log.
 

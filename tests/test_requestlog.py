@@ -360,3 +360,24 @@ def test_any_text_is_stored_and_printable_keeps_it_on_one_line(
         shown = requestlog.printable(text) or ""
         assert shown.isprintable(), shown
     assert requestlog.printable(None) is None
+
+
+def test_a_row_is_found_by_its_answers_id_and_its_fingerprint_is_never_cut(
+        store: SnapshotStore) -> None:
+    print_ = json.dumps({"v": 1, "parts": ["0" * 32] * 1000})  # longer than MAX_TEXT
+    store.log_requests([{"request_id": "a", "answer_id": "msg_1", "fingerprint": print_},
+                        {"request_id": "b", "answer_id": "msg_2"}], keep=10)
+    found = store.request_by_answer("msg_1")
+    assert found is not None and found.request_id == "a" and found.fingerprint == print_
+    assert store.request_by_answer("msg_3") is None
+    # The newest row of a reused id wins; a trimmed one is gone.
+    store.log_requests([{"request_id": "c", "answer_id": "msg_1"}], keep=2)
+    again = store.request_by_answer("msg_1")
+    assert again is not None and again.request_id == "c"
+    store.log_requests([{"request_id": "d"}, {"request_id": "e"}], keep=2)
+    assert store.request_by_answer("msg_1") is None
+    for bad in ({"answer_id": "m" * (requestlog.MAX_ID + 1)}, {"answer_id": ""},
+                {"fingerprint": "x" * (requestlog.MAX_FINGERPRINT + 1)}, {"fingerprint": 5}):
+        with pytest.raises(InvalidArgument):
+            store.log_requests([{"request_id": "f", **bad}], keep=10)
+    assert store.request("f") is None

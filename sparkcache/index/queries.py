@@ -262,7 +262,7 @@ PUT_SETTING = (
 REQUEST_FIELDS = (
     "request_id, created_at, model_id, model, api, cache_key, prompt_tokens, live_tokens, "
     "restored_tokens, written_tokens, output_tokens, breakpoints, queue_s, restore_s, ttft_s, "
-    "total_s, status, remote_tokens, written_by_ttl, tenant"
+    "total_s, status, remote_tokens, written_by_ttl, tenant, answer_id, fingerprint"
 )
 REQUEST_COLUMNS = f"seq, {REQUEST_FIELDS}"
 # A record fills in the row of its request: a column it leaves NULL keeps its
@@ -287,6 +287,10 @@ INSERT_REQUEST = (
 # one range delete on the primary key (max(seq) is one probe).
 TRIM_REQUEST_LOG = "DELETE FROM request_log WHERE seq <= (SELECT max(seq) FROM request_log) - ?"
 REQUEST_BY_ID = f"SELECT {REQUEST_COLUMNS} FROM request_log WHERE request_id = ?"
+# The newest row of an answer's id (ix_request_log_answer_id).
+REQUEST_BY_ANSWER = (
+    f"SELECT {REQUEST_COLUMNS} FROM request_log WHERE answer_id = ? ORDER BY seq DESC LIMIT 1"
+)
 # Newest first (ix (model_id, seq) for one model), and the rows after a seq
 # oldest first (following the log).
 REQUESTS_NEWEST = f"SELECT {REQUEST_COLUMNS} FROM request_log ORDER BY seq DESC LIMIT ?"

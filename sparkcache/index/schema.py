@@ -73,7 +73,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0009"
+SCHEMA_REVISION: Final = "0010"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -303,11 +303,17 @@ REQUEST_LOG: Final = Table(
     Column("written_by_ttl", Text, nullable=True),
     # Revision 0009: the request's tenant (docs/serve.md, "Tenants").
     Column("tenant", Text, nullable=True),
+    # Revision 0010: the answer's id as the client saw it, and the prompt's
+    # fingerprint (digests only) that cache-miss diagnostics compare.
+    Column("answer_id", Text, nullable=True),
+    Column("fingerprint", Text, nullable=True),
     CheckConstraint(_one_of("api", REQUEST_APIS), name="ck_request_log_api"),
     # One model's requests, newest first (the log's listing and --follow).
     Index("ix_request_log_model_seq", "model_id", "seq"),
     # The requests of one prompt_cache_key; most requests have none.
     Index("ix_request_log_cache_key", "cache_key", sqlite_where=text("cache_key IS NOT NULL")),
+    # A request by its answer's id (diagnostics); most requests have none.
+    Index("ix_request_log_answer_id", "answer_id", sqlite_where=text("answer_id IS NOT NULL")),
     sqlite_autoincrement=True,
 )
 

@@ -24,6 +24,9 @@ parsed off the event loop (:mod:`sparkcache.serve.bodies`), then
   breakpoints rendered as Anthropic's are) and adds ``cache_write_tokens`` to
   the usage (:mod:`sparkcache.serve.openai_usage`), whole answers and streams;
 
+* Anthropic's ``diagnostics`` and the Responses' ``comparison_response_id``:
+  cache-miss diagnostics (:mod:`sparkcache.serve.diagnostics`, hooks only here);
+
 a request's tenant (its ``prompt_cache_key``, or an Anthropic request's
 ``x-sparkcache-tenant`` header) salts its cache apart from every other
 tenant's (:mod:`sparkcache.serve.tenants`);
@@ -71,6 +74,9 @@ from sparkcache.serve.bodies import (
 )
 from sparkcache.serve.cache_control import Cut
 from sparkcache.serve.checks import Refused, api_of, error_body, prepare, transfer_params
+from sparkcache.serve.diagnostics import Editor, edit_answer, resolve
+from sparkcache.serve.diagnostics import Plan as Diagnosis
+from sparkcache.serve.diagnostics import plan as diagnosis
 from sparkcache.serve.launch import check_token
 from sparkcache.serve.openai_cache import NONE, OpenAICacheError, Plan, plan
 from sparkcache.serve.openai_usage import OpenAISseRewriter, rewrite_answer
@@ -266,7 +272,8 @@ class SparkCacheMiddleware:
             if isinstance(body.get("model"), str):
                 row["model"] = body["model"]
             prewarm = prewarm_of(api, body)  # before the marks' cuts copy max_tokens
-            marks, row["cache_key"] = await off_loop(len(raw), lambda: prepare(api, body))
+            (marks, row["cache_key"]), diag = await off_loop(
+                len(raw), lambda: (prepare(api, body), diagnosis(api, body, request_id[3:])))
             caching = await off_loop(len(raw), lambda: plan(api, body))
             row["tenant"] = apply_tenant(api, body, scope.get("headers", []), row["cache_key"])
         except Gone:
@@ -280,20 +287,35 @@ class SparkCacheMiddleware:
         except OpenAICacheError as exc:
             refused = Refused(400, str(exc), exc.param)
         else:
-            final = self._final(scope, body, marks, request_id, len(raw), api, caching)
+            final = self._final(scope, body, marks, request_id, len(raw), api, caching,
+                                diag, row["tenant"])
             return await log(await self._forward(api, scope, final, receive, send, request_id,
-                                                 caching, prewarm=prewarm))
+                                                 caching, diag, prewarm=prewarm))
         await respond(send, refused.status, error_body(row["api"], refused), "application/json")
         return await log(refused.status)
 
+    async def _diagnose(self, scope: Scope, body: dict[str, Any], diag: Diagnosis,
+                        request_id: str, tenant: str | None) -> None:
+        """Compare the request with the one it names; record its fingerprint
+        (before the answer, so that the client's next request finds it)."""
+        await resolve(diag, body, lambda answer: self.db(lambda s: s.request_by_answer(answer)),
+                      lambda b: self._renderer.render(scope, b, diag.api),
+                      log_on=self.settings.log_rows > 0, tenant=tenant)
+        if self.settings.log_rows > 0:
+            await self._log({"request_id": request_id, "answer_id": diag.answer_id,
+                             "fingerprint": dumps(diag.fingerprint).decode()})
+
     def _final(self, scope: Scope, body: dict[str, Any], marks: list[Cut], request_id: str,
-               size: int, api: str | None = None,
-               caching: Plan = NONE) -> Callable[[], Awaitable[bytes]]:
+               size: int, api: str | None = None, caching: Plan = NONE,
+               diag: Diagnosis | None = None,
+               tenant: str | None = None) -> Callable[[], Awaitable[bytes]]:
         """The body vLLM reads: the request named for the log, its breakpoints set."""
         marks = [*marks, *caching.cuts]
 
         async def final_body() -> bytes:
             # Runs when vLLM's route reads the body, after vLLM's own checks.
+            if diag is not None:
+                await self._diagnose(scope, body, diag, request_id, tenant)
             breakpoints = await self._renderer.positions(
                 scope, body, marks, api if api in ("chat", "responses") else "messages") \
                 if marks else []
@@ -311,49 +333,48 @@ class SparkCacheMiddleware:
 
     async def _forward(self, api: str | None, scope: Scope,
                        body: Callable[[], Awaitable[bytes]], receive: Receive, send: Send,
-                       request_id: str, caching: Plan = NONE, *,
-                       prewarm: bool = False) -> int:
+                       request_id: str, caching: Plan = NONE,
+                       diag: Diagnosis | None = None, *, prewarm: bool = False) -> int:
         """Pass the request to vLLM (its body made when vLLM reads it); rewrite the
-        answer's usage (Anthropic's, OpenAI's).  Returns the status sent."""
+        answer's usage (Anthropic's, OpenAI's) and put diagnostics in it.  Returns
+        the status sent."""
         status = 500
         start: Message | None = None
         buffered: list[bytes] = []
         rewriter: SseRewriter | None = None
+        editor: Editor | None = None
+        edits = api in USAGE_APIS or (diag is not None and diag.asked)
 
         async def relay(message: Message) -> None:
-            nonlocal status, start, rewriter
+            nonlocal status, start, rewriter, editor
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 content_type = ""
                 for key, value in message.get("headers", []):
                     if key.lower() == b"content-type":
                         content_type = value.decode("latin-1")
-                if api not in USAGE_APIS or status != 200:
+                if not edits or status != 200:
                     return await send(message)
                 if content_type.startswith("text/event-stream"):
-                    rewriter = SseRewriter(lambda: self._facts(request_id)) \
-                        if api == "messages" else \
-                        OpenAISseRewriter(api, caching, lambda: self._facts(request_id))
+                    if api in USAGE_APIS:
+                        rewriter = SseRewriter(lambda: self._facts(request_id)) \
+                            if api == "messages" else \
+                            OpenAISseRewriter(api, caching, lambda: self._facts(request_id))
+                    editor = Editor(diag) if diag is not None else None
                     return await send(message)
                 start = message  # a whole JSON answer: held until its body is rewritten
                 return None
             if message["type"] != "http.response.body":
                 return await send(message)
-            if rewriter is not None:
-                chunk = await rewriter.feed(message.get("body", b""))
-                more = bool(message.get("more_body"))
-                if not more:
-                    chunk += rewriter.rest()
-                if chunk or not more:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": more})
-                return None
+            if rewriter is not None or editor is not None:
+                return await _stream(send, message, rewriter, editor)
             if start is None:
                 return await send(message)
             buffered.append(message.get("body", b""))
             if message.get("more_body"):
                 return None
             whole = await self._rewrite_whole(api, caching, request_id, b"".join(buffered),
-                                              prewarm=prewarm)
+                                              diag, prewarm=prewarm)
             headers = [(k, v) for k, v in start.get("headers", [])
                        if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(whole)).encode()))
@@ -365,23 +386,45 @@ class SparkCacheMiddleware:
         return status
 
     async def _rewrite_whole(self, api: str | None, caching: Plan, request_id: str,
-                             body: bytes, *, prewarm: bool = False) -> bytes:
+                             body: bytes, diag: Diagnosis | None = None, *,
+                             prewarm: bool = False) -> bytes:
         try:
             answer = await parse_json(body)
         except BadBody:
             return body
         if not isinstance(answer, dict):
             return body
-        facts = facts_of(answer)
+        facts = facts_of(answer) if api in USAGE_APIS else None
+        edited = diag is not None and (diag.asked or api == "messages")
+        if diag is not None:
+            edit_answer(diag, answer)
         if api != "messages":
-            if facts is None and isinstance(answer.get("usage"), dict):
-                facts = await self._facts(request_id)  # not in the answer: the log's row
-            if facts is None and not caching.prewarm:
-                return body
-            rewrite_answer(str(api), answer, facts, caching)
-            return dumps(answer)
-        if facts is None and not prewarm:
+            if api in USAGE_APIS:
+                if facts is None and isinstance(answer.get("usage"), dict):
+                    facts = await self._facts(request_id)  # not in the answer: the log's row
+                if facts is not None or caching.prewarm:
+                    rewrite_answer(str(api), answer, facts, caching)
+                    edited = True
+            return dumps(answer) if edited else body
+        if facts is None and not prewarm and not edited:
             return body
         if facts is not None:
             answer["usage"] = anthropic_usage(answer.get("usage"), facts)
         return dumps(prewarm_answer(answer) if prewarm else answer)
+
+
+async def _stream(send: Send, message: Message, rewriter: SseRewriter | None,
+                  editor: Editor | None) -> None:
+    """Pass one piece of a streamed answer on, its events rewritten."""
+    chunk = message.get("body", b"")
+    more = bool(message.get("more_body"))
+    if rewriter is not None:
+        chunk = await rewriter.feed(chunk)
+        if not more:
+            chunk += rewriter.rest()
+    if editor is not None:
+        chunk = editor.feed(chunk)
+        if not more:
+            chunk += editor.rest()
+    if chunk or not more:
+        await send({"type": "http.response.body", "body": chunk, "more_body": more})

@@ -36,7 +36,8 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert upgrade(conn, "0001") == ["0001"]
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
-    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009"]
+    assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
+        "0010"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -49,7 +50,8 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     shutil.copyfile(DATA / "golden_0001.sqlite", path)
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
-        assert db.migrated == ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009"]
+        assert db.migrated == ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
+        "0010"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -91,7 +93,8 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0003.sqlite", path)
     assert current_revision(raw(path)) == "0003"
     with Database(path) as db:
-        assert db.migrated == ["0004", "0005", "0006", "0007", "0008", "0009"]
+        assert db.migrated == ["0004", "0005", "0006", "0007", "0008", "0009",
+        "0010"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -119,7 +122,8 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0004.sqlite", path)
     assert current_revision(raw(path)) == "0004"
     with Database(path) as db:
-        assert db.migrated == ["0005", "0006", "0007", "0008", "0009"]
+        assert db.migrated == ["0005", "0006", "0007", "0008", "0009",
+        "0010"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -147,7 +151,8 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     shutil.copyfile(DATA / "golden_0005.sqlite", path)
     assert current_revision(raw(path)) == "0005"
     with Database(path) as db:
-        assert db.migrated == ["0006", "0007", "0008", "0009"]
+        assert db.migrated == ["0006", "0007", "0008", "0009",
+        "0010"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -213,6 +218,16 @@ def test_0008_downgrades_to_the_schema_of_0007(tmp_path: Path) -> None:
     """0008's downgrade (the column) leaves exactly 0007's schema and the log's rows."""
     conn = _golden_downgraded(tmp_path, "0008", "0007",
                               """UPDATE request_log SET written_by_ttl = '{"300":64}'""")
+    assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
+        ("r1", 600)]
+
+
+def test_0010_downgrades_to_the_schema_of_0009(tmp_path: Path) -> None:
+    """0010's downgrade (the index, then the two columns) leaves exactly 0009's
+    schema and the log's rows."""
+    conn = _golden_downgraded(
+        tmp_path, "0010", "0009",
+        "UPDATE request_log SET answer_id = 'msg_1', fingerprint = '{\"v\":1}'")
     assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
         ("r1", 600)]
 
