@@ -198,8 +198,9 @@ def openai_form(verdict: Verdict | None, previous_prompt: int, shared: int) -> d
 
 def visible(previous_tenant: str | None, tenant: str | None) -> bool:
     """Whether a request may be compared with a previous one: only with its own
-    tenant's (a previous request of another tenant reads as not found; requests
-    without one are one tenant's)."""
+    tenant's (requests without one are one tenant's).  Another tenant's reads
+    as a changed ``prompt_cache_key`` with no tokens reusable (Responses) or as
+    not found (Anthropic), and no part of it is compared."""
     return previous_tenant == tenant
 
 
@@ -324,8 +325,8 @@ async def resolve(plan_: Plan, body: dict[str, Any], lookup: Lookup, render: Ren
                   log_on: bool, tenant: str | None = None) -> None:
     """Compare the request with the one it names and set ``plan_.result``.
     ``lookup`` raising SparkCacheError, or no log (``log_on`` False), is
-    ``unavailable``; a row of another API, of another tenant (:func:`visible`)
-    or without a fingerprint is not found."""
+    ``unavailable``; a row of another API or without a fingerprint is not
+    found; one of another tenant is told as :func:`visible` says."""
     if not plan_.asked or plan_.previous is None:
         return
     verdict, prompt, shared = await _verdict(plan_, body, lookup, render, log_on, tenant)
@@ -341,9 +342,13 @@ async def _verdict(plan_: Plan, body: dict[str, Any], lookup: Lookup, render: Re
         row = await lookup(plan_.previous or "")
     except SparkCacheError:
         return Verdict("unavailable"), 0, 0
-    if (row is None or row.api != plan_.api or row.fingerprint is None
-            or not visible(getattr(row, "tenant", None), tenant)):
+    if row is None or row.api != plan_.api or row.fingerprint is None:
         return Verdict(NOT_FOUND), 0, 0
+    if not visible(getattr(row, "tenant", None), tenant):
+        # Another tenant's: nothing of it is reusable, and nothing of its prompt
+        # is told (no counts, no part compared: no probing across tenants).
+        return Verdict("prompt_cache_key_changed" if plan_.api == "responses"
+                       else NOT_FOUND), 0, 0
     try:
         before = json.loads(row.fingerprint)
     except ValueError:

@@ -202,11 +202,13 @@ class Row:
     api: str | None
     fingerprint: str | None
     prompt_tokens: int | None
+    tenant: str | None = None
 
 
 def _resolved(body: dict[str, Any], row: Any, *, log_on: bool = True,
-              render: dict[str, list[int]] | None = None) -> Any:
-    made = plan("messages", body, "new")
+              render: dict[str, list[int]] | None = None, api: str = "messages",
+              tenant: str | None = None) -> Any:
+    made = plan(api, body, "new")
     assert made is not None
 
     async def lookup(answer: str) -> Any:
@@ -217,7 +219,7 @@ def _resolved(body: dict[str, Any], row: Any, *, log_on: bool = True,
     async def rendered(b: dict[str, Any]) -> list[int] | None:
         return (render or {}).get(json.dumps(b["messages"]))
 
-    asyncio.run(resolve(made, body, lookup, rendered, log_on=log_on))
+    asyncio.run(resolve(made, body, lookup, rendered, log_on=log_on, tenant=tenant))
     return made.result
 
 
@@ -266,3 +268,24 @@ def test_the_editor_edits_message_start_and_response_completed_across_chunks() -
     editor = Editor(done)
     out = editor.feed(b'data: {"type":"response.completed","response":{"id":"resp_1"}}\n\n')
     assert json.loads(out[6:])["response"]["prompt_cache_diagnostics"] == {"type": "cache_hit"}
+
+
+def test_another_tenants_request_is_compared_with_nothing() -> None:
+    """A request of tenant b naming tenant a's answer learns no part and no count
+    of a's prompt: not found (Anthropic), or a changed key with nothing reusable
+    (Responses), even when the prompts are the same."""
+    before = json.dumps(fingerprint("messages", msgs()))
+    same = msgs(diagnostics={"previous_message_id": "msg_old"})
+    assert _resolved(same, Row("messages", before, 40, "a"), tenant="a") is None
+    assert _resolved(same, Row("messages", before, 40, "a"), tenant="b") == \
+        {"cache_miss_reason": {"type": "previous_message_not_found"}}
+    assert _resolved(same, Row("messages", before, 40, "a")) == \
+        {"cache_miss_reason": {"type": "previous_message_not_found"}}
+    earlier = json.dumps(fingerprint("responses", resp()))
+    asking = resp(prompt_cache_options={"comparison_response_id": "resp_old"})
+    assert _resolved(asking, Row("responses", earlier, 40, "a"), api="responses",
+                     tenant="a") == {"type": "cache_hit"}
+    assert _resolved(asking, Row("responses", earlier, 40, "a"), api="responses",
+                     tenant="b") == {"type": "cache_miss", "reason": "prompt_cache_key_changed",
+                                     "cache_missed_tokens": 0,
+                                     "comparison_reusable_tokens": 0}

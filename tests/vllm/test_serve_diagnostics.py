@@ -149,8 +149,10 @@ def test_responses_compare_with_an_earlier_response(served: Server) -> None:
                    prompt_cache_options={"comparison_response_id": first.id})
     miss = moved.prompt_cache_diagnostics
     assert isinstance(miss, openai.types.responses.response.PromptCacheDiagnosticsCacheMiss)
+    # Another key is another tenant: nothing of team-a's is reusable or told.
     assert (miss.reason, miss.cache_missed_tokens, miss.comparison_reusable_tokens) == (
-        "prompt_cache_key_changed", prompt, prompt)
+        "prompt_cache_key_changed", 0, 0)
+    assert moved.usage.input_tokens_details.cached_tokens == 0
     lost = create(prompt_cache_options={"comparison_response_id": "resp_never_seen"})
     assert lost.prompt_cache_diagnostics is not None
     assert lost.prompt_cache_diagnostics.type == "comparison_response_not_found"
