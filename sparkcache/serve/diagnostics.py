@@ -29,6 +29,7 @@ from typing import Any, Final
 from sparkcache.errors import SparkCacheError
 from sparkcache.serve.cache_control import common_prefix
 from sparkcache.serve.checks import Refused
+from sparkcache.serve.usage import event_data, with_data
 
 __all__ = ["BETA", "MAX_PARTS", "NOT_FOUND", "Editor", "Plan", "Verdict", "anthropic_form",
            "compare", "edit_answer", "fingerprint", "missed", "openai_form", "plan", "probe_body",
@@ -287,21 +288,12 @@ class Editor:
         return rest
 
     def _event(self, event: bytes) -> bytes:
-        lines = event.split(b"\n")
-        for i, line in enumerate(lines):
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                payload = json.loads(line[5:].strip())
-            except ValueError:
-                return event
-            holder = _holder(self.plan.api, payload)
-            if holder is None:
-                return event
-            edit_answer(self.plan, holder)
-            lines[i] = b"data: " + json.dumps(payload, separators=(",", ":")).encode()
-            return b"\n".join(lines)
-        return event
+        found = event_data(event)
+        holder = None if found is None else _holder(self.plan.api, found[2])
+        if found is None or holder is None:
+            return event
+        edit_answer(self.plan, holder)
+        return with_data(found, found[2])
 
 
 def _holder(api: str, payload: Any) -> dict[str, Any] | None:

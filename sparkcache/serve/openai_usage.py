@@ -22,12 +22,11 @@ one-token answer into the empty one OpenAI sends.  Pure functions: no I/O.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from sparkcache.serve.openai_cache import TTLS, Plan
-from sparkcache.serve.usage import Facts, SseRewriter
+from sparkcache.serve.usage import Facts, SseRewriter, event_data, with_data
 
 __all__ = ["OpenAISseRewriter", "chat_usage", "prewarm_answer", "responses_usage",
            "rewrite_answer", "written_split"]
@@ -131,27 +130,18 @@ class OpenAISseRewriter(SseRewriter):
         self.api, self.plan = api, plan
 
     async def _event(self, event: bytes) -> bytes:
-        lines = event.split(b"\n")
-        for i, line in enumerate(lines):
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            try:
-                payload = json.loads(line[5:].strip())
-            except ValueError:
-                return event
-            holder = self._holder(payload)
-            if holder is None:
-                return event
-            facts = await self._get()
-            if facts is None:
-                return event
-            if self.api == "responses":
-                holder["usage"] = responses_usage(holder["usage"], facts, self.plan)
-            else:
-                holder["usage"] = chat_usage(holder["usage"], facts)
-            lines[i] = b"data: " + json.dumps(payload, separators=(",", ":")).encode()
-            return b"\n".join(lines)
-        return event
+        found = event_data(event)
+        holder = None if found is None else self._holder(found[2])
+        if found is None or holder is None:
+            return event
+        facts = await self._get()
+        if facts is None:
+            return event
+        if self.api == "responses":
+            holder["usage"] = responses_usage(holder["usage"], facts, self.plan)
+        else:
+            holder["usage"] = chat_usage(holder["usage"], facts)
+        return with_data(found, found[2])
 
     def _holder(self, payload: Any) -> dict[str, Any] | None:
         """The object in an event whose ``usage`` is to be rewritten, if any."""

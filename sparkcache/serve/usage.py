@@ -28,7 +28,32 @@ import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-__all__ = ["SseRewriter", "anthropic_usage", "facts_of"]
+__all__ = ["SseRewriter", "anthropic_usage", "event_data", "facts_of", "with_data"]
+
+#: A stream event's lines, the index of its JSON ``data:`` line, and that JSON.
+EventData = tuple[list[bytes], int, Any]
+
+
+def event_data(event: bytes) -> EventData | None:
+    """A server-sent event's first JSON ``data:`` line, parsed (OpenAI's
+    ``[DONE]`` is no JSON line); None when it has none or it is not JSON."""
+    lines = event.split(b"\n")
+    for i, line in enumerate(lines):
+        data = line[5:].strip()
+        if not line.startswith(b"data:") or data == b"[DONE]":
+            continue
+        try:
+            return lines, i, json.loads(data)
+        except ValueError:
+            return None
+    return None
+
+
+def with_data(found: EventData, payload: Any) -> bytes:
+    """The event of :func:`event_data` with its data line holding ``payload``."""
+    lines, i, _old = found
+    lines[i] = b"data: " + json.dumps(payload, separators=(",", ":")).encode()
+    return b"\n".join(lines)
 
 Facts = Mapping[str, Any]
 
@@ -105,33 +130,25 @@ class SseRewriter:
         return rest
 
     async def _event(self, event: bytes) -> bytes:
-        lines = event.split(b"\n")
-        for i, line in enumerate(lines):
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                payload = json.loads(line[5:].strip())
-            except ValueError:
-                return event
-            if not isinstance(payload, dict):
-                return event
-            kind = payload.get("type")
-            if kind == "message_start" and isinstance(payload.get("message"), dict):
-                holder: dict[str, Any] = payload["message"]
-            elif kind == "message_delta":
-                holder = payload
-                usage = holder.get("usage")
-                if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
-                    self.output_tokens = usage["output_tokens"]
-            else:
-                return event
-            facts = await self._get()
-            if facts is None:
-                return event
-            holder["usage"] = anthropic_usage(holder.get("usage"), facts)
-            lines[i] = b"data: " + json.dumps(payload, separators=(",", ":")).encode()
-            return b"\n".join(lines)
-        return event
+        found = event_data(event)
+        if found is None or not isinstance(found[2], dict):
+            return event
+        payload = found[2]
+        kind = payload.get("type")
+        if kind == "message_start" and isinstance(payload.get("message"), dict):
+            holder: dict[str, Any] = payload["message"]
+        elif kind == "message_delta":
+            holder = payload
+            usage = holder.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+                self.output_tokens = usage["output_tokens"]
+        else:
+            return event
+        facts = await self._get()
+        if facts is None:
+            return event
+        holder["usage"] = anthropic_usage(holder.get("usage"), facts)
+        return with_data(found, payload)
 
     async def _get(self) -> Facts | None:
         if not self._asked:
