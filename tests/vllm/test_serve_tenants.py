@@ -126,12 +126,14 @@ def sparkcache(server: Server, *argv: str) -> Any:
     return json.loads(out.stdout)
 
 
-def logged(server: Server, n: int) -> list[Any]:
+def logged(server: Server, n: int, newest: int | None = None) -> list[Any]:
     """The request log, newest first, once its newest ``n`` rows are complete
-    (the connector's part and the server's, written just after the answer)."""
+    (the connector's part and the server's, written just after the answer) and,
+    with ``newest``, the newest row has that status (a refused request's row is
+    written after its answer went out)."""
     return log_rows(server.folder, lambda rows: len(rows) >= n and all(
         r.status is not None and (r.status != 200 or r.live_tokens is not None)
-        for r in rows[:n]))
+        for r in rows[:n]) and (newest is None or rows[0].status == newest))
 
 
 def test_b_cannot_read_a_s_prefix_from_disk(served: Server) -> None:
@@ -188,7 +190,7 @@ def test_an_anthropic_request_s_tenant_is_its_header(served: Server) -> None:
                                extra_headers={"x-sparkcache-tenant": "x" * 1025},
                                messages=[{"role": "user", "content": "hi"}])
     assert "at most 1024" in caught.value.message
-    rows = logged(served, 5)
+    rows = logged(served, 5, newest=400)
     assert [(r.api, r.tenant, r.status) for r in rows[:5]] == [
         ("messages", None, 400), ("messages", "tenant-h", 200),
         ("messages", None, 200), ("messages", "tenant-x", 200), ("messages", "tenant-h", 200)]
