@@ -163,6 +163,16 @@ def usage(message: Any) -> tuple[int, int, int]:
     return u.input_tokens, u.cache_read_input_tokens, u.cache_creation_input_tokens
 
 
+def wait_for(what: Any, timeout: float = 30.0) -> Any:
+    """``what()``'s first truthy value, polled (a server writes snapshots and log
+    rows after the answer went out); fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (found := what()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+    return found
+
+
 def log_rows(folder: Path, until: Any = None, timeout: float = 10.0) -> list[Any]:
     """The request log, newest first; with ``until``, polled until it holds for
     the rows (the server writes its part just after the answer is sent)."""

@@ -33,7 +33,15 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
-from serve_helpers import MODEL_NAME, USER_FRAME, Server, log_rows, system_prompt, whole
+from serve_helpers import (
+    MODEL_NAME,
+    USER_FRAME,
+    Server,
+    log_rows,
+    system_prompt,
+    wait_for,
+    whole,
+)
 from tiny_model import NEEDS_VLLM
 
 from sparkcache.store import SnapshotStore
@@ -97,14 +105,6 @@ def settled(server: Server) -> dict[int, str | None]:
 
     wait_for(still)
     return snapshots(server)
-
-
-def wait_for(what: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := what()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-    return found
 
 
 def reset_live_cache(server: Server) -> None:
