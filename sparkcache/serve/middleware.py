@@ -272,9 +272,10 @@ class SparkCacheMiddleware:
             if isinstance(body.get("model"), str):
                 row["model"] = body["model"]
             prewarm = prewarm_of(api, body)  # before the marks' cuts copy max_tokens
-            (marks, row["cache_key"]), diag = await off_loop(
-                len(raw), lambda: (prepare(api, body), diagnosis(api, body, request_id[3:])))
-            caching = await off_loop(len(raw), lambda: plan(api, body))
+            # In this order: the diagnosis reads prompt_cache_options, which plan takes out.
+            (marks, row["cache_key"]), diag, caching = await off_loop(
+                len(raw), lambda: (prepare(api, body), diagnosis(api, body, request_id[3:]),
+                                   plan(api, body)))
             row["tenant"] = apply_tenant(api, body, scope.get("headers", []), row["cache_key"])
         except Gone:
             return None
