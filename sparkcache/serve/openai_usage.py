@@ -26,19 +26,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from sparkcache.serve.openai_cache import TTLS, Plan
-from sparkcache.serve.usage import Facts, SseRewriter, event_data, with_data
+from sparkcache.serve.usage import Facts, SseRewriter, event_data, prompt_counts, with_data
 
 __all__ = ["OpenAISseRewriter", "chat_usage", "prewarm_answer", "responses_usage",
            "rewrite_answer", "written_split"]
 
 #: Responses' stream events whose ``response`` carries the final usage.
 _FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
-
-
-def _written(facts: Facts) -> int:
-    prompt = int(facts.get("prompt_tokens") or 0)
-    read = int(facts.get("live_tokens") or 0) + int(facts.get("restored_tokens") or 0)
-    return min(int(facts.get("written_tokens") or 0), max(0, prompt - read))
 
 
 def written_split(facts: Facts, plan: Plan) -> tuple[int, int, int]:
@@ -48,7 +42,7 @@ def written_split(facts: Facts, plan: Plan) -> tuple[int, int, int]:
     a bucket of 12 hours or more is ``ttl_12h``, a shorter one ``ttl_30m``, "0"
     the request's own.  Absent, or not adding up to the written tokens, all go
     to :attr:`Plan.write_ttl`'s bucket."""
-    written = _written(facts)
+    _prompt, _read, written = prompt_counts(facts)
     own_long = plan.write_ttl >= TTLS["12h"]
     by_ttl = facts.get("written_by_ttl")
     short = long = 0
@@ -71,9 +65,9 @@ def chat_usage(usage: Mapping[str, Any] | None, facts: Facts) -> dict[str, Any]:
     """A chat completions or completions ``usage`` with ``cache_write_tokens``."""
     out = dict(usage or {})
     details = dict(out.get("prompt_tokens_details") or {})
-    details.setdefault("cached_tokens", int(facts.get("live_tokens") or 0)
-                       + int(facts.get("restored_tokens") or 0))
-    details["cache_write_tokens"] = _written(facts)
+    _prompt, read, written = prompt_counts(facts)
+    details.setdefault("cached_tokens", read)
+    details["cache_write_tokens"] = written
     out["prompt_tokens_details"] = details
     return out
 
@@ -83,8 +77,7 @@ def responses_usage(usage: Mapping[str, Any] | None, facts: Facts,
     """A Responses ``usage`` with ``cache_write_tokens`` and its split by ttl."""
     out = dict(usage or {})
     details = dict(out.get("input_tokens_details") or {})
-    details.setdefault("cached_tokens", int(facts.get("live_tokens") or 0)
-                       + int(facts.get("restored_tokens") or 0))
+    details.setdefault("cached_tokens", prompt_counts(facts)[1])
     written, short, long = written_split(facts, plan)
     details["cache_write_tokens"] = written
     details["cache_write_tokens_details"] = {"ttl_30m_tokens": short, "ttl_12h_tokens": long}

@@ -28,7 +28,8 @@ import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-__all__ = ["SseRewriter", "anthropic_usage", "event_data", "facts_of", "with_data"]
+__all__ = ["SseRewriter", "anthropic_usage", "event_data", "facts_of", "prompt_counts",
+           "with_data"]
 
 #: A stream event's lines, the index of its JSON ``data:`` line, and that JSON.
 EventData = tuple[list[bytes], int, Any]
@@ -65,12 +66,19 @@ def facts_of(response: Mapping[str, Any]) -> Facts | None:
     return ours if isinstance(ours, Mapping) and "prompt_tokens" in ours else None
 
 
+def prompt_counts(facts: Facts) -> tuple[int, int, int]:
+    """(prompt, read, written) tokens of the connector's facts: read from vLLM's
+    live cache or restored, and written at breakpoints beyond those (never more
+    than the rest of the prompt)."""
+    prompt = int(facts.get("prompt_tokens") or 0)
+    read = int(facts.get("live_tokens") or 0) + int(facts.get("restored_tokens") or 0)
+    return prompt, read, min(int(facts.get("written_tokens") or 0), max(0, prompt - read))
+
+
 def anthropic_usage(usage: Mapping[str, Any] | None, facts: Facts) -> dict[str, Any]:
     """vLLM's Anthropic ``usage`` with the cache fields from the connector's facts."""
     out = dict(usage or {})
-    prompt = int(facts.get("prompt_tokens") or 0)
-    read = int(facts.get("live_tokens") or 0) + int(facts.get("restored_tokens") or 0)
-    written = min(int(facts.get("written_tokens") or 0), max(0, prompt - read))
+    prompt, read, written = prompt_counts(facts)
     out["cache_read_input_tokens"] = read
     out["cache_creation_input_tokens"] = written
     one_hour = min(written, _longer_than_5m(facts.get("written_by_ttl")))
