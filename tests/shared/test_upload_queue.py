@@ -27,12 +27,12 @@ BIG = identity(model="big")
 @pytest.fixture
 def throttled(s3: S3Server) -> Iterator[SharedTier]:
     url = f"s3://{s3.bucket()}/kv"
-    # The tier's first open writes its layout (and moto's first requests are
-    # slow): done without the 1 s deadline, so that only the uploads meet it.
-    SharedTier(url, {"endpoint_url": s3.endpoint}, alias_stride=16).close()
     proxy = DelayProxy(s3.port, 0.0)
-    tier = SharedTier(url, {"endpoint_url": proxy.endpoint}, alias_stride=16,
-                      request_seconds=1)
+    # The tier's open writes its layout, and its first request builds the
+    # HTTP session (moto's first answers are slow too): done under the usual
+    # deadline, which is then cut to 1 s, so that only the uploads meet it.
+    tier = SharedTier(url, {"endpoint_url": proxy.endpoint}, alias_stride=16)
+    tier.backend.request_seconds = 1
     proxy.delay = 0.05
     yield tier
     proxy.stop()
