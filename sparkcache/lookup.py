@@ -13,7 +13,7 @@ at their ends (``ends_only``; callers pass the identity's ``ends_only``):
 those rows are not prefix-closed; the blocks where they may lie are the
 first stride's and the ends of the snapshots sharing the first stride
 (:func:`_end_blocks`), read in one query.  :func:`extend` grows a match by
-the prompt's partial last block.
+the stored block where the prompt leaves it, inside that block.
 """
 
 from __future__ import annotations
@@ -100,9 +100,10 @@ def lookup(
 def extend(
     core: Core, match: Match, token_ids: Sequence[int] | np.ndarray, *,
     ranks: Iterable[int] | None = None,
-) -> Match | None:
-    """``match`` grown by one block when the snapshot's next stored block begins
-    with the rest of ``token_ids``; see :meth:`sparkcache.store.SnapshotStore.extend`."""
+) -> tuple[Match, int] | None:
+    """``match`` grown by the snapshot's next stored block when it begins with
+    the rest of ``token_ids`` or part of it, and the tokens of ``token_ids``
+    it supplies; see :meth:`sparkcache.store.SnapshotStore.extend`."""
     tokens = as_token_array(token_ids)
     identity = match.identity
     bs = identity.block_size
@@ -118,11 +119,14 @@ def extend(
                           len(expected)):
             return None
     stored = stored_tokens(core, match, expected[0], n + bs)
-    if stored.size < bs or not np.array_equal(stored[:tokens.size - n], tokens[n:]):
+    if stored.size < bs:
         return None
-    return Match(match.snapshot_id, n + bs, identity,
-                 np.concatenate([tokens, stored[tokens.size - n:]]), match.scope,
-                 from_lookup=match.from_lookup)
+    same = stored[:tokens.size - n] == tokens[n:]
+    shared = same.size if bool(same.all()) else int(np.argmin(same))
+    if shared == 0:
+        return None
+    return Match(match.snapshot_id, n + bs, identity, np.concatenate([tokens[:n], stored]),
+                 match.scope, from_lookup=match.from_lookup), n + shared
 
 
 def grow(

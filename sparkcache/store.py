@@ -310,19 +310,23 @@ class SnapshotStore(StoreUpkeep, StoreLog):
     def extend(
         self, match: Match, token_ids: Sequence[int] | np.ndarray, *,
         ranks: Iterable[int] | None = None,
-    ) -> Match | None:
-        """``match`` grown by one block when its snapshot's next stored block
-        begins with the rest of ``token_ids`` (docs/architecture.md, "Lookup").
+    ) -> tuple[Match, int] | None:
+        """``match`` grown by its snapshot's next stored block when that block
+        begins with some of the rest of ``token_ids`` (docs/architecture.md,
+        "Lookup"): a prompt that leaves the snapshot inside a block.
 
         Args:
-            match: a lookup's match ending at the prompt's last whole block.
+            match: a lookup's match (whole blocks).
             token_ids: the prompt: the match's tokens and fewer than a block more.
             ranks: those that must restore the grown match (default: all); the
                 stored tokens are read, verified, from the first.
 
         Returns:
-            The grown match, whose ``token_ids`` are the prompt's followed by the
-            stored ones completing the block; or None.
+            ``(grown, supplied)``: the grown match, whose ``token_ids`` are the
+            match's followed by the stored block's, and how many of
+            ``token_ids`` it supplies (the match's and those the block shares,
+            at least one); or None when nothing is stored past the match or
+            its first token differs.
 
         Raises:
             CorruptSnapshot: a segment failed its checks (quarantined): no hit.

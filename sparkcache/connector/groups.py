@@ -119,12 +119,20 @@ class KVGroups:
         request moves on); a finished request's are held until copied."""
         return tuple(g for g, w in enumerate(self.windows) if w) if mid_request else ()
 
-    def save_ends(self, reached: Iterable[int], block_size: int) -> list[int]:
-        """The snapshot ends (whole blocks) that save the breakpoints ``reached``
-        (ascending) in one step: one snapshot up to the last, the others its
-        aliases; with a window, stored at a snapshot's end only, one each."""
-        ends = sorted({m // block_size * block_size for m in reached})
-        return ends if self.ends_only else ends[-1:]
+    def mark_end(self, mark: int, block_size: int, prompt_tokens: int) -> int:
+        """The snapshot end (whole blocks) that saves the breakpoint ``mark``:
+        the end of the block holding it when the prompt fills that block, so a
+        later prompt restores up to the mark exactly (into that block); with a
+        window, or in the prompt's last partial block, the whole blocks below."""
+        up = -(-mark // block_size) * block_size
+        return up if up <= prompt_tokens and not self.ends_only else mark // block_size * block_size
+
+    def save_ends(self, ends: Iterable[int]) -> list[int]:
+        """The snapshot ends that save the breakpoints ending at ``ends``
+        (:meth:`mark_end`) in one step: one snapshot up to the last, the others
+        its aliases; with a window, stored at a snapshot's end only, one each."""
+        ordered = sorted(set(ends))
+        return ordered if self.ends_only else ordered[-1:]
 
     def prompt_end(self, restorable: int, block_size: int) -> int | None:
         """A model's own save point besides the breakpoints: with a window, the

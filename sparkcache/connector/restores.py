@@ -2,8 +2,8 @@
 
 * **offer**: the index's longest snapshot every rank can restore, past
   vLLM's own prefix hit, never the prompt's last ``compute_tokens``; when the
-  snapshot goes on past the match, the block holding the prompt's last tokens
-  too (``tail_block``).
+  snapshot goes on past the match, the stored block where the prompt leaves it
+  too, for the tokens they share (``tail_block``).
 * **lease**: a planned restore leases its snapshot until the load has landed
   (or the request is gone), so no sweep or eviction deletes it before the read.
 * **coalescing**: while an asynchronous load is in flight, a request sharing
@@ -103,7 +103,7 @@ class Restores:
         if self._waits_for_load(request.request_id, state, hashes, num_computed) or \
                 self._waits_for_tier(state):
             return None, False  # ask again once that load landed (or the tier answered)
-        found = self._find(state, tokens, limit, want, tail, hashes)
+        found = self._find(state, tokens, limit, want, hashes)
         if found is None:
             return 0, False
         match, claim = found
@@ -161,11 +161,12 @@ class Restores:
         if per_tenant is not None:
             self.counters.add(per_tenant, value)
 
-    def _find(self, state: RequestState, tokens: Any, limit: int, want: int, tail: bool,
+    def _find(self, state: RequestState, tokens: Any, limit: int, want: int,
               hashes: list[bytes]) -> tuple[Match | None, int] | None:
         """The index's match for the prompt's first ``limit`` tokens (whole blocks),
-        grown past an alias and into the block holding the prompt's first
-        ``want`` tokens where the groups allow it, and the tokens it offers;
+        grown past an alias and into the stored block where the prompt (its
+        first ``want`` tokens) leaves the snapshot, where the groups allow it,
+        and the tokens it offers;
         None when the lookup failed (a miss, logged and counted)."""
         groups = self.rules.groups
         started = time.perf_counter()
@@ -187,8 +188,10 @@ class Restores:
         if match is not None and match.n_tokens < limit and grows:
             match = self._grow(match, tokens[:limit])
         claim = 0 if match is None else match.n_tokens
-        if match is not None and tail and match.n_tokens == limit and grows:
-            match, claim = self._extend(match, tokens[:want])
+        if match is not None and self.tail_block and grows and match.n_tokens < want:
+            # Into the stored block where the prompt leaves the snapshot.
+            end = min(want, match.n_tokens + self.rules.bs - 1)
+            match, claim = self._extend(match, tokens[:end])
         return match, claim
 
     def _ask_tier(self, request: Any, state: RequestState, limit: int, have: int,
@@ -235,8 +238,9 @@ class Restores:
             self.counters.add("lookup_seconds", time.perf_counter() - started)
 
     def _extend(self, match: Match, tokens: Any) -> tuple[Match | None, int]:
-        """The match grown by the stored block holding the rest of ``tokens``, and
-        the tokens it offers; (None, 0) when that snapshot turned out broken."""
+        """The match grown by its stored block holding the rest of ``tokens``
+        (some of it at least), and the tokens it offers; (None, 0) when that
+        snapshot turned out broken."""
         started = time.perf_counter()
         try:
             longer = self.store.extend(match, np.asarray(tokens, np.uint32))
@@ -248,7 +252,7 @@ class Restores:
             return match, match.n_tokens
         finally:
             self.counters.add("lookup_seconds", time.perf_counter() - started)
-        return (match, match.n_tokens) if longer is None else (longer, len(tokens))
+        return (match, match.n_tokens) if longer is None else longer
 
     def after_alloc(self, state: RequestState | None, block_ids: Any,
                     num_external: int) -> None:

@@ -70,25 +70,26 @@ class Saves:
     def plan_marks(self, state: RequestState, step: int,
                    block_ids_of: Callable[[str], Any]) -> None:
         """Plan saves of the prefixes whose mark this step computes past."""
-        request, bs, groups = state.request, self.rules.bs, self.rules.groups
+        request, groups = state.request, self.rules.groups
         req_id = request.request_id
         # Only tokens already in the sequence: speculative drafts may be rejected.
         done = min(int(request.num_computed_tokens) + step, len(request.all_token_ids))
-        reached = [m for m in state.save.marks if m <= done]
+        end_of = self._mark_ends(state)
+        reached = [m for m in state.save.marks if max(m, end_of[m]) <= done]
         if not reached:
             return
-        state.save.marks = [m for m in state.save.marks if m > done]
+        state.save.marks = [m for m in state.save.marks if m not in reached]
         # The snapshots the reached marks make; the prompt's own save point
         # (``prompt_end``) is a mark that no request asked for.
         asked = set(state.params.breakpoints)
-        for n in groups.save_ends(reached, bs):
-            marks = tuple(m for m in reached if m // bs * bs <= n and m in asked)
-            here = [m for m in marks if m // bs * bs == n] if groups.ends_only else marks
+        for n in groups.save_ends(end_of[m] for m in reached):
+            marks = tuple(m for m in reached if end_of[m] <= n and m in asked)
+            here = [m for m in marks if end_of[m] == n] if groups.ends_only else marks
             keep = max((state.params.keep.get(m, 0.0) for m in here), default=0.0) or None
             try:
                 blocks = groups.per_group(block_ids_of(req_id))
-                job, known = self._save_job(state, n, blocks, marks,
-                                            mid_request=True, keep=keep)
+                job, known = self._save_job(state, n, blocks, marks, mid_request=True,
+                                            keep=keep, exact=max(here, default=None))
             except (SparkCacheError, KeyError, IndexError) as exc:
                 logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
                 continue
@@ -98,22 +99,31 @@ class Saves:
                 if not here:  # the prompt's end alone: no breakpoint wrote it
                     self.counters.add("prompt_saves_planned")
                     continue
+                pieces = self._pieces(state, here, n)
                 state.facts.new_prefixes.append(NewPrefix(
-                    n, 0 if known is None else known.n_tokens, self._pieces(state, here)))
+                    pieces[-1][0], 0 if known is None else min(known.n_tokens, pieces[-1][0]),
+                    pieces))
                 self.counters.add("breakpoint_saves_planned")
             elif known is not None and known.n_tokens == n and here:
-                state.facts.new_prefixes.append(NewPrefix(n, n))
+                last = min(max(here), n)
+                state.facts.new_prefixes.append(NewPrefix(last, last))
                 if keep is not None:
                     self._keep(known.snapshot_id, keep)
 
-    def _pieces(self, state: RequestState,
-                marks: Iterable[int]) -> tuple[tuple[int, float | None], ...]:
-        """The breakpoints ``marks`` as a :class:`NewPrefix` names them: (whole-block
-        end, keep seconds), ascending; of marks ending in one block, the longest keep."""
-        bs = self.rules.bs
+    def _mark_ends(self, state: RequestState) -> dict[int, int]:
+        """Each mark's snapshot end (:meth:`KVGroups.mark_end`)."""
+        bs, prompt = self.rules.bs, int(state.request.num_prompt_tokens)
+        return {m: self.rules.groups.mark_end(m, bs, prompt) for m in state.save.marks}
+
+    def _pieces(self, state: RequestState, marks: Iterable[int],
+                n: int) -> tuple[tuple[int, float | None], ...]:
+        """The breakpoints ``marks`` that a snapshot of ``n`` tokens saves, as a
+        :class:`NewPrefix` names them: (the end it restores to: the mark itself
+        when the snapshot holds its block, else the whole blocks below; keep
+        seconds), ascending; of marks with one end, the longest keep."""
         ends: dict[int, float | None] = {}
         for m in marks:
-            end, keep = m // bs * bs, state.params.keep.get(m)
+            end, keep = min(m, n), state.params.keep.get(m)
             ends[end] = keep if end not in ends else max(ends[end] or 0.0, keep or 0.0) or None
         return tuple(sorted(ends.items()))
 
@@ -161,7 +171,9 @@ class Saves:
         n = min(request.num_computed_tokens, len(tokens), held * bs)
         marks = (self.rules.restorable(int(request.num_prompt_tokens)),
                  *breakpoints_of(request))
-        job, _known = self._save_job(state, n // bs * bs, groups, marks)
+        job, known = self._save_job(state, n // bs * bs, groups, marks)
+        if job is not None or (known is not None and known.n_tokens == n // bs * bs):
+            self._exact_at_finish(state, n // bs * bs)
         if job is None:
             return False
         self._saves.append(job)
@@ -171,9 +183,11 @@ class Saves:
 
     def _save_job(self, state: RequestState, n: int, groups: list[list[int]],
                   marks: tuple[int, ...], *, mid_request: bool = False,
-                  keep: float | None = None) -> tuple[SaveJob | None, Match | None]:
+                  keep: float | None = None,
+                  exact: int | None = None) -> tuple[SaveJob | None, Match | None]:
         """A save of the request's tokens ``[0, n)`` (whole blocks), or None when
-        too short or already stored; when a stored snapshot is a whole prefix,
+        too short or already stored (up to ``exact`` inside the last block, when
+        given: a breakpoint there); when a stored snapshot is a whole prefix,
         only the tail is written (copy-on-write).  Also returns the longest
         stored prefix found (None when none, or not looked up)."""
         request, bs, kinds = state.request, self.rules.bs, self.rules.groups
@@ -190,6 +204,9 @@ class Saves:
             known = self.store.lookup(self.rules.identity, token_ids, scope=state.scope,
                                       hashes=hashes, whole_first=True,
                                       ends_only=kinds.ends_only)
+            if known is not None and exact is not None and \
+                    known.n_tokens == exact // bs * bs < exact < n:
+                known = self._stored_to(known, token_ids[:exact])
             if known is not None:
                 if known.n_tokens == n:
                     self.counters.add("saves_known")
@@ -215,6 +232,30 @@ class Saves:
             scope=state.scope, breakpoints=marks, report=not mid_request, keep=keep,
             start_block=start, copy_in_step=kinds.copy_in_step(mid_request=mid_request),
         ), known
+
+    def _stored_to(self, known: Match, token_ids: np.ndarray) -> Match:
+        """``known`` grown by its stored block when that block holds the rest
+        of ``token_ids`` (a breakpoint inside it, stored already), else itself."""
+        found = self.store.extend(known, token_ids)
+        return found[0] if found is not None and found[1] == token_ids.size else known
+
+    def _exact_at_finish(self, state: RequestState, n: int) -> None:
+        """A breakpoint in the prompt's last, partial block was saved rounded down
+        (its block was not full yet); once the finished request's snapshot of
+        ``n`` tokens holds that block, a later prompt restores up to the mark
+        exactly, and its :class:`NewPrefix` says so."""
+        if self.rules.groups.ends_only:
+            return
+        bs, asked = self.rules.bs, state.params.breakpoints
+
+        def exact(end: int) -> int:
+            held = [m for m in asked if m // bs * bs == end and -(-m // bs) * bs <= n]
+            return max(held, default=end)
+
+        state.facts.new_prefixes = [
+            NewPrefix(exact(p.n), exact(p.n) if p.before == p.n else p.before,
+                      tuple((exact(e), keep) for e, keep in p.marks))
+            for p in state.facts.new_prefixes]
 
     def _stored_otherwise(self, state: RequestState, token_ids: np.ndarray) -> bool:
         """Whether an engine of another TP size stored the request's whole prompt

@@ -30,9 +30,10 @@ def test_breakpoints_from_kv_transfer_params(one_rank: Any) -> None:
         == ()
     job = save(sched, io, req)
     assert job.breakpoints == (119, 40, 70)
-    # A prompt sharing 70 tokens restores the 64-token breakpoint alias (the
-    # stride alias would give 0: the store's stride is 256 tokens).
-    assert sched.matched_tokens(Req("b", p[:70] + prompt(30, 9)), 0) == (64, True)
+    # A prompt sharing 70 tokens restores them all: the 64-token breakpoint
+    # alias (the stride alias would give 0: the store's stride is 256 tokens)
+    # and the 6 tokens of the stored block after it that it shares.
+    assert sched.matched_tokens(Req("b", p[:70] + prompt(30, 9)), 0) == (70, True)
 
 
 def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
@@ -42,17 +43,18 @@ def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
     blocks = list(range(20, 40))
     assert sched.matched_tokens(req, 0) == (0, False)  # notes the breakpoints (10: no whole block)
     assert step(sched, req, 64, blocks) == []  # 64 computed: no breakpoint reached
-    (job,) = step(sched, req, 64, blocks)  # 128 computed: past 100
-    assert (len(job.token_ids), job.blocks, job.report) == (96, (tuple(blocks[:6]),), False)
+    (job,) = step(sched, req, 64, blocks)  # 128 computed: past 100's block
+    assert (len(job.token_ids), job.blocks, job.report) == (112, (tuple(blocks[:7]),), False)
     io.submit_save(job)
     assert io.flush()
     assert io.poll() == (set(), set())  # vLLM is never told of a breakpoint save
     (snap,) = store.snapshots()
-    assert snap.n_tokens == 96  # published before the request finished
-    # The prompt restores from it in another engine; bytes are the blocks' own.
-    assert sched.matched_tokens(Req("b", p[:100] + prompt(50, 12)), 0) == (96, True)
-    (job2,) = step(sched, req, 128, blocks)  # 256 computed: past 200
-    assert job2.parent == snap.id and job2.blocks == (tuple(blocks[6:12]),)  # the tail only
+    assert snap.n_tokens == 112  # published before the request finished
+    # The prompt restores from it in another engine, exactly to the breakpoint
+    # (into the block holding it); bytes are the blocks' own.
+    assert sched.matched_tokens(Req("b", p[:100] + prompt(50, 12)), 0) == (100, True)
+    (job2,) = step(sched, req, 128, blocks)  # 256 computed: past 200's block
+    assert job2.parent == snap.id and job2.blocks == (tuple(blocks[7:13]),)  # the tail only
     io.submit_save(job2)
     assert io.flush()
     assert step(sched, req, 44, blocks) == []  # no breakpoint left

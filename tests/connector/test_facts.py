@@ -20,7 +20,7 @@ from sparkcache.connector.scheduler import SchedulerSide, params_of
 from sparkcache.connector.worker import WorkerIO
 from sparkcache.core import KEEP_LEASE
 
-from .helpers import BS, FakePages, Req, identity, prompt, save, step
+from .helpers import BS, FakePages, Req, finished, identity, prompt, save, step
 
 
 def test_params_accept_positions_and_ttls_and_ignore_garbage() -> None:
@@ -67,7 +67,7 @@ def test_facts_at_prefill_and_finish(one_rank: Any) -> None:
     (prefill,) = facts
     assert prefill["request_id"] == "sc-a" and prefill["prompt_tokens"] == 200
     assert (prefill["live_tokens"], prefill["restored_tokens"], prefill["written_tokens"]) == \
-        (0, 0, 144)  # the breakpoint's whole blocks, all new
+        (0, 0, 150)  # up to the breakpoint (its block is stored whole), all new
     assert prefill["breakpoints"] == [150] and prefill["queue_s"] >= 0.5
     assert "ttft_s" not in prefill  # no token yet
     for job in saves:
@@ -76,9 +76,10 @@ def test_facts_at_prefill_and_finish(one_rank: Any) -> None:
     _held, params = sched.finished(req, list(range(10)))
     final = facts[-1]
     assert params == {"sparkcache": {k: v for k, v in final.items() if k != "created_at"}}
-    assert final["written_tokens"] == 144 and final["output_tokens"] == 0
+    assert final["written_tokens"] == 150 and final["output_tokens"] == 0
     # A second request under the same 150-token prefix: vLLM's own cache has the
-    # first 128 tokens, a restore the next 16; the breakpoint is stored already.
+    # first 128 tokens, a restore the next 22 (the 6 of them in the stored block
+    # holding the breakpoint); the breakpoint is stored already.
     other = Req("b", p[:150] + prompt(40, 22),
                 kv_transfer_params={"sparkcache": {"breakpoints": [150]}})
     facts.clear()
@@ -86,7 +87,7 @@ def test_facts_at_prefill_and_finish(one_rank: Any) -> None:
     (prefill,) = facts
     assert prefill["request_id"] == "b"  # no id given: vLLM's own
     assert (prefill["live_tokens"], prefill["restored_tokens"], prefill["written_tokens"]) == \
-        (128, 16, 0)
+        (128, 22, 0)
 
 
 def test_written_counts_only_what_was_not_read_or_stored(one_rank: Any) -> None:
@@ -101,7 +102,7 @@ def test_written_counts_only_what_was_not_read_or_stored(one_rank: Any) -> None:
     run(sched, req, list(range(20)))
     (prefill,) = facts
     assert prefill["restored_tokens"] == 96  # the stored prefix is read...
-    assert prefill["written_tokens"] == 256 - 96  # ...and only the rest is new
+    assert prefill["written_tokens"] == 260 - 96  # ...and only the rest is new
 
 
 def test_a_ttl_keeps_the_snapshot_from_retention_not_from_clear(tmp_path: Path) -> None:
@@ -182,8 +183,8 @@ def test_facts_go_under_the_connectors_own_key(one_rank: Any) -> None:
 
 
 def test_written_tokens_split_by_each_breakpoints_ttl(one_rank: Any) -> None:
-    """Each written token is its breakpoint's: the tokens up to a breakpoint's
-    whole blocks, above the one before it, count for its ttl ("0": none)."""
+    """Each written token is its breakpoint's: the tokens up to a breakpoint,
+    above the one before it, count for its ttl ("0": none)."""
     store, _sched, io, _counters = one_rank
     facts: list[dict[str, Any]] = []
     sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=True,
@@ -193,14 +194,14 @@ def test_written_tokens_split_by_each_breakpoints_ttl(one_rank: Any) -> None:
     req = Req("a", p, kv_transfer_params={"sparkcache": {"id": "sc-a", "breakpoints": marks}})
     saves = run(sched, req, list(range(20)))
     (prefill,) = facts
-    assert prefill["written_tokens"] == 256
-    assert prefill["written_by_ttl"] == {"3600": 96, "0": 192 - 96, "300": 256 - 192}
+    assert prefill["written_tokens"] == 260
+    assert prefill["written_by_ttl"] == {"3600": 100, "0": 200 - 100, "300": 260 - 200}
     for job in saves:
         io.submit_save(job)
     assert io.flush()
     _held, params = sched.finished(req, list(range(20)))
     assert params is not None
-    assert params["sparkcache"]["written_by_ttl"] == {"3600": 96, "0": 96, "300": 64}
+    assert params["sparkcache"]["written_by_ttl"] == {"3600": 100, "0": 100, "300": 60}
     # The same prefix under a longer prompt: the first two breakpoints are read,
     # the third (1h now) writes only what lies above what was stored.
     facts.clear()
@@ -209,10 +210,41 @@ def test_written_tokens_split_by_each_breakpoints_ttl(one_rank: Any) -> None:
     run(sched, other, list(range(20, 40)))
     (prefill,) = facts
     read = prefill["live_tokens"] + prefill["restored_tokens"]
-    assert read >= 256 and prefill["written_tokens"] == 288 - read
+    assert read == 260 and prefill["written_tokens"] == 288 - read
     assert prefill["written_by_ttl"] == {"3600": 288 - read}
     # Nothing written: an empty split.
+    # The breakpoint inside a stored block, read to it exactly: not saved again.
     facts.clear()
-    run(sched, Req("c", p[:100] + prompt(20, 26), kv_transfer_params={"sparkcache": {
-        "breakpoints": [{"at": 100, "ttl": 3600}]}}), list(range(40, 48)))
+    assert run(sched, Req("c", p[:100] + prompt(20, 26), kv_transfer_params={"sparkcache": {
+        "breakpoints": [{"at": 100, "ttl": 3600}]}}), list(range(40, 48))) == []
     assert (facts[0]["written_tokens"], facts[0]["written_by_ttl"]) == (0, {})
+
+
+def test_a_breakpoint_in_the_prompts_last_block_is_exact_once_its_block_is_stored(
+        one_rank: Any) -> None:
+    """A breakpoint in the prompt's last, partial block is saved rounded down
+    while the request runs (its block is not full); the finished request's
+    snapshot holds that block once the answer filled it, so its final row says
+    it wrote to the breakpoint exactly, and a later prompt restores to it."""
+    store, _sched, io, _counters = one_rank
+    facts: list[dict[str, Any]] = []
+    sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=True,
+                          on_facts=facts.append)
+    p = prompt(100, 27)
+    req = Req("a", p, kv_transfer_params={"sparkcache": {"breakpoints": [98]}})
+    for job in run(sched, req, list(range(8))):
+        io.submit_save(job)
+    assert facts[0]["written_tokens"] == 96  # the whole blocks below it, for now
+    held, params = sched.finished(finished(req), list(range(8)))
+    assert held and params is not None
+    assert params["sparkcache"]["written_tokens"] == 98
+    _, (final,) = sched.take_jobs()
+    io.submit_save(final)
+    assert io.flush()
+    sched.on_output((), io.poll()[0])
+    assert sched.matched_tokens(Req("b", p[:98] + prompt(30, 28)), 0) == (98, True)
+    # An answer too short to fill the block: the rounded count stays.
+    short = Req("c", prompt(100, 29), kv_transfer_params={"sparkcache": {"breakpoints": [98]}})
+    run(sched, short, list(range(10, 18)))
+    _held, params = sched.finished(finished(short, 4), list(range(10, 18)))
+    assert params is not None and params["sparkcache"]["written_tokens"] == 96

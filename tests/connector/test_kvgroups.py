@@ -35,8 +35,13 @@ def test_the_rules_of_each_kind() -> None:
     assert PLAIN.copy_in_step(mid_request=True) == ()
     assert HYBRID.copy_in_step(mid_request=True) == (0,)
     assert HYBRID.copy_in_step(mid_request=False) == ()
-    assert PLAIN.save_ends([40, 70, 100], 16) == [96]  # one snapshot, the rest aliases
-    assert HYBRID.save_ends([40, 70, 100], 16) == [32, 64, 96]  # one each
+    # A breakpoint's block is saved whole where the prompt fills it (restored
+    # into it later); with a window, or in the prompt's last block, the whole
+    # blocks below it.
+    assert [PLAIN.mark_end(m, 16, 100) for m in (40, 64, 70, 100)] == [48, 64, 80, 96]
+    assert [HYBRID.mark_end(m, 16, 100) for m in (40, 64, 70, 100)] == [32, 64, 64, 96]
+    assert PLAIN.save_ends([48, 80, 96]) == [96]  # one snapshot, the rest aliases
+    assert HYBRID.save_ends([32, 64, 96, 64]) == [32, 64, 96]  # one each
     assert PLAIN.prompt_end(99, 16) is None and HYBRID.prompt_end(99, 16) == 96
 
 

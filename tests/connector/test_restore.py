@@ -53,8 +53,10 @@ def test_the_block_holding_the_prompts_end_is_restored(one_rank: Any) -> None:
     finally:
         restorer.close()
     sched.on_output({"b"}, ())
-    # The tail differs from the stored tokens: whole blocks only.
-    assert sched.matched_tokens(Req("c", [*p[:98], 7, 8]), 0) == (96, True)
+    # The tail leaves the stored tokens at 98: restored up to there.
+    assert sched.matched_tokens(Req("c", [*p[:98], 7, 8]), 0) == (98, True)
+    # It leaves them at the block's first token: whole blocks only.
+    assert sched.matched_tokens(Req("c2", [*p[:96], p[96] + 1, 7, 8, 9]), 0) == (96, True)
     # The prompt ends where the snapshot does: nothing past it to restore.
     assert sched.matched_tokens(Req("d", [*p, *prompt(16, 999)[:12], 5]), 0) == (112, True)
     # A prompt under one block: nothing to match, not even looked up.
@@ -105,16 +107,19 @@ def test_concurrent_requests_wait_for_one_load(one_rank: Any) -> None:
     p = prompt(100, 4)
     save(sched, io, Req("a", p))
     leader, follower = Req("b", [*p, 1, 2]), Req("c", [*p, 3, 4])
-    assert sched.matched_tokens(leader, 0) == (96, True)
-    sched.after_alloc(leader, list(range(7)), 96)
+    # The stored block after 96 holds p's last 4 tokens, then the answer's.
+    assert sched.matched_tokens(leader, 0) == (100, True)
+    sched.after_alloc(leader, list(range(7)), 100)
     # The follower shares the base being loaded: "ask again" (None), no lookup.
     lookups = counters.take().get("lookups", 0)
     assert sched.matched_tokens(follower, 0) == (None, False)
     assert sched.matched_tokens(follower, 0) == (None, False)
     assert counters.take().get("lookups", 0) == 0
     sched.on_output({"b"}, ())
-    # Landed: vLLM's own prefix cache now covers the follower's 96 tokens.
-    assert sched.matched_tokens(follower, 96) == (0, False)
+    # Landed: vLLM's own prefix cache now covers the follower's 96 tokens (its
+    # whole blocks); the stored block offers the 4 after them.
+    assert sched.matched_tokens(follower, 96) == (4, True)
+    assert sched.matched_tokens(follower, 100) == (0, False)
     # A request not sharing the base is never held back.
     assert sched.matched_tokens(Req("d", prompt(100, 5)), 0) == (0, False)
     assert lookups == 1
@@ -284,24 +289,25 @@ def test_a_shared_prefix_restores_past_the_stride_alias(one_rank: Any) -> None:
     """A prompt sharing 600 tokens of a stored 700-token one, then going its own
     way: the offer reaches the last whole shared block (592), as vLLM's own
     prefix cache would, not only the 512-token stride alias below the divergence
-    (256-token stride); the load restores exactly the stored pages."""
+    (256-token stride), and the 8 tokens of the next stored block it shares;
+    the load restores exactly the stored pages."""
     store, sched, io, counters = one_rank
     p = prompt(700, 41)
     save(sched, io, Req("a", p))
     other = [*p[:600], *prompt(100, 42)]
     req = Req("b", other)
-    assert sched.matched_tokens(req, 0) == (592, True)
+    assert sched.matched_tokens(req, 0) == (600, True)
     blocks = list(range(10, 10 + 700 // BS))
-    sched.after_alloc(req, blocks, 592)
+    sched.after_alloc(req, blocks, 600)
     (load,), _ = sched.take_jobs()
-    assert load.n_tokens == 592 and load.blocks == (tuple(blocks[:37]),)
+    assert load.n_tokens == 608 and load.blocks == (tuple(blocks[:38]),)
     fresh = FakePages(64, seed=11)
     restorer = WorkerIO(store, identity(), 0, fresh, counters)
     try:
         restorer.submit_load(load)
         assert restorer.flush()
         assert restorer.poll()[1] == {"b"} and not restorer.take_failed_blocks()
-        for i in range(37):
+        for i in range(38):
             np.testing.assert_array_equal(fresh.arr[:, blocks[i]], io.pages.arr[:, i])
     finally:
         restorer.close()

@@ -1,9 +1,11 @@
-"""SnapshotStore.extend: the stored block holding a prompt's last, partial block.
+"""SnapshotStore.extend: the stored block where a prompt leaves a snapshot.
 
 A prompt's partial last block has no boundary hash, so ``lookup`` stops at the
-prompt's last whole block; ``extend`` grows the match by the snapshot's next
-block when its stored token ids begin with the rest of the prompt, read and
-verified like a restore's."""
+prompt's last whole block, and a prompt that leaves a snapshot inside a block
+matches only the whole blocks before it; ``extend`` grows the match by the
+snapshot's next block when its stored token ids begin with the rest of the
+prompt or part of it (read and verified like a restore's), and says how many
+of the prompt's tokens it supplies."""
 
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ def test_extend_grows_the_match_by_the_stored_block(store: SnapshotStore) -> Non
     c = _publish_chain(store, (8, 20))  # the block 16..20 lies in the second link
     m = store.lookup(c.ident, c.toks[:18])
     assert m is not None and m.n_tokens == 16
-    grown = store.extend(m, c.toks[:18])
-    assert grown is not None and grown.snapshot_id == m.snapshot_id
+    found = store.extend(m, c.toks[:18])
+    assert found is not None
+    grown, supplied = found
+    assert supplied == 18 and grown.snapshot_id == m.snapshot_id
     assert grown.n_tokens == 20 and grown.scope == m.scope
     np.testing.assert_array_equal(grown.token_ids, c.toks[:20])  # prompt, then stored
     out = [np.zeros((1, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
@@ -31,13 +35,29 @@ def test_extend_grows_the_match_by_the_stored_block(store: SnapshotStore) -> Non
         np.testing.assert_array_equal(got, want)
 
 
+def test_extend_supplies_the_tokens_the_stored_block_shares(store: SnapshotStore) -> None:
+    c = _publish_chain(store, (8, 20))
+    m = store.lookup(c.ident, c.toks[:19])
+    assert m is not None and m.n_tokens == 16
+    other = c.toks[:19].copy()
+    other[18] += 1  # the prompt leaves the snapshot inside the block, at token 18
+    found = store.extend(m, other)
+    assert found is not None
+    grown, supplied = found
+    assert supplied == 18 and grown.n_tokens == 20
+    np.testing.assert_array_equal(grown.token_ids, c.toks[:20])  # the stored block's
+    other[17] += 1
+    found = store.extend(m, other)
+    assert found is not None and found[1] == 17
+
+
 def test_extend_needs_the_stored_tokens_to_go_on(store: SnapshotStore) -> None:
     c = _publish_chain(store, (8, 20))
     m = store.lookup(c.ident, c.toks[:18])
     assert m is not None
     other = c.toks[:18].copy()
-    other[17] += 1
-    assert store.extend(m, other) is None  # the stored block goes on differently
+    other[16] += 1
+    assert store.extend(m, other) is None  # the stored block's first token differs
     end = store.lookup(c.ident, c.toks[:20])
     assert end is not None and end.n_tokens == 20
     longer = np.concatenate([c.toks[:20], c.toks[:2]])
@@ -79,8 +99,8 @@ def test_extend_reads_the_given_rank(tmp_path: object) -> None:
             store.publish(ident, rank, toks, pages_for(ident, toks, rank=rank))
         m = store.lookup(ident, toks[:18])
         assert m is not None and m.n_tokens == 16
-        grown = store.extend(m, toks[:18], ranks=[1])
-        assert grown is not None and grown.n_tokens == 20
+        found = store.extend(m, toks[:18], ranks=[1])
+        assert found is not None and found[0].n_tokens == 20
         with pytest.raises(InvalidArgument):
             store.extend(m, toks[:18], ranks=[2])  # no such rank
         with store._core.read() as conn:
