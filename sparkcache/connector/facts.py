@@ -31,7 +31,7 @@ def ttl_key(seconds: float | None) -> str:
 @dataclass(frozen=True)
 class NewPrefix:
     """A breakpoint snapshot a request saves, restoring ``[0, n)`` (to the last
-    breakpoint, exactly where the snapshot holds its block: ``Saves._pieces``),
+    breakpoint: exactly when the snapshot holds its block, ``Saves._pieces``),
     of which ``before`` tokens were stored already; ``marks`` are its
     breakpoints' (end, keep seconds or None), ascending: the tokens up to each
     end (above the previous one) are that breakpoint's."""

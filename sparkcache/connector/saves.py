@@ -171,9 +171,7 @@ class Saves:
         n = min(request.num_computed_tokens, len(tokens), held * bs)
         marks = (self.rules.restorable(int(request.num_prompt_tokens)),
                  *breakpoints_of(request))
-        job, known = self._save_job(state, n // bs * bs, groups, marks)
-        if job is not None or (known is not None and known.n_tokens == n // bs * bs):
-            self._exact_at_finish(state, n // bs * bs)
+        job, _known = self._save_job(state, n // bs * bs, groups, marks)
         if job is None:
             return False
         self._saves.append(job)
@@ -238,24 +236,6 @@ class Saves:
         of ``token_ids`` (a breakpoint inside it, stored already), else itself."""
         found = self.store.extend(known, token_ids)
         return found[0] if found is not None and found[1] == token_ids.size else known
-
-    def _exact_at_finish(self, state: RequestState, n: int) -> None:
-        """A breakpoint in the prompt's last, partial block was saved rounded down
-        (its block was not full yet); once the finished request's snapshot of
-        ``n`` tokens holds that block, a later prompt restores up to the mark
-        exactly, and its :class:`NewPrefix` says so."""
-        if self.rules.groups.ends_only:
-            return
-        bs, asked = self.rules.bs, state.params.breakpoints
-
-        def exact(end: int) -> int:
-            held = [m for m in asked if m // bs * bs == end and -(-m // bs) * bs <= n]
-            return max(held, default=end)
-
-        state.facts.new_prefixes = [
-            NewPrefix(exact(p.n), exact(p.n) if p.before == p.n else p.before,
-                      tuple((exact(e), keep) for e, keep in p.marks))
-            for p in state.facts.new_prefixes]
 
     def _stored_otherwise(self, state: RequestState, token_ids: np.ndarray) -> bool:
         """Whether an engine of another TP size stored the request's whole prompt

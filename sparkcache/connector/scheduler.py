@@ -232,21 +232,16 @@ class SchedulerSide:
         """
         req_id = request.request_id
         state = self._reqs.get(req_id)
+        params: dict[str, Any] | None = None
+        if state is not None:
+            facts = self.reporter.finished(request, state.facts)
+            params = {self.params_key: {k: v for k, v in facts.items() if k != "created_at"}}
         try:
             if self.restores.finished(req_id):
                 # Aborted while its restore is in flight: the blocks are still being
                 # written (vLLM holds them until the load reports); nothing to save.
-                return False, self._final_row(request, state)
+                return False, params
             groups = self.groups.per_group(block_ids)
-            held = self.saves.finished(self._state(request), groups)
-            return held, self._final_row(request, state)  # with the save it planned
+            return self.saves.finished(self._state(request), groups), params
         finally:
             self._reqs.pop(req_id, None)
-
-    def _final_row(self, request: Any, state: RequestState | None) -> dict[str, Any] | None:
-        """The finished request's log row, reported, as ``request_finished``
-        returns it (None for a request never admitted)."""
-        if state is None:
-            return None
-        facts = self.reporter.finished(request, state.facts)
-        return {self.params_key: {k: v for k, v in facts.items() if k != "created_at"}}

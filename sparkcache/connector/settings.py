@@ -142,10 +142,11 @@ class ConnectorSettings:
     ``staging_mb``: host memory of the staging slots that restores into a GPU
     cache go through (allocated once, pinned, reused; default 64).
     ``sweep``: run the retention sweeper thread in the scheduler process.
-    ``tail_block``: ``true`` (default) also restores the block holding the
-    prompt's last tokens when the snapshot holds it too, so vLLM
-    computes only the last token; ``false`` stops at the prompt's last whole
-    block, as vLLM's own prefix cache does (up to a block is recomputed).
+    ``tail_block``: ``true`` (default) also restores the stored block where
+    the prompt leaves the snapshot, for the tokens they share (the prompt's
+    last block, a breakpoint's), so vLLM computes only from there;
+    ``false`` stops at the last whole block, as vLLM's own prefix cache does
+    (up to a block is recomputed).
     ``compute_tokens``: how many of the prompt's last tokens vLLM computes
     after a restore (default auto: 2 on vLLM's CPU backend with split-KV
     decoding on, where one token computed alone takes another kernel path than

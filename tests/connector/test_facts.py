@@ -220,31 +220,25 @@ def test_written_tokens_split_by_each_breakpoints_ttl(one_rank: Any) -> None:
     assert (facts[0]["written_tokens"], facts[0]["written_by_ttl"]) == (0, {})
 
 
-def test_a_breakpoint_in_the_prompts_last_block_is_exact_once_its_block_is_stored(
-        one_rank: Any) -> None:
-    """A breakpoint in the prompt's last, partial block is saved rounded down
-    while the request runs (its block is not full); the finished request's
-    snapshot holds that block once the answer filled it, so its final row says
-    it wrote to the breakpoint exactly, and a later prompt restores to it."""
+def test_a_breakpoint_in_the_prompts_last_block_rounds_down(one_rank: Any) -> None:
+    """A breakpoint in the prompt's last, partial block is saved as the whole
+    blocks below it (that block is not full while the prompt is computed), and
+    its writes are counted so in the prefill's row and the final one alike,
+    even when the answer fills the block; a later prompt still restores to the
+    mark, from the finished request's snapshot."""
     store, _sched, io, _counters = one_rank
     facts: list[dict[str, Any]] = []
     sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=True,
                           on_facts=facts.append)
     p = prompt(100, 27)
     req = Req("a", p, kv_transfer_params={"sparkcache": {"breakpoints": [98]}})
-    for job in run(sched, req, list(range(8))):
-        io.submit_save(job)
-    assert facts[0]["written_tokens"] == 96  # the whole blocks below it, for now
+    (job,) = run(sched, req, list(range(8)))
+    assert len(job.token_ids) == 96 and facts[0]["written_tokens"] == 96
+    io.submit_save(job)
     held, params = sched.finished(finished(req), list(range(8)))
-    assert held and params is not None
-    assert params["sparkcache"]["written_tokens"] == 98
+    assert held and params is not None and params["sparkcache"]["written_tokens"] == 96
     _, (final,) = sched.take_jobs()
     io.submit_save(final)
     assert io.flush()
     sched.on_output((), io.poll()[0])
     assert sched.matched_tokens(Req("b", p[:98] + prompt(30, 28)), 0) == (98, True)
-    # An answer too short to fill the block: the rounded count stays.
-    short = Req("c", prompt(100, 29), kv_transfer_params={"sparkcache": {"breakpoints": [98]}})
-    run(sched, short, list(range(10, 18)))
-    _held, params = sched.finished(finished(short, 4), list(range(10, 18)))
-    assert params is not None and params["sparkcache"]["written_tokens"] == 96

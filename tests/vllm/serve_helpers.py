@@ -45,8 +45,22 @@ USER_FRAME = 4
 
 
 def whole(n: int) -> int:
-    """The first ``n`` tokens rounded down to whole KV blocks (what a snapshot holds)."""
+    """The first ``n`` tokens rounded down to whole KV blocks."""
     return n // BLOCK_SIZE * BLOCK_SIZE
+
+
+def block_end(n: int) -> int:
+    """The end of the KV block holding token ``n - 1``: where a breakpoint at
+    ``n`` saves its snapshot when the prompt fills that block."""
+    return -(-n // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def saved(mark: int, prompt: int) -> int:
+    """What a breakpoint at ``mark`` of a ``prompt``-token prompt writes and a
+    later prompt sharing it reads, counted by hand: to the mark exactly when the
+    prompt fills the KV block holding it, else (the prompt's last, partial
+    block) its whole blocks below."""
+    return mark if block_end(mark) <= prompt else whole(mark)
 
 
 def system_prompt(seed: int, n: int) -> str:

@@ -29,6 +29,7 @@ from serve_helpers import (
     USER_FRAME,
     Server,
     ask,
+    block_end,
     log_rows,
     system_prompt,
     usage,
@@ -96,11 +97,15 @@ def test_a_breakpoint_writes_its_prefix_and_the_next_request_reads_it(served: Se
     prompt = len(system) + SYSTEM_FRAME + len("alpha: what is the plan?") + USER_FRAME
     assert first.usage.input_tokens + first.usage.cache_read_input_tokens + \
         first.usage.cache_creation_input_tokens == prompt
+    # The mark (707) is in the prompt's last block (704-736): its whole blocks.
+    assert block_end(boundary) > prompt
     assert usage(first) == (prompt - whole(boundary), 0, whole(boundary))
-    # Another question under the same system prompt: the prefix is read, nothing written.
+    # Another question under the same system prompt: nothing written, and the
+    # prefix read to the mark, from the first request's snapshot (its answer
+    # filled the block holding the mark).
     second = ask(client, system, "bravo: and then?")
     prompt2 = len(system) + SYSTEM_FRAME + len("bravo: and then?") + USER_FRAME
-    assert usage(second) == (prompt2 - whole(boundary), whole(boundary), 0)
+    assert usage(second) == (prompt2 - boundary, boundary, 0)
     rows = {r.request_id: r for r in log_rows(served.folder)}
     mine = [r for r in rows.values() if r.prompt_tokens in (prompt, prompt2)]
     assert sorted((r.prompt_tokens, r.written_tokens, r.breakpoints) for r in mine) == sorted(
@@ -125,14 +130,15 @@ def test_streamed_usage_is_exact_at_message_start_and_at_the_end(served: Server)
                 started.append(event.message.usage)
         final = stream.get_final_message()
     assert len(started) == 1
-    expected = (prompt - whole(boundary), 0, whole(boundary))
+    assert block_end(boundary) <= prompt  # the mark (507) is exact: the prompt fills 480-512
+    expected = (prompt - boundary, 0, boundary)
     assert (started[0].input_tokens, started[0].cache_read_input_tokens,
             started[0].cache_creation_input_tokens) == expected
     assert usage(final) == expected and final.usage.output_tokens == 8
     # The same request again reads (at least) the prefix and writes nothing.
     again = ask(client, system, user)
     assert sum(usage(again)) == prompt
-    assert usage(again)[1] >= whole(boundary) and usage(again)[2] == 0
+    assert usage(again)[1] >= boundary and usage(again)[2] == 0
 
 
 def test_prompt_cache_key_is_accepted_and_logged(served: Server) -> None:
@@ -209,9 +215,10 @@ def test_a_restarted_server_restores_a_breakpoint_and_answers_the_same(
     # response went out, was finished before the server exited.
     with SnapshotStore(store_dir) as store:
         assert len(store.snapshots()) == stored + 1
-    assert usage(after) == (prompt - whole(boundary), whole(boundary), 0)
+    # Read to the mark, from the snapshot of the first request and its answer.
+    assert usage(after) == (prompt - boundary, boundary, 0)
     row = log_rows(store_dir, lambda rows: rows[0].restored_tokens is not None)[0]
-    assert (row.live_tokens, row.restored_tokens) == (0, whole(boundary)), row
+    assert (row.live_tokens, row.restored_tokens) == (0, boundary), row
     # The same request computed from scratch (a cache salt shares nothing).
     mark = {"type": "ephemeral"}
     computed = clients(served)[0].messages.create(

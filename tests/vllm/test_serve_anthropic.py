@@ -29,7 +29,9 @@ from serve_helpers import (
     SYSTEM_FRAME,
     USER_FRAME,
     Server,
+    block_end,
     log_rows,
+    saved,
     system_prompt,
     wait_for,
     whole,
@@ -94,11 +96,13 @@ def expected_two_marks(system: str, user: str) -> tuple[int, Counts]:
     """The prompt's length and its first answer's usage, counted by hand: the 1h
     mark ends after the system prompt's frame (the placeholder message that
     stands in for the question differs from its first character), the 5m mark
-    is the whole prompt; each writes its whole blocks above the one before."""
+    is the whole prompt; each writes what it saves above the one before: the 1h
+    mark to itself, the 5m mark, in the prompt's last block, its whole blocks."""
     hour = len(system) + SYSTEM_FRAME
     prompt = hour + len(user) + USER_FRAME
-    written = whole(prompt)
-    return prompt, (prompt - written, 0, written, (written - whole(hour), whole(hour)))
+    assert block_end(hour) <= prompt  # the 1h mark is exact
+    written = saved(prompt, prompt)
+    return prompt, (prompt - written, 0, written, (written - hour, hour))
 
 
 def test_cache_creation_splits_a_whole_answers_writes_by_ttl(served: Server, client: Any) -> None:
@@ -158,13 +162,13 @@ def test_a_prewarm_writes_and_a_real_request_reads_it(served: Server, client: An
     real = client.messages.create(**two_marks(system, question))
     hour = len(system) + SYSTEM_FRAME  # shared with the pre-warm: the system prompt
     real_prompt = hour + len(question) + USER_FRAME
-    written = whole(real_prompt) - whole(hour)
-    assert counts(real.usage) == (real_prompt - whole(real_prompt), whole(hour), written,
+    written = whole(real_prompt) - hour  # the 1h mark is read, inside its block
+    assert counts(real.usage) == (real_prompt - whole(real_prompt), hour, written,
                                   (written, 0))
     assert real.usage.output_tokens > 0 and real.content
     row = logged(served, real_prompt)
     assert row.restored_tokens and row.restored_tokens > 0, row  # read from the snapshot
-    assert row.live_tokens + row.restored_tokens == whole(hour)
+    assert row.live_tokens + row.restored_tokens == hour
     assert row.written_by_ttl == {"300": written}
     warm_row = logged(served, prompt)
     assert warm_row.output_tokens == 1  # what the engine really computed
@@ -221,19 +225,22 @@ def test_a_mark_inside_a_tool_result_writes_and_is_read_back(served: Server,
                                    extra_body={"temperature": 0},
                                    messages=tool_turns([*inner], first_last))
     prompt = at + 1 + len(first_last) + 1 + 1 + 2  # \n last <|end|> \n <|assistant|> \n
-    assert counts(first.usage) == (prompt - whole(at), 0, whole(at), (whole(at), 0))
+    assert block_end(at) <= prompt  # the mark is exact
+    assert counts(first.usage) == (prompt - at, 0, at, (at, 0))
     row = logged(served, prompt)
     assert row.breakpoints == (at,)
     with SnapshotStore(served.folder) as store:
-        assert whole(at) in {s.n_tokens for s in store.snapshots()}
+        assert block_end(at) in {s.n_tokens for s in store.snapshots()}
     # The same result up to the mark, another block after it: the prefix is read.
     second_last = "juliet: another ending"
     second = client.messages.create(model=MODEL_NAME, max_tokens=4,
                                     extra_body={"temperature": 0},
                                     messages=tool_turns([*inner], second_last))
     prompt2 = at + 1 + len(second_last) + 4
-    assert whole(at + 1) == whole(at)  # the newline after the mark adds no whole block
-    assert counts(second.usage) == (prompt2 - whole(at), whole(at), 0, (0, 0))
+    # Read to the mark and the newline after it, which the stored block shares;
+    # here the mark is in the prompt's last block: its whole blocks, stored.
+    assert block_end(at) > prompt2
+    assert counts(second.usage) == (prompt2 - at - 1, at + 1, 0, (0, 0))
 
 
 def test_a_top_level_mark_must_agree_with_the_marked_last_block(client: Any) -> None:

@@ -28,6 +28,7 @@ from serve_helpers import (
     SYSTEM_FRAME,
     USER_FRAME,
     Server,
+    block_end,
     log_rows,
     system_prompt,
     whole,
@@ -90,24 +91,28 @@ def keep_leases(server: Server, until: Callable[[dict[int, float]], bool]) -> di
 
 def test_a_chat_breakpoint_writes_its_prefix_and_another_question_reads_it(
         served: Server) -> None:
-    system = system_prompt(31, 700)
-    boundary = len(system) + CUT_FRAME  # 705: 22 whole blocks (704)
+    system = system_prompt(31, 690)
+    boundary = len(system) + CUT_FRAME  # 695: inside the block 672-704
     first = chat(served, system, "alpha: what now?",
                  prompt_cache_options={"mode": "explicit"})
     prompt = len(system) + SYSTEM_FRAME + len("alpha: what now?") + USER_FRAME
+    assert block_end(boundary) <= prompt  # the prompt fills that block: exact
     usage = first.usage
     assert isinstance(usage, openai.types.CompletionUsage)
     assert usage.prompt_tokens == prompt and usage.completion_tokens == 4
     details = usage.prompt_tokens_details
-    assert (details.cached_tokens, details.cache_write_tokens) == (0, whole(boundary))
+    assert (details.cached_tokens, details.cache_write_tokens) == (0, boundary)
     assert usage.prompt_tokens - details.cached_tokens - details.cache_write_tokens == \
-        prompt - whole(boundary)  # the guide's formula: what was computed, not cached
+        prompt - boundary  # the guide's formula: what was computed, not cached
     second = chat(served, system, "bravo: and then?", prompt_cache_options={"mode": "explicit"})
     details = second.usage.prompt_tokens_details
-    assert (details.cached_tokens, details.cache_write_tokens) == (whole(boundary), 0)
+    # Read to the breakpoint and the 2 frame tokens after it that the stored
+    # block shares (the cut's frame ends differently); it is stored already.
+    shared = len(system) + SYSTEM_FRAME
+    assert (details.cached_tokens, details.cache_write_tokens) == (shared, 0)
     rows = log_rows(served.folder, lambda rows: sum(r.api == "chat" for r in rows) >= 2)
     assert [(r.written_tokens, r.breakpoints) for r in rows if r.api == "chat"][:2] == \
-        [(0, (boundary,)), (whole(boundary), (boundary,))]
+        [(0, (boundary,)), (boundary, (boundary,))]
 
 
 def test_implicit_mode_also_writes_the_prompt_end_and_a_stream_reports_it(
@@ -156,7 +161,7 @@ def test_completions_report_cache_write_tokens(served: Server) -> None:
 
 def test_a_responses_breakpoint_with_a_12h_ttl_is_split_by_ttl(served: Server) -> None:
     text = system_prompt(33, 640)
-    boundary = len(text) + CUT_FRAME
+    boundary = len(text) + CUT_FRAME  # in the prompt's last block: whole blocks
     api = client(served).responses
 
     def ask(question: str) -> Any:
@@ -172,7 +177,7 @@ def test_a_responses_breakpoint_with_a_12h_ttl_is_split_by_ttl(served: Server) -
     assert isinstance(first, openai.types.responses.Response)
     usage = first.usage
     prompt = len(text) + SYSTEM_FRAME + len("delta: why?") + USER_FRAME
-    assert usage.input_tokens == prompt
+    assert usage.input_tokens == prompt and block_end(boundary) > prompt
     details = usage.input_tokens_details
     assert (details.cached_tokens, details.cache_write_tokens) == (0, whole(boundary))
     assert (details.cache_write_tokens_details.ttl_30m_tokens,
@@ -225,7 +230,7 @@ def test_explicit_mode_without_a_breakpoint_writes_nothing(served: Server) -> No
 
 def test_a_prewarm_writes_the_breakpoints_and_generates_nothing(served: Server) -> None:
     text = system_prompt(36, 600)
-    boundary = len(text) + CUT_FRAME
+    boundary = len(text) + CUT_FRAME  # 605: inside the block 576-608
     api = client(served).responses
     system = {"role": "system", "content": [
         {"type": "input_text", "text": text, "prompt_cache_breakpoint": {"mode": "explicit"}}]}
@@ -237,13 +242,14 @@ def test_a_prewarm_writes_the_breakpoints_and_generates_nothing(served: Server) 
     prompt = len(text) + SYSTEM_FRAME + len("foxtrot?") + USER_FRAME
     usage = warm.usage
     assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (prompt, 0, prompt)
-    assert usage.input_tokens_details.cache_write_tokens == whole(boundary)
-    assert usage.input_tokens_details.cache_write_tokens_details.ttl_30m_tokens == \
-        whole(boundary)
+    assert block_end(boundary) <= prompt  # the prompt fills that block: exact
+    assert usage.input_tokens_details.cache_write_tokens == boundary
+    assert usage.input_tokens_details.cache_write_tokens_details.ttl_30m_tokens == boundary
     after = api.create(model=MODEL_NAME, temperature=0, max_output_tokens=4,
                        input=[{"role": "system", "content": text},
                               {"role": "user", "content": "golf?"}])
-    assert after.usage.input_tokens_details.cached_tokens == whole(boundary)
+    # Read to the breakpoint and the 2 frame tokens after it that the stored block shares.
+    assert after.usage.input_tokens_details.cached_tokens == len(text) + SYSTEM_FRAME
     assert after.usage.output_tokens == 4
 
 

@@ -46,7 +46,8 @@ OTHER = OTHER_PROMPT  # (the session baseline has plain TP=1 vLLM's answer)
 ONE = token_prompt(330, seed=74)
 #: The publishing engine's last prompt: rank 1 dies in its publish.
 DEAD = token_prompt(360, seed=71)
-#: A breakpoint at token 300 (a 288-token snapshot), and a prompt sharing 300 tokens.
+#: A breakpoint at token 300 (a 320-token snapshot: to its block's end), and a
+#: prompt sharing 300 tokens.
 BREAKPOINT = token_prompt(450, seed=72)
 AFTER_BREAKPOINT = BREAKPOINT[:300] + token_prompt(60, seed=73)
 
@@ -231,9 +232,9 @@ def test_concurrent_requests_and_a_breakpoint_under_tp2(
     # The base was read from disk once (vLLM's own cache served the others).
     hits = "vllm:external_prefix_cache_hits"
     assert rec["metrics"][hits] - restored["dead"]["metrics"][hits] == 480
-    assert 288 in [s[1] for s in restored["bp"]["snapshots"] if s[2] == "ready"]
+    assert 320 in [s[1] for s in restored["bp"]["snapshots"] if s[2] == "ready"]
     (out,) = restored["after_bp"]["outs"]
-    assert out["cached"] == 288, restored["_log"]
+    assert out["cached"] == 300, restored["_log"]  # to the breakpoint, inside its block
     assert same_answer(out, plain["after_bp"]["outs"][0]) == ""
 
 

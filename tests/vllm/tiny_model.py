@@ -342,13 +342,14 @@ for op in args["ops"]:
     elif kind == "breakpoint_abort":
         # One request with a breakpoint; the store is looked at after each of its
         # outputs (step() hands over the engine core's next one, no sooner) until
-        # it holds the prefix up to the breakpoint; then aborted: it never finishes.
+        # it holds the prefix up to the end of the breakpoint's block; then
+        # aborted: it never finishes.
         marks = {"sparkcache": {"breakpoints": [op["breakpoint"]]}}
         sp = SamplingParams(temperature=0, max_tokens=op["max_tokens"], ignore_eos=True,
                             extra_args={"kv_transfer_params": marks})
         engine = llm.llm_engine
         engine.add_request("bp", {"prompt_token_ids": op["prompt"]}, sp)
-        want = op["breakpoint"] // 32 * 32
+        want = -(-op["breakpoint"] // 32) * 32
         deadline = time.monotonic() + 120
         rec["generated"] = 0
         while not any(s.n_tokens == want for s in ready()):
