@@ -78,6 +78,8 @@ class SnapshotRow:
     uploaded_at: float | None  # when it reached the shared tier; None: not uploaded
     #: How its KV is split over ranks: ``tp=2`` (and ``pp=``, ``dcp=`` when not 1).
     sharding: str = ""
+    #: The tenant whose request published it (docs/serve.md, "Tenants"); None: none.
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ def snapshot_row(info: SnapshotInfo, names: dict[int, str],
         info.id, info.model_id, names.get(info.model_id, "?"), info.n_tokens, info.start_token,
         info.nbytes, mb(info.nbytes), info.created_at, info.last_used, info.use_count,
         info.parent_id, info.depth, info.world_size, info.pinned, info.state, info.reason,
-        info.uploaded_at, (shardings or {}).get(info.model_id, ""),
+        info.uploaded_at, (shardings or {}).get(info.model_id, ""), info.tenant,
     )
 
 

@@ -74,10 +74,11 @@ def cmd_models(ctx: Context) -> int:
 
 def _snapshot_table(rows: Sequence[admin.SnapshotRow]) -> str:
     return table(
-        ["ID", "MODEL", "TOKENS", "MB", "SHARDING", "CREATED", "LAST USED", "HITS", "PARENT",
-         "PINNED", "STATE", "UPLOADED", "REASON"],
-        [[r.id, r.model, r.tokens, r.mb, r.sharding, when(r.created_at), when(r.last_used),
-          r.hits, r.parent, "yes" if r.pinned else "", r.state, when(r.uploaded_at), r.reason]
+        ["ID", "MODEL", "TOKENS", "MB", "SHARDING", "TENANT", "CREATED", "LAST USED", "HITS",
+         "PARENT", "PINNED", "STATE", "UPLOADED", "REASON"],
+        [[r.id, r.model, r.tokens, r.mb, r.sharding, r.tenant, when(r.created_at),
+          when(r.last_used), r.hits, r.parent, "yes" if r.pinned else "", r.state,
+          when(r.uploaded_at), r.reason]
          for r in rows],
     )
 
@@ -100,6 +101,7 @@ def cmd_show(ctx: Context) -> int:
             ("state", s.state + (f" ({s.reason})" if s.reason else "")),
             ("tokens", f"{s.tokens} (this link holds [{s.start_token}, {s.tokens}))"),
             ("size", f"{s.mb} MB ({s.nbytes} bytes)"), ("ranks", f"{s.world_size} ({s.sharding})"),
+            ("tenant", s.tenant or "none"),
             ("parent", s.parent), ("depth", s.depth), ("pinned", "yes" if s.pinned else "no"),
             ("hits", s.hits), ("created", when(s.created_at)), ("last used", when(s.last_used)),
             ("uploaded", when(s.uploaded_at) if s.uploaded_at else "no"),

@@ -73,9 +73,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
     For tables printed one after another (a log followed) to line up, give
     ``widths``, the least widths of the columns, and ``right``, which columns
     are right-aligned whatever the cells hold.  ``header=False`` leaves out
-    the header line.
+    the header line.  Every cell is printed with control and format characters
+    escaped (:func:`sparkcache.admin.printable`): a name from a request or a
+    model's config never forges a line.
     """
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    cells = [[("-" if v is None else _printable(v)) for v in row] for row in rows]
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -95,9 +97,15 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
 
 
 def fields(pairs: Sequence[tuple[str, Any]]) -> str:
-    """``name:  value`` lines with the values aligned."""
+    """``name:  value`` lines with the values aligned, printed as :func:`table`'s cells."""
     width = max(len(k) for k, _v in pairs) + 1
-    return "\n".join(f"{k + ':':<{width}}  {'-' if v is None else v}" for k, v in pairs)
+    return "\n".join(f"{k + ':':<{width}}  {'-' if v is None else _printable(v)}"
+                     for k, v in pairs)
+
+
+def _printable(value: Any) -> str:
+    """``value`` as text with control and format characters escaped."""
+    return admin.printable(str(value)) or ""
 
 
 def plural(n: int, word: str) -> str:

@@ -93,3 +93,17 @@ def test_clear_of_a_tenant_prints_its_name_escaped(run: Run) -> None:
     text = run("clear", "tiny-llama", "--tenant", EVIL, "--yes")
     assert text.splitlines() == [
         "deleted 1 snapshot of tenant a\\x1b[31m\\nb\\u202e of tiny-llama (id 1), 0.0 MB"]
+
+
+def test_ls_and_show_name_each_snapshots_tenant(run: Run) -> None:
+    rows = run.json("ls")
+    assert [r["tenant"] for r in rows] == ["alice", "alice", EVIL, None, "alice"]
+    lines = run("ls").splitlines()
+    assert "TENANT" in lines[0].split()
+    assert "alice" in lines[1] and "a\\x1b[31m\\nb\\u202e" in lines[3]
+    assert len(lines) == 6  # the header and one line per snapshot: nothing forged a line
+    assert run.json("show", "3")["snapshot"]["tenant"] == EVIL
+    shown = run("show", "3")
+    assert "\x1b" not in shown and "\u202e" not in shown
+    assert "tenant" in shown and "a\\x1b[31m\\nb\\u202e" in shown
+    assert any(line.split() == ["tenant:", "none"] for line in run("show", "4").splitlines())
