@@ -121,6 +121,10 @@ def run(scratch: Path, sz: Sizes, rng: np.random.Generator) -> list[Row]:
     store, model_id = fill(scratch / "full", rng, LOG_ROWS)
     fill(scratch / "empty", rng, 0)
     full_app, empty_app = middleware(scratch / "full"), middleware(scratch / "empty")
+    held = (len(store.snapshots()), store.request_summary(model_id=model_id).requests)
+    if held != (SNAPSHOTS, LOG_ROWS):
+        raise SystemExit(f"the store holds {held[0]} snapshots and {held[1]} log rows, "
+                         f"not {SNAPSHOTS} and {LOG_ROWS}")
     nbytes = sum(s.nbytes for s in store.snapshots())
     samples: dict[str, list[float]] = {"get": [], "render": [], "charts": [], "empty": []}
     for _ in range(reps):

@@ -133,15 +133,15 @@ def tokens(ident: str, line: Timeline) -> str:
                                                  DISK),
                  ("tier", b.remote_tokens, TIER),
                  ("computed", max(0, b.prompt_tokens - b.cached_tokens), COMPUTED))
-        y = float(base)
-        x = LEFT + b.index * step + step * 0.12
+        y, bar = float(base), min(step * 0.76, 36.0)
+        x = LEFT + (b.index + 0.5) * step - bar / 2
         for name, n, colour in parts:
             sums[name] += n
             if n <= 0:
                 continue
             h = n / top * plot_h
             y -= h
-            body.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{step * 0.76:.1f}" '
+            body.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" '
                         f'height="{h:.1f}" fill="{colour}"><title>{name}: {n} tokens'
                         f"</title></rect>")
     body.append(_legend([("live", LIVE), ("disk", DISK), ("shared tier", TIER),

@@ -1,12 +1,14 @@
 """The ``/sparkcache`` page: per model, its snapshots, hit rate, limits and requests.
 
-Plain server-rendered HTML (no script, no build step; every value escaped).
-Per model: the snapshots (tokens, MB, last used, hits), the hit rate over the
-request log, its tenants (snapshots, MB, hit rate, a Clear of one tenant's
-snapshots), the retention limits in force, the latest requests with their
-cached and written tokens, and a **Clear KV snapshots** button: a POST form
-carrying a token only a page this server rendered has (the middleware checks
-it, the request's origin and who asks: see :mod:`sparkcache.serve.middleware`).
+Server-rendered HTML (no build step; every value escaped): the playground
+(:mod:`sparkcache.serve.playground`, given as ``top``), then per model its
+charts (:mod:`sparkcache.serve.charts`), the snapshots (tokens, MB, last used,
+hits), the hit rate over the request log, its tenants (snapshots, MB, hit
+rate, a Clear of one tenant's snapshots), the retention limits in force, the
+latest requests with their cached and written tokens, and a **Clear KV
+snapshots** button: a POST form carrying a token only a page this server
+rendered has (the middleware checks it, the request's origin and who asks:
+see :mod:`sparkcache.serve.middleware`).
 """
 
 from __future__ import annotations

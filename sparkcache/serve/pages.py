@@ -1,12 +1,13 @@
-"""The ``/sparkcache`` page's routes: who may see it, its login and Clear forms.
+"""The ``/sparkcache`` page's routes: who may see it, its login, Clear and playground forms.
 
 The HTML is :mod:`sparkcache.serve.page`'s; this module decides who gets it
 (loopback clients with a loopback ``Host``, or holders of the admin token:
 :class:`~sparkcache.serve.access.Admin`), reads the forms bounded, checks that
 a form comes from a page this server process rendered (an HMAC of a
-per-process secret, and the browser's ``Origin`` and ``Sec-Fetch-Site``), and
+per-process secret, and the browser's ``Origin`` and ``Sec-Fetch-Site``),
 carries out Clear (of a model, or of one of its tenants) on the index thread
-the middleware gives it.
+the middleware gives it, and hands a playground turn to
+:class:`~sparkcache.serve.playground.Playground`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ __all__ = ["PAGE_HEADERS", "Pages"]
 
 logger = logging.getLogger("sparkcache.serve")
 
-#: Sent with the page and its login form: no caching, no framing, no scripts.
+#: Sent with the login form: no caching, no framing, no scripts (the page: playground.HEADERS).
 PAGE_HEADERS = [
     (b"cache-control", b"no-store"), (b"x-frame-options", b"DENY"),
     (b"content-security-policy",
