@@ -63,7 +63,7 @@ SCRIPT = """document.addEventListener("submit", async (event) => {
     const answer = await fetch(form.action, {method: "POST", credentials: "same-origin",
       headers: {"accept": "application/json"},
       body: new URLSearchParams(new FormData(form))});
-    if (!answer.ok) throw new Error(answer.status + " " + (await answer.text()));
+    if (!answer.ok) throw new Error(answer.status + " " + (await answer.text()).slice(0, 200));
     const data = await answer.json();
     document.getElementById("playground-box").outerHTML = data.html;
     const again = document.querySelector("#playground input[name=api_key]");
