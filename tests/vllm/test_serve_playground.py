@@ -7,7 +7,7 @@ the second turn shows tokens read from the cache; each turn's numbers are the
 request log's row for its answer.  Then a browser with JavaScript off does the
 same with plain form posts and sees the charts drawn from those requests; its
 page is the screenshot docs/serve.md shows (``SPARKCACHE_UPDATE_DOCS=1``
-refreshes it).  Token counts are counted by hand from the texts
+refreshes it).  A turn without the API key gets vLLM's 401.  Token counts are counted by hand from the texts
 (:data:`serve_helpers.SYSTEM_FRAME`).
 """
 
@@ -131,3 +131,15 @@ def test_two_turns_without_javascript_and_the_charts(served: Server, tmp_path: P
         browser.screenshot(shot, width=1100)
         if os.environ.get("SPARKCACHE_UPDATE_DOCS"):
             (ROOT / "docs" / "serve-playground.png").write_bytes(shot.read_bytes())
+
+
+def test_a_turn_without_vllms_key_shows_vllms_401(served: Server) -> None:
+    """The turn is an API request like any other: without the --api-key, vLLM refuses it."""
+    with Browser(timeout=120) as browser:
+        login(browser, served)
+        browser.type("#pg-message", "no key this time")
+        browser.click("#pg-send", navigation=False)
+        browser.wait_for("document.querySelectorAll('.turn').length === 1")
+        turn = browser.evaluate("document.querySelector('.turn').textContent")
+        assert browser.evaluate("document.querySelector('.turn').className") == "turn err"
+    assert "the API answered 401" in turn and "cached" not in turn, turn
