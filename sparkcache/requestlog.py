@@ -18,9 +18,9 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from sparkcache.core import Conn, Core, select_all, select_one
 from sparkcache.errors import InvalidArgument
@@ -32,9 +32,12 @@ __all__ = [
     "LOG_FIELDS",
     "LOG_ROWS_VARIABLE",
     "MAX_TEXT",
+    "Bucket",
     "KeySummary",
     "LogSummary",
     "RequestRow",
+    "Timeline",
+    "Ttfts",
     "by_answer",
     "by_cache_key",
     "log_rows_setting",
@@ -43,6 +46,8 @@ __all__ = [
     "request",
     "requests",
     "summary",
+    "timeline",
+    "ttfts",
 ]
 
 #: Rows the log keeps unless ``SPARK_KV_CACHE_LOG_ROWS`` says otherwise.
@@ -370,6 +375,83 @@ def by_cache_key(core: Core, *, model_id: int | None = None) -> list[KeySummary]
         if model_id is None:
             return select_all(conn, q.REQUESTS_BY_KEY, into=KeySummary)
         return select_all(conn, q.REQUESTS_BY_KEY_OF_MODEL, (model_id,), into=KeySummary)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One time bucket of :func:`timeline`: the requests in it and their token sums."""
+
+    index: int  # whole bucket widths after the timeline's start
+    requests: int
+    prompt_tokens: int
+    live_tokens: int
+    restored_tokens: int  # from snapshots, the shared tier's included
+    remote_tokens: int  # of restored_tokens, from the shared tier
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.live_tokens + self.restored_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A model's counted requests over time: ``buckets`` (only those with
+    requests) of ``width`` seconds from ``start``, ``count`` buckets in all."""
+
+    start: float
+    width: float
+    count: int
+    buckets: tuple[Bucket, ...]
+
+
+@dataclass(frozen=True)
+class Ttfts:
+    """A model's first-token times in seconds, sorted: of requests that found
+    prompt tokens cached (``hits``) and of those that found none (``misses``)."""
+
+    hits: tuple[float, ...]
+    misses: tuple[float, ...]
+
+
+#: Bucket widths a timeline picks from (seconds): the smallest giving at most
+#: the buckets asked for.
+WIDTHS: Final = (5, 10, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400,
+                 7 * 86400)
+
+
+def timeline(core: Core, model_id: int, *, buckets: int = 48) -> Timeline | None:
+    """The model's requests that the connector counted, summed per time bucket
+    (one GROUP BY over its rows); None when it has none.  The buckets' width is
+    the first of :data:`WIDTHS` that spans the model's rows in ``buckets`` or fewer."""
+    _check_count("buckets", buckets, 1)
+    with core.read() as conn:
+        first, last = cast("tuple[Any, Any]",
+                           conn.execute(q.REQUEST_SPAN_OF_MODEL, (model_id,)).fetchone())
+        if first is None:
+            return None
+        for width in WIDTHS:  # buckets land on whole widths of the clock
+            start = float(first) // width * width
+            count = int((float(last) - start) // width) + 1
+            if count <= buckets:
+                break
+        if count > buckets:  # older than the widest buckets hold: the newest only
+            start, count = (float(last) // width - buckets + 1) * width, buckets
+        rows = [Bucket(*row) for row in cast("Iterable[tuple[Any, ...]]", conn.execute(
+            q.REQUEST_BUCKETS_OF_MODEL, {"start": start, "width": width, "model": model_id}))]
+    return Timeline(start, float(width), count, tuple(rows))
+
+
+def ttfts(core: Core, model_id: int) -> Ttfts:
+    """The model's first-token times, hits' and misses' (each sorted by SQL)."""
+    with core.read() as conn:
+        hits, misses = (tuple(float(t) for (t,) in conn.execute(q.REQUEST_TTFTS_OF_MODEL,
+                                                                 (model_id, hit)))
+                        for hit in (1, 0))
+    return Ttfts(hits, misses)
 
 
 # -- the setting --------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 from sparkcache import requestlog, tenants
 from sparkcache.core import Core
-from sparkcache.requestlog import KeySummary, LogSummary, RequestRow
+from sparkcache.requestlog import KeySummary, LogSummary, RequestRow, Timeline, Ttfts
 from sparkcache.tenants import TenantUsage
 
 __all__ = ["StoreLog"]
@@ -78,6 +78,25 @@ class StoreLog:
             model_id: only this model's.
         """
         return requestlog.by_cache_key(self._core, model_id=model_id)
+
+    def request_timeline(self, model_id: int, *, buckets: int = 48) -> Timeline | None:
+        """One model's counted requests summed per time bucket, for charts
+        (:func:`sparkcache.requestlog.timeline`); None when it has none.
+
+        Args:
+            model_id: the model's id.
+            buckets: at most this many buckets.
+        """
+        return requestlog.timeline(self._core, model_id, buckets=buckets)
+
+    def request_ttfts(self, model_id: int) -> Ttfts:
+        """One model's first-token times, of hits and of misses, sorted
+        (:func:`sparkcache.requestlog.ttfts`).
+
+        Args:
+            model_id: the model's id.
+        """
+        return requestlog.ttfts(self._core, model_id)
 
     def tenants(self, *, model_id: int | None = None) -> list[TenantUsage]:
         """Every tenant's snapshots and logged requests, per model

@@ -328,6 +328,30 @@ class Browser:
             devtools.wait_event(_main_frame_navigated, deadline=deadline, what=what)
             devtools.wait_event(_named("Page.loadEventFired"), deadline=deadline, what=what)
 
+    def type(self, selector: str, text: str, *, timeout: float | None = None) -> None:
+        """Focus the first element matching ``selector``, empty it, and type ``text``
+        into it as a keyboard would (``Input.insertText``: input events fire)."""
+        found = self.evaluate(_FOCUS % json.dumps(selector), timeout=timeout)
+        if not found:
+            raise BrowserError(f"no element matches {selector!r}")
+        self._call("Input.insertText", {"text": text}, timeout=timeout)
+
+    def scripts(self, enabled: bool, *, timeout: float | None = None) -> None:
+        """Let the page's own scripts run, or not (as a browser with JavaScript off);
+        :meth:`evaluate` works either way."""
+        self._call("Emulation.setScriptExecutionDisabled", {"value": not enabled},
+                   timeout=timeout)
+
+    def wait_for(self, js: str, *, timeout: float | None = None) -> Any:
+        """The first truthy value of the expression ``js``, polled; BrowserTimeout when
+        it stays falsy for ``timeout`` seconds."""
+        deadline = self._deadline(timeout)
+        while not (value := self.evaluate(js, timeout=timeout)):
+            if time.monotonic() > deadline:
+                raise BrowserTimeout(f"{js} stayed false")
+            time.sleep(0.1)
+        return value
+
     def text(self, *, timeout: float | None = None) -> str:
         """The page's visible text (``document.body.innerText``)."""
         value = self.evaluate("document.body ? document.body.innerText : ''", timeout=timeout)
@@ -383,6 +407,16 @@ _CLICK_TARGET = """(() => {
   const follows = el.closest("a[href]") !== null;
   return {x: box.left + box.width / 2, y: box.top + box.height / 2,
           navigates: submits || follows};
+})()"""
+
+
+# Focuses the element and empties it (a text field or text area); false when none matches.
+_FOCUS = """(() => {
+  const el = document.querySelector(%s);
+  if (!el) return false;
+  el.focus();
+  if ("value" in el) el.value = "";
+  return true;
 })()"""
 
 

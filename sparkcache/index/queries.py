@@ -308,6 +308,24 @@ REQUEST_SUMMARY = (
     "coalesce(sum(restored_tokens), 0), coalesce(sum(written_tokens), 0) FROM request_log"
 )
 REQUEST_SUMMARY_OF_MODEL = f"{REQUEST_SUMMARY} WHERE model_id = ?"
+# The page's charts (one model's rows the connector counted; ix (model_id, seq)
+# finds them): the span of their times, their sums per time bucket (bucket =
+# whole widths since :start), and their first-token times, hits' or misses'.
+REQUEST_SPAN_OF_MODEL = (
+    "SELECT min(created_at), max(created_at) FROM request_log "
+    "WHERE model_id = ? AND prompt_tokens IS NOT NULL"
+)
+REQUEST_BUCKETS_OF_MODEL = (
+    "SELECT CAST((created_at - :start) / :width AS INTEGER) AS bucket, count(*), "
+    "coalesce(sum(prompt_tokens), 0), coalesce(sum(live_tokens), 0), "
+    "coalesce(sum(restored_tokens), 0), coalesce(sum(remote_tokens), 0) FROM request_log "
+    "WHERE model_id = :model AND prompt_tokens IS NOT NULL AND created_at >= :start "
+    "GROUP BY bucket ORDER BY bucket"
+)
+REQUEST_TTFTS_OF_MODEL = (
+    "SELECT ttft_s FROM request_log WHERE model_id = ? AND ttft_s IS NOT NULL "
+    "AND (coalesce(live_tokens, 0) + coalesce(restored_tokens, 0) > 0) = ? ORDER BY ttft_s"
+)
 # Per prompt_cache_key (requests without one left out), most requests first.
 REQUEST_KEY_SUMS = (
     "SELECT cache_key, count(*), coalesce(sum(prompt_tokens), 0), "

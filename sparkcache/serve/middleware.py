@@ -193,7 +193,8 @@ class SparkCacheMiddleware:
         self._store: SnapshotStore | None = None
         self._renderer = Renderer()
         self._keys = ApiKeys(app)  # vLLM's --api-key, when it has one
-        self.pages = Pages(self.settings.admin_token, self.db)
+        self.pages = Pages(self.settings.admin_token, self.db, self,
+                           needs_key=self._keys.auth is not None)
 
     # -- the index, on its own thread ---------------------------------------------------
 

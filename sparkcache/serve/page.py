@@ -1,12 +1,14 @@
 """The ``/sparkcache`` page: per model, its snapshots, hit rate, limits and requests.
 
-Plain server-rendered HTML (no script, no build step; every value escaped).
-Per model: the snapshots (tokens, MB, last used, hits), the hit rate over the
-request log, its tenants (snapshots, MB, hit rate, a Clear of one tenant's
-snapshots), the retention limits in force, the latest requests with their
-cached and written tokens, and a **Clear KV snapshots** button: a POST form
-carrying a token only a page this server rendered has (the middleware checks
-it, the request's origin and who asks: see :mod:`sparkcache.serve.middleware`).
+Server-rendered HTML (no build step; every value escaped): the playground
+(:mod:`sparkcache.serve.playground`, given as ``top``), then per model its
+charts (:mod:`sparkcache.serve.charts`), the snapshots (tokens, MB, last used,
+hits), the hit rate over the request log, its tenants (snapshots, MB, hit
+rate, a Clear of one tenant's snapshots), the retention limits in force, the
+latest requests with their cached and written tokens, and a **Clear KV
+snapshots** button: a POST form carrying a token only a page this server
+rendered has (the middleware checks it, the request's origin and who asks:
+see :mod:`sparkcache.serve.middleware`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterable, Sequence
 
 from sparkcache import admin
 from sparkcache.retention import Retention
+from sparkcache.serve import charts
 from sparkcache.store import SnapshotStore
 
 __all__ = ["COOKIE", "HTML", "PATH", "clear", "login_form", "render", "tenant_ref"]
@@ -115,6 +118,7 @@ def _model(store: SnapshotStore, model: admin.ModelRow, csrf: str) -> str:
         f'<input type="hidden" name="model" value="{model.id}">'
         f'<input type="hidden" name="csrf" value="{_e(csrf)}">'
         f'<button type="submit" id="clear-{model.id}">Clear KV snapshots</button></form>',
+        charts.model_charts(store, model.id, sum(s.nbytes for s in snapshots)),
         "<h3>Snapshots</h3>",
     ]
     if snapshots:
@@ -177,17 +181,19 @@ def _n(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-def render(store: SnapshotStore, *, csrf: str, note: str = "") -> str:
-    """The page, for every model of the store."""
+def render(store: SnapshotStore, *, csrf: str, note: str = "", top: str = "") -> str:
+    """The page, for every model of the store; ``top`` (HTML: the playground)
+    goes above the models."""
     models = [m for m in admin.list_models(store) if m.deleted_at is None]
     body = [
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">",
-        f"<title>sparkcache</title><style>{STYLE}</style></head><body>",
+        f"<title>sparkcache</title><style>{STYLE}{charts.STYLE}</style></head><body>",
         "<h1>sparkcache: KV snapshots</h1>",
         f'<p class="muted">Store {_e(store.root)}</p>',
     ]
     if note:
         body.append(f'<p class="note" id="note">{_e(note)}</p>')
+    body.append(top)
     if not models:
         body.append("<p>No model has used this store yet.</p>")
     body.extend(_model(store, model, csrf) for model in models)

@@ -1,18 +1,20 @@
-"""The ``/sparkcache`` page's routes: who may see it, its login and Clear forms.
+"""The ``/sparkcache`` page's routes: who may see it, its login, Clear and playground forms.
 
 The HTML is :mod:`sparkcache.serve.page`'s; this module decides who gets it
 (loopback clients with a loopback ``Host``, or holders of the admin token:
 :class:`~sparkcache.serve.access.Admin`), reads the forms bounded, checks that
 a form comes from a page this server process rendered (an HMAC of a
-per-process secret, and the browser's ``Origin`` and ``Sec-Fetch-Site``), and
+per-process secret, and the browser's ``Origin`` and ``Sec-Fetch-Site``),
 carries out Clear (of a model, or of one of its tenants) on the index thread
-the middleware gives it.
+the middleware gives it, and hands a playground turn to
+:class:`~sparkcache.serve.playground.Playground`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import re
 import secrets
@@ -21,7 +23,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 from sparkcache.errors import SparkCacheError
-from sparkcache.serve import page
+from sparkcache.serve import page, playground
 from sparkcache.serve.access import ATTEMPTS, SESSION_S, WINDOW_S, Admin
 from sparkcache.serve.access import loopback as is_loopback
 from sparkcache.serve.bodies import (
@@ -35,13 +37,14 @@ from sparkcache.serve.bodies import (
     read_body,
     respond,
 )
+from sparkcache.serve.playground import Api, Draft, Playground, parse_state, served_models
 from sparkcache.store import SnapshotStore
 
 __all__ = ["PAGE_HEADERS", "Pages"]
 
 logger = logging.getLogger("sparkcache.serve")
 
-#: Sent with the page and its login form: no caching, no framing, no scripts.
+#: Sent with the login form: no caching, no framing, no scripts (the page: playground.HEADERS).
 PAGE_HEADERS = [
     (b"cache-control", b"no-store"), (b"x-frame-options", b"DENY"),
     (b"content-security-policy",
@@ -57,10 +60,13 @@ Db = Callable[[Callable[[SnapshotStore], Any]], Coroutine[Any, Any, Any]]
 class Pages:
     """The page's routes (one per server process, held by the middleware)."""
 
-    def __init__(self, admin_token: str | None, db: Db) -> None:
+    def __init__(self, admin_token: str | None, db: Db, api: Api | None = None, *,
+                 needs_key: bool = False) -> None:
         self.db = db
         self._secret = secrets.token_bytes(32)  # CSRF tokens of this server process
         self.admin = Admin(admin_token) if admin_token else None
+        # A turn of the playground goes through ``api`` (the middleware) as any request.
+        self.playground = Playground(api, db, needs_key=needs_key) if api is not None else None
 
     def _admit(self, scope: Scope) -> str | None:
         """Why this client may not use the page (None: it may; "login": it needs
@@ -122,17 +128,66 @@ class Pages:
         if method == "GET" and path == page.PATH:
             query = parse_qs(scope.get("query_string", b"")[:4096].decode("latin-1"))
             note = (query.get("note") or [""])[0][:200]
-            html = await self.db(lambda store: page.render(store, csrf=self.csrf("clear"),
-                                                           note=note))
-            return await respond(send, 200, html.encode(), page.HTML, PAGE_HEADERS)
+            return await self._page(scope, send, note=note)
         if method == "POST" and path == page.PATH + "/clear":
             return await self._clear(scope, receive, send)
+        if method == "POST" and path == playground.ACTION and self.playground is not None:
+            return await self._turn(scope, receive, send)
         return await respond(send, 404, b"not found\n", TEXT)
 
-    async def _form(self, scope: Scope, receive: Receive, send: Send) -> dict[str, str] | None:
-        """The posted form (at most MAX_FORM bytes: a 413 beyond); None when answered."""
+    def _top(self, scope: Scope, turns: list[playground.Turn] | None = None,
+             draft: Draft | None = None) -> str:
+        """The playground's section of the page ("" without one)."""
+        if self.playground is None:
+            return ""
+        return self.playground.section(served_models(scope), self.csrf("playground"), turns,
+                                       draft)
+
+    async def _page(self, scope: Scope, send: Send, *, note: str = "", top: str | None = None,
+                    status: int = 200) -> None:
+        top = self._top(scope) if top is None else top
+        html = await self.db(lambda store: page.render(store, csrf=self.csrf("clear"),
+                                                       note=note, top=top))
+        await respond(send, status, html.encode(), page.HTML, playground.HEADERS)
+
+    async def _turn(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One playground turn: the whole page back, or (asked by the page's
+        script, ``Accept: application/json``) the playground's section as JSON."""
+        assert self.playground is not None  # routed only then
+        form = await self._form(scope, receive, send, playground.MAX_FORM)
+        if form is None:
+            return None
+        if not self._same_origin(scope) or not hmac.compare_digest(
+                form.get("csrf", "").encode(), self.csrf("playground").encode()):
+            return await respond(send, 403, b"this form did not come from this server's page\n",
+                                 TEXT)
+        turns = parse_state(form.get("state", ""))
+        models = served_models(scope)
+        draft = Draft(model=form.get("model", ""), system=form.get("system", "")[
+            :playground.MAX_TEXT], marked=form.get("cache") == "on")
+        message = form.get("message", "").strip()[:playground.MAX_TEXT]
+        if turns is None:
+            turns, draft.note = [], "The conversation was not one this page wrote: it starts anew."
+        elif draft.model not in models:
+            draft.note = "Choose a model this server serves."
+        elif not message:
+            draft.note = "Write a message first."
+        elif len(turns) >= playground.MAX_TURNS:
+            draft.note = f"A conversation here holds {playground.MAX_TURNS} turns: start a new one."
+        else:
+            turns = [*turns, await self.playground.turn(scope, receive, turns, draft, message,
+                                                        form.get("api_key", ""))]
+        top = self.playground.section(models, self.csrf("playground"), turns, draft)
+        if "application/json" in (header(scope, b"accept") or ""):
+            body = json.dumps({"html": top}).encode()
+            return await respond(send, 200, body, "application/json", playground.HEADERS)
+        return await self._page(scope, send, top=top)
+
+    async def _form(self, scope: Scope, receive: Receive, send: Send,
+                    limit: int = MAX_FORM) -> dict[str, str] | None:
+        """The posted form (at most ``limit`` bytes: a 413 beyond); None when answered."""
         try:
-            raw = await read_body(scope, receive, MAX_FORM)
+            raw = await read_body(scope, receive, limit)
         except Gone:
             return None
         except TooLarge as exc:

@@ -6,6 +6,8 @@ for a malformed cache_control."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import html
 import json
 import re
@@ -32,6 +34,9 @@ from sparkcache.serve.tenants import tenant_salt
 pytestmark = pytest.mark.vllm
 
 TOKEN = "t0k-3n_admin"
+#: vLLM's app as the page reads it: its state names the served models.
+SERVED_APP = SimpleNamespace(state=SimpleNamespace(openai_serving_models=SimpleNamespace(
+    base_model_paths=[SimpleNamespace(name="tiny")])))
 SCRIPT_MODEL = "<script>alert('x')</script>"
 LOCAL = ("127.0.0.1", 50123)
 LOCAL_HOST = "127.0.0.1:8000"
@@ -198,7 +203,7 @@ def csrf_of(page: Response) -> str:
 # -- who sees the page ---------------------------------------------------------------------
 
 def test_loopback_gets_the_page_with_its_snapshots(server: Server, stored: Stored) -> None:
-    r = server.page()
+    r = server.page(scope={"app": SERVED_APP})
     assert r.status == 200
     assert r.header("content-type") == "text/html; charset=utf-8"
     assert r.header("cache-control") == "no-store"
@@ -206,7 +211,13 @@ def test_loopback_gets_the_page_with_its_snapshots(server: Server, stored: Store
     csp = r.header("content-security-policy") or ""
     for directive in ("default-src 'none'", "form-action 'self'", "frame-ancestors 'none'"):
         assert directive in csp
-    assert "script-src" not in csp
+    # One script, inline, allowed by its hash alone; nothing from elsewhere.
+    scripts = re.findall(r"<script([^>]*)>(.*?)</script>", r.text, re.S)
+    assert [attrs for attrs, _ in scripts] == [""]
+    digest = base64.b64encode(hashlib.sha256(scripts[0][1].encode()).digest()).decode()
+    directives = dict(d.strip().split(" ", 1) for d in csp.split(";"))
+    assert directives["script-src"] == f"'sha256-{digest}'"
+    assert "http" not in csp and "src=" not in r.text
     assert int(r.header("content-length") or -1) == len(r.body)
     text = r.text
     assert text.startswith("<!doctype html>")
