@@ -7,8 +7,8 @@ the second turn shows tokens read from the cache; each turn's numbers are the
 request log's row for its answer.  Then a browser with JavaScript off does the
 same with plain form posts and sees the charts drawn from those requests; its
 page is the screenshot docs/serve.md shows (``SPARKCACHE_UPDATE_DOCS=1``
-refreshes it).  A turn without the API key gets vLLM's 401.  Token counts are counted by hand from the texts
-(:data:`serve_helpers.SYSTEM_FRAME`).
+refreshes it).  A turn without the API key gets vLLM's 401.  Token counts are
+counted by hand from the texts (:data:`serve_helpers.SYSTEM_FRAME`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_helpers import SYSTEM_FRAME, Server, system_prompt, whole
+from serve_helpers import SYSTEM_FRAME, Server, saved, system_prompt, whole
 from tiny_model import NEEDS_VLLM
 
 from sparkcache.store import SnapshotStore
@@ -70,10 +70,12 @@ def send(browser: Browser, message: str, *, navigation: bool, system: str | None
 
 
 def check_turns(server: Server, turns: list[dict[str, Any]], first: str) -> None:
-    """Turn 1 wrote the marked system prompt's whole blocks; turn 2 read them (and
-    more, vLLM's live cache holding turn 1); each turn's numbers are its log row's."""
-    assert turns[0]["cached"] == 0 and turns[0]["written"] == whole(BOUNDARY), turns
+    """Turn 1 wrote the marked system prompt (to its mark: the prompt fills the
+    KV block holding it); turn 2 read it (and more, vLLM's live cache holding
+    turn 1); each turn's numbers are its log row's."""
     prompt1 = BOUNDARY + len(first) + 4  # <|end|> \n <|assistant|> \n
+    assert saved(BOUNDARY, prompt1) == BOUNDARY
+    assert turns[0]["cached"] == 0 and turns[0]["written"] == BOUNDARY, turns
     assert turns[0]["input"] + turns[0]["written"] == prompt1, turns
     assert turns[1]["cached"] >= whole(prompt1) > 0 and turns[1]["written"] == 0, turns
     with SnapshotStore(server.folder) as store:
