@@ -115,15 +115,12 @@ class RequestRow:
         return (self.live_tokens or 0) + (self.restored_tokens or 0)
 
 
-@dataclass(frozen=True)
-class LogSummary:
-    """Sums over the rows the log holds (of one model, or of all)."""
+class _Cached:
+    """What sums of requests' tokens say of the cache: the tokens not computed."""
 
-    requests: int
     prompt_tokens: int
     live_tokens: int
     restored_tokens: int
-    written_tokens: int
 
     @property
     def cached_tokens(self) -> int:
@@ -131,8 +128,19 @@ class LogSummary:
 
     @property
     def hit_rate(self) -> float:
-        """The share of prompt tokens not computed; 0.0 for an empty log."""
+        """The share of prompt tokens not computed; 0.0 with no prompt tokens."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class LogSummary(_Cached):
+    """Sums over the rows the log holds (of one model, or of all)."""
+
+    requests: int
+    prompt_tokens: int
+    live_tokens: int
+    restored_tokens: int
+    written_tokens: int
 
 
 @dataclass(frozen=True)
@@ -378,7 +386,7 @@ def by_cache_key(core: Core, *, model_id: int | None = None) -> list[KeySummary]
 
 
 @dataclass(frozen=True)
-class Bucket:
+class Bucket(_Cached):
     """One time bucket of :func:`timeline`: the requests in it and their token sums."""
 
     index: int  # whole bucket widths after the timeline's start
@@ -387,14 +395,6 @@ class Bucket:
     live_tokens: int
     restored_tokens: int  # from snapshots, the shared tier's included
     remote_tokens: int  # of restored_tokens, from the shared tier
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.live_tokens + self.restored_tokens
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass(frozen=True)
