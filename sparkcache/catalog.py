@@ -286,3 +286,13 @@ class Catalog:
         """Every counter, summed over models unless ``model_id`` is given, unsaved
         counts included."""
         return self._core.counter_totals(model_id)
+
+    def saved_counters(self) -> dict[int, dict[str, int]]:
+        """The counters as the index holds them, by model id (0: the whole store),
+        read without a write: what other processes saved, not this one's unsaved
+        counts (for a reader that counts nothing, e.g. a metrics scrape)."""
+        out: dict[int, dict[str, int]] = {}
+        with self._core.read() as conn:
+            for model_id, name, value in conn.execute(q.COUNTERS):
+                out.setdefault(int(model_id), {})[str(name)] = int(value)
+        return out

@@ -1,9 +1,10 @@
 """The vLLM KV connector (scheduler and worker sides).
 
-vLLM loads it with::
+vLLM loads it by name (the ``vllm.general_plugins`` entry point,
+:mod:`sparkcache.connector.plugin`, registers it), or from
+``"kv_connector_module_path": "sparkcache.connector"``::
 
     --kv-transfer-config '{"kv_connector": "SparkCacheConnector",
-                           "kv_connector_module_path": "sparkcache.connector",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"folder": "/var/cache/kv"}}'
 

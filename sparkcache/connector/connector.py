@@ -1,6 +1,7 @@
 """SparkCacheConnector: vLLM's ``KVConnectorBase_V1`` over a :class:`SnapshotStore`.
 
-Loaded by vLLM from ``kv_connector_module_path="sparkcache.connector"``; see
+Loaded by vLLM by name (:mod:`sparkcache.connector.plugin`) or from
+``kv_connector_module_path="sparkcache.connector"``; see
 docs/connector.md for users and docs/connector-notes.md for the vLLM API.
 This module is the glue: the decisions live in
 :mod:`sparkcache.connector.scheduler` (scheduler process) and the disk I/O in

@@ -3,7 +3,6 @@
 Pure Python (no vLLM, no torch) so it is tested without either installed::
 
     --kv-transfer-config '{"kv_connector": "SparkCacheConnector",
-                           "kv_connector_module_path": "sparkcache.connector",
                            "kv_role": "kv_both",
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"folder": "/var/cache/kv"}}'

@@ -1,18 +1,32 @@
 """What the connector hands vLLM besides KV: the metadata the scheduler sends
 the workers every step, the counters both sides report, and their Prometheus
-export (``vllm:sparkcache_<name>``).  Imports vLLM (its base classes)."""
+export (``vllm:sparkcache_<name>``, and the store's own gauges read from its
+index at each scrape, ``vllm:sparkcache_store_*``).  Imports vLLM (its base classes)."""
 
 from __future__ import annotations
 
 import importlib
+import logging
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
 from sparkcache.connector.jobs import LoadJob, SaveJob
 from sparkcache.connector.requests import TENANT_KEY
+from sparkcache.connector.settings import ConnectorSettings
+from sparkcache.errors import SparkCacheError
+from sparkcache.store import SnapshotStore
 
-__all__ = ["PROM_COUNTERS", "TENANT_PROM_COUNTERS", "SparkCacheMetadata", "SparkCachePromMetrics",
-           "SparkCacheStats"]
+__all__ = ["PROM_COUNTERS", "STORE_METRICS", "TENANT_PROM_COUNTERS", "SparkCacheMetadata",
+           "SparkCachePromMetrics", "SparkCacheStats", "StoreCollector",
+           "register_store_collector"]
+
+logger = logging.getLogger(__name__)
 
 _base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
 _metrics = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
@@ -113,9 +127,92 @@ TENANT_PROM_COUNTERS = {
 }
 
 
+#: The store's own series, read from its index at each scrape, by model
+#: (``model``: its name, ``digest``: the first 12 hex digits of its identity).
+STORE_METRICS = {
+    "store_bytes": "Bytes of the model's snapshots in the store.",
+    "store_snapshots": "Snapshots of the model in the store (any state).",
+    "store_evictions": "Snapshots the store evicted, by reason (its evictions.<reason> counters).",
+}
+
+
+class StoreCollector(Collector):
+    """``vllm:sparkcache_store_*`` (:data:`STORE_METRICS`) from the store at
+    ``folder``, opened at the first scrape and kept; a scrape that cannot read
+    it exports the families empty and logs why."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._store: SnapshotStore | None = None
+        self._lock = threading.Lock()
+
+    def use(self, folder: str) -> None:
+        """Read the store at ``folder`` from the next scrape on."""
+        with self._lock:
+            if folder != self.folder:
+                old, self._store, self.folder = self._store, None, folder
+                if old is not None:
+                    old.close()
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "digest"]
+        size = GaugeMetricFamily("vllm:sparkcache_store_bytes", STORE_METRICS["store_bytes"],
+                                 labels=labels)
+        count = GaugeMetricFamily("vllm:sparkcache_store_snapshots",
+                                  STORE_METRICS["store_snapshots"], labels=labels)
+        evictions = CounterMetricFamily("vllm:sparkcache_store_evictions",
+                                        STORE_METRICS["store_evictions"],
+                                        labels=[*labels, "reason"])
+        try:
+            with self._lock:
+                self._store = self._store or SnapshotStore(self.folder)
+                models = self._store.catalog.models()
+                counters = self._store.catalog.saved_counters()
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: the store's metrics are not readable: %s", exc)
+            models, counters = [], {}
+        for row in models:
+            if row.deleted_at is not None:
+                continue
+            key = [row.name, row.digest[:12]]
+            size.add_metric(key, row.nbytes)
+            count.add_metric(key, row.snapshots)
+            for name, value in sorted(counters.get(row.id, {}).items()):
+                if name.startswith("evictions."):
+                    evictions.add_metric([*key, name.removeprefix("evictions.")], value)
+        yield from (size, count, evictions)
+
+
+_collector: list[StoreCollector] = []  # the process's one, once registered
+_collector_lock = threading.Lock()
+
+
+def register_store_collector(vllm_config: Any) -> StoreCollector | None:
+    """The process's :class:`StoreCollector` in Prometheus's default registry,
+    reading the store of the engine built last (one collector per process: two
+    would export the same series), or None when the config names no readable
+    store settings."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    try:
+        folder = ConnectorSettings.from_extra_config(
+            getattr(transfer, "kv_connector_extra_config", None)).folder
+    except SparkCacheError as exc:
+        logger.warning("sparkcache: no store metrics: %s", exc)
+        return None
+    with _collector_lock:
+        if _collector:
+            _collector[0].use(folder)
+        else:
+            collector = StoreCollector(folder)
+            REGISTRY.register(collector)
+            _collector.append(collector)
+        return _collector[0]
+
+
 class SparkCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     """Per-engine Prometheus counters of :data:`PROM_COUNTERS`, and of
-    :data:`TENANT_PROM_COUNTERS` per tenant label."""
+    :data:`TENANT_PROM_COUNTERS` per tenant label; the store's gauges
+    (:class:`StoreCollector`) beside them."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -132,6 +229,7 @@ class SparkCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                                     labelnames=[*labelnames, "tenant"])
             for name, doc in TENANT_PROM_COUNTERS.items()
         }
+        self.store_collector = register_store_collector(vllm_config)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in (transfer_stats_data or {}).items():

@@ -8,7 +8,8 @@ prefix; an Anthropic request's tenant is its ``x-sparkcache-tenant`` header;
 a tenant's third snapshot evicts its own oldest and nobody else's;
 ``sparkcache clear --tenant`` and the page's Clear of one tenant leave the
 other tenants' snapshots; ``sparkcache tenants`` counts each tenant's requests
-and hit rate exactly.
+and hit rate exactly; /metrics has every series the Grafana dashboard
+(docs/grafana/sparkcache.json) queries, the store's with the store's numbers.
 
 Token counts are by hand: the chat template puts 7 tokens around one user
 message (``<bos><|user|>\\n`` ... ``<|end|>\\n<|assistant|>\\n``,
@@ -45,6 +46,7 @@ from serve_helpers import (
 from tiny_model import NEEDS_VLLM
 
 from sparkcache.store import SnapshotStore
+from tests import grafana
 
 pytestmark = NEEDS_VLLM
 
@@ -290,3 +292,54 @@ def test_per_tenant_counters_reach_prometheus(served: Server) -> None:
     got = wait_for(lambda: series().get("tenant-a"))
     assert got == SHARED
     assert series().get("tenant-b", 0.0) == 0.0
+
+
+
+def exported(server: Server) -> dict[str, list[Any]]:
+    """The samples of every metric family on the server's /metrics, by series name
+    (a counter family's ``_total`` and ``_created`` series included)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    out: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(text):
+        names = {family.name, f"{family.name}_total"} if family.type == "counter" else {
+            family.name}
+        for name in names:
+            out.setdefault(name, [])
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exported(served: Server) -> None:
+    """docs/grafana/sparkcache.json names only series that /metrics has (after
+    the tests above: snapshots stored, one evicted by a tenant's limit); the
+    store's gauges and evictions are the store's own numbers."""
+    wanted = grafana.metric_names(grafana.load())
+    assert {"vllm:sparkcache_hits_total", "vllm:sparkcache_store_bytes",
+            "vllm:sparkcache_store_evictions_total"} <= wanted, wanted
+    series = exported(served)
+    unknown = sorted(n for n in wanted if n not in series)
+    assert not unknown, f"the dashboard queries metrics /metrics does not export: {unknown}"
+
+    def store_numbers() -> tuple[dict[str, float], dict[str, float]] | None:
+        with SnapshotStore(served.folder) as store:
+            (model,) = [m for m in store.catalog.models() if m.deleted_at is None]
+            counters = store.stats()
+        size = {"bytes": float(model.nbytes), "snapshots": float(model.snapshots)}
+        evictions = {k.removeprefix("evictions."): float(v) for k, v in counters.items()
+                     if k.startswith("evictions.")}
+        got = exported(served)
+        mine = {"model": model.name, "digest": model.digest[:12]}
+        got_size = {name: sum(s.value for s in got[f"vllm:sparkcache_store_{name}"]
+                              if s.labels == mine) for name in size}
+        got_evictions = {s.labels["reason"]: s.value
+                         for s in got["vllm:sparkcache_store_evictions_total"]
+                         if {k: s.labels[k] for k in mine} == mine}
+        return (size, evictions) if (got_size, got_evictions) == (size, evictions) else None
+
+    size, evictions = wait_for(store_numbers)
+    assert size["bytes"] > 0 and size["snapshots"] > 0
+    assert evictions.get("tenant_entries", 0) >= 1, evictions
