@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sparkcache.connector.costs import LOAD_KEY
 from sparkcache.connector.faults import FAULT_ENV, die_at_publish, scramble
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
@@ -161,9 +162,7 @@ class WorkerIO:
         for thread in self._threads:
             thread.start()
 
-    @property
-    def bs(self) -> int:
-        return self.identity.block_size
+    bs = property(lambda self: self.identity.block_size)
 
     # -- loads -----------------------------------------------------------------------
 
@@ -268,11 +267,12 @@ class WorkerIO:
             logger.exception("sparkcache restore for %s crashed (recomputed): %s", job.req_id, exc)
             self._finish_load(job, ok=False, report=report)
             return False
-        n_bytes = self._nbytes(job)
+        seconds = time.perf_counter() - started
         self.counters.add("loads")
         self.counters.add("loaded_tokens", job.n_tokens - job.start_block * self.bs)
-        self.counters.add("loaded_bytes", n_bytes)
-        self.counters.add("load_seconds", time.perf_counter() - started)
+        self.counters.add("loaded_bytes", self._nbytes(job))
+        self.counters.add("load_seconds", seconds)
+        self.counters.add(LOAD_KEY + job.req_id, seconds)  # the scheduler's cost model
         self._finish_load(job, ok=True, report=report)
         return True
 
