@@ -118,25 +118,22 @@ class CostModel:
             self._rates[(source, bucket)] = Rate(unit_s, latency_s, 1, self.clock())
             self._dirty.add((source, bucket))
 
-    def observe(self, source: str, units: float, seconds: float, bucket: int = 0, *,
-                fresh: bool = False) -> None:
+    def observe(self, source: str, units: float, seconds: float, bucket: int = 0) -> None:
         """A use of ``source`` that moved ``units`` (bytes, tokens) in ``seconds``;
-        its known latency is taken off before the rate is averaged in (``fresh``:
-        a probe of a source that may have changed: it replaces the rate)."""
+        its known latency is taken off before the rate is averaged in."""
         if units <= 0 or seconds < 0:
             return
         with self._lock:
             rate = self._rates.setdefault((source, bucket), Rate(0.0))
             unit_s = max(0.0, seconds - rate.latency_s) / units
-            rate.unit_s = unit_s if fresh else _mix(rate.unit_s, unit_s)
+            rate.unit_s = _mix(rate.unit_s, unit_s)
             self._touch(rate, (source, bucket))
 
-    def observe_latency(self, source: str, seconds: float, *, fresh: bool = False) -> None:
+    def observe_latency(self, source: str, seconds: float) -> None:
         """A use of ``source`` that moved nothing (a tier's miss): its fixed time."""
         with self._lock:
             rate = self._rates.setdefault((source, 0), Rate(0.0))
-            seconds = max(0.0, seconds)
-            rate.latency_s = seconds if fresh else _mix(rate.latency_s, seconds)
+            rate.latency_s = _mix(rate.latency_s, max(0.0, seconds))
             self._touch(rate, (source, 0))
 
     def observe_bound(self, source: str, units: float, seconds: float) -> None:
@@ -229,8 +226,9 @@ class CostPlanner:
         #: The shared tier's source name (None: no tier) and its deadline.
         self.tier, self.deadline = tier, deadline
         self._planned: OrderedDict[str, Planned] = OrderedDict()
-        self._probe_at = 0.0  # monotonic: when the slow tier may be probed next
         self._probe_every = REPROBE_SECONDS[0]
+        #: Monotonic: when a tier found too slow may be probed next.
+        self._probe_at = time.monotonic() + self._probe_every
         self._probing = False  # the next fetch result is a probe's: it replaces the rate
         self._lock = threading.Lock()
 
@@ -266,8 +264,7 @@ class CostPlanner:
         with self._lock:
             if now < self._probe_at:
                 return False
-            if self._probe_at:
-                self._probe_every = min(REPROBE_SECONDS[1], self._probe_every * 2)
+            self._probe_every = min(REPROBE_SECONDS[1], self._probe_every * 2)
             self._probe_at = now + self._probe_every
             self._probing = True
             return True
@@ -305,10 +302,15 @@ class CostPlanner:
             return
         with self._lock:
             fresh, self._probing = self._probing, False
-        if nbytes:
-            self.model.observe(self.tier, nbytes, seconds, fresh=fresh)
+        if fresh:  # a probe of a tier found slow: what it finds now replaces the rate
+            old = self.model.rate(self.tier)
+            latency = old.latency_s if old is not None and nbytes else seconds
+            self.model.set(self.tier, max(0.0, seconds - latency) / nbytes if nbytes else 0.0,
+                           latency)
+        elif nbytes:
+            self.model.observe(self.tier, nbytes, seconds)
         else:
-            self.model.observe_latency(self.tier, seconds, fresh=fresh)
+            self.model.observe_latency(self.tier, seconds)
 
     def fetch_expired(self, have: int, limit: int) -> None:
         """A request stopped waiting for the tier at the deadline: the tier moves
