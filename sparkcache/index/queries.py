@@ -326,7 +326,8 @@ REQUESTS_BY_KEY_OF_MODEL = (
 # -- the connector's cost model (revision 0011) --------------------------------
 COST_COLUMNS = "model, source, bucket, unit_s, latency_s, samples, updated_at"
 # One engine's rates and the host's shared ones (model ''), by the primary key.
-COSTS_OF_MODEL = f"SELECT {COST_COLUMNS} FROM costs WHERE model IN ('', ?)"
+COSTS_OF_MODEL = (f"SELECT {COST_COLUMNS} FROM costs WHERE model IN ('', ?) "
+                  "ORDER BY model, source, bucket")
 ALL_COSTS = f"SELECT {COST_COLUMNS} FROM costs ORDER BY model, source, bucket"
 UPSERT_COST = (
     f"INSERT INTO costs ({COST_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
