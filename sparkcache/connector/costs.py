@@ -14,8 +14,9 @@ choice from them (the mechanism: docs/connector.md, "Restore or recompute"):
   restoring it, is expected to be faster than recomputing it, and within the
   deadline; else the local part alone is restored (``partial``) or nothing;
 * a source never measured is tried (bounded by the deadline for the tier);
-  a tier found too slow is measured again in the background now and then
-  (:data:`REPROBE_SECONDS`), so a recovered tier is used again.
+  a source found too slow is measured again now and then
+  (:data:`REPROBE_SECONDS`): the tier by a fetch in the background, the
+  local disk by one restore, so a recovered source is used again.
 
 Rates live in the index (:mod:`sparkcache.measures`) so a restarted engine
 starts with what the last one learned.  Pure Python: unit-tested without vLLM.
@@ -211,6 +212,7 @@ class Planned:
 
     source: str
     nbytes: int
+    fresh: bool = False  # a probe of a source found slow: its time replaces the rate
 
 
 class CostPlanner:
@@ -226,10 +228,10 @@ class CostPlanner:
         #: The shared tier's source name (None: no tier) and its deadline.
         self.tier, self.deadline = tier, deadline
         self._planned: OrderedDict[str, Planned] = OrderedDict()
-        self._probe_every = REPROBE_SECONDS[0]
-        #: Monotonic: when a tier found too slow may be probed next.
-        self._probe_at = time.monotonic() + self._probe_every
+        #: Sources found too slow: (monotonic time of the next probe, the interval).
+        self._probes: dict[str, tuple[float, float]] = {}
         self._probing = False  # the next fetch result is a probe's: it replaces the rate
+        self._warmed: set[str] = set()  # local sources whose first restore was not measured
         self._lock = threading.Lock()
 
     def _source(self, snapshot_id: int) -> str:
@@ -253,20 +255,28 @@ class CostPlanner:
         fetch += self.model.restore_seconds(LOCAL_WARM, nbytes) or 0.0
         if fetch < min(compute, self.deadline):
             with self._lock:
-                self._probe_every = REPROBE_SECONDS[0]
+                self._probes.pop(self.tier, None)
             return True
         return False
 
-    def probe_due(self) -> bool:
-        """Whether the tier, found too slow, is due to be measured again (in the
-        background); True at most once per interval, which doubles each time."""
+    def probe_due(self, source: str | None = None) -> bool:
+        """Whether ``source`` (default: the tier), found too slow, is due to be
+        measured again: first :data:`REPROBE_SECONDS` after it was found so, then
+        after doubling intervals; True at most once per interval."""
+        source = self.tier if source is None else source
+        if source is None:
+            return False
         now = time.monotonic()
         with self._lock:
-            if now < self._probe_at:
+            due, every = self._probes.get(source, (0.0, 0.0))
+            if not every:
+                self._probes[source] = (now + REPROBE_SECONDS[0], REPROBE_SECONDS[0])
                 return False
-            self._probe_every = min(REPROBE_SECONDS[1], self._probe_every * 2)
-            self._probe_at = now + self._probe_every
-            self._probing = True
+            if now < due:
+                return False
+            every = min(REPROBE_SECONDS[1], every * 2)
+            self._probes[source] = (now + every, every)
+            self._probing = self._probing or source == self.tier
             return True
 
     def choose(self, req_id: str, snapshot_id: int, local: int, claim: int,
@@ -278,10 +288,15 @@ class CostPlanner:
         nbytes = int((claim - local) * self.bytes_per_token)
         restore = self.model.restore_seconds(source, nbytes)
         compute = self.model.prefill_seconds(claim - local, prompt_tokens)
+        fresh = False
         if restore is not None and compute is not None and restore >= compute:
-            return False
+            if not self.probe_due(source):
+                return False
+            fresh = True  # restored anyway now and then: its time replaces the rate
         with self._lock:
-            self._planned[req_id] = Planned(source, nbytes)
+            if not fresh:
+                self._probes.pop(source, None)
+            self._planned[req_id] = Planned(source, nbytes, fresh)
             while len(self._planned) > MAX_PLANNED:
                 self._planned.popitem(last=False)
         return True
@@ -293,8 +308,18 @@ class CostPlanner:
                 continue
             with self._lock:
                 planned = self._planned.pop(key[len(LOAD_KEY):], None)
-            if planned is not None:
-                self.model.observe(planned.source, planned.nbytes, seconds / self.ranks)
+                # An engine's first restore from a source also pays one-time
+                # set-up (threads, buffers, first touches): not a measurement.
+                first = planned is not None and planned.source not in self._warmed
+                if planned is not None:
+                    self._warmed.add(planned.source)
+            if planned is None or (first and not planned.fresh):
+                continue
+            seconds /= self.ranks
+            if planned.fresh:
+                self.model.set(planned.source, seconds / max(1, planned.nbytes))
+            else:
+                self.model.observe(planned.source, planned.nbytes, seconds)
 
     def fetched(self, nbytes: int, seconds: float) -> None:
         """A fetch from the tier ended: ``nbytes`` downloaded in ``seconds``."""
