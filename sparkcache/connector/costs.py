@@ -101,6 +101,8 @@ class CostModel:
         self.clock = clock
         self._rates: dict[tuple[str, int], Rate] = {}
         self._dirty: set[tuple[str, int]] = set()
+        #: Decayed sums (weight, x, y, xx, xy) of the fitted sources' samples.
+        self._fits: dict[tuple[str, int], list[float]] = {}
         self._lock = threading.Lock()
 
     # -- inputs ------------------------------------------------------------------------
@@ -119,16 +121,37 @@ class CostModel:
             self._rates[(source, bucket)] = Rate(unit_s, latency_s, 1, self.clock())
             self._dirty.add((source, bucket))
 
-    def observe(self, source: str, units: float, seconds: float, bucket: int = 0) -> None:
+    def observe(self, source: str, units: float, seconds: float, bucket: int = 0, *,
+                fit: bool = False) -> None:
         """A use of ``source`` that moved ``units`` (bytes, tokens) in ``seconds``;
-        its known latency is taken off before the rate is averaged in."""
+        its known latency is taken off before the rate is averaged in.  ``fit``:
+        both the rate and the latency come from a line fitted through the
+        samples (:meth:`_fit`), for a source with no other latency measurement."""
         if units <= 0 or seconds < 0:
             return
         with self._lock:
-            rate = self._rates.setdefault((source, bucket), Rate(0.0))
-            unit_s = max(0.0, seconds - rate.latency_s) / units
-            rate.unit_s = _mix(rate.unit_s, unit_s)
-            self._touch(rate, (source, bucket))
+            key = (source, bucket)
+            rate = self._rates.setdefault(key, Rate(0.0))
+            if fit:
+                self._fit(key, rate, units, seconds)
+            else:
+                rate.unit_s = _mix(rate.unit_s, max(0.0, seconds - rate.latency_s) / units)
+            self._touch(rate, key)
+
+    def _fit(self, key: tuple[str, int], rate: Rate, x: float, y: float) -> None:
+        """Least squares of seconds on units over the samples, each older one
+        weighing ``1 - WEIGHT`` less: a fixed time per use (threads, a lease)
+        apart from the per-unit rate, once samples of different sizes came."""
+        sums = self._fits.setdefault(key, [0.0] * 5)
+        for i, value in enumerate((1.0, x, y, x * x, x * y)):
+            sums[i] = sums[i] * (1 - WEIGHT) + value
+        n, sx, sy, sxx, sxy = sums
+        spread = n * sxx - sx * sx
+        slope = (n * sxy - sx * sy) / spread if spread > 1e-6 * n * sxx else -1.0
+        if slope > 0 and sy - slope * sx >= 0:
+            rate.unit_s, rate.latency_s = slope, (sy - slope * sx) / n
+        else:  # one size so far (or noise): the latency known, the rate averaged
+            rate.unit_s = max(0.0, sy / n - rate.latency_s) / (sx / n)
 
     def observe_latency(self, source: str, seconds: float) -> None:
         """A use of ``source`` that moved nothing (a tier's miss): its fixed time."""
@@ -319,7 +342,7 @@ class CostPlanner:
             if planned.fresh:
                 self.model.set(planned.source, seconds / max(1, planned.nbytes))
             else:
-                self.model.observe(planned.source, planned.nbytes, seconds)
+                self.model.observe(planned.source, planned.nbytes, seconds, fit=True)
 
     def fetched(self, nbytes: int, seconds: float) -> None:
         """A fetch from the tier ended: ``nbytes`` downloaded in ``seconds``."""

@@ -96,6 +96,22 @@ def test_recent_measurements_weigh_more() -> None:
     assert model.restore_seconds(LOCAL_WARM, 1000) == pytest.approx(0.1, rel=1e-3)
 
 
+def test_a_local_restore_s_fixed_time_is_fitted_apart_from_its_rate() -> None:
+    """Restores of 1 MB in 2 ms and 10 MB in 11 ms: 1 ms a restore, 1 ns a byte
+    (a rate averaged per byte would make the 10 MB one 20 ms)."""
+    model = CostModel("m")
+    model.observe(LOCAL_WARM, 1e6, 0.002, fit=True)
+    assert model.restore_seconds(LOCAL_WARM, 1e6) == pytest.approx(0.002)
+    model.observe(LOCAL_WARM, 1e7, 0.011, fit=True)
+    rate = model.rate(LOCAL_WARM)
+    assert rate is not None
+    assert (rate.latency_s, rate.unit_s) == (pytest.approx(0.001), pytest.approx(1e-9))
+    for _ in range(20):  # the disk got slower: recent samples win
+        model.observe(LOCAL_WARM, 1e6, 0.011, fit=True)
+        model.observe(LOCAL_WARM, 1e7, 0.101, fit=True)
+    assert model.restore_seconds(LOCAL_WARM, 1e7) == pytest.approx(0.101, rel=0.01)
+
+
 def test_prefill_is_measured_from_steps_less_their_overhead() -> None:
     model = CostModel("m")
     assert model.prefill_seconds(100, 512) is None  # nothing measured: unknown
