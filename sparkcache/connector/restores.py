@@ -229,17 +229,18 @@ class Restores:
         """The cost model's choice for a match past vLLM's hit: whether to restore
         it; the reason goes to the request log and the ``cost_*`` counters."""
         assert self.costs is not None
+        chosen = True  # (nothing past vLLM's hit: a miss, counted as one)
         if match is None or claim <= local:
             reason = "too_slow" if state.restore.too_slow else None
         elif not self.costs.choose(state.request.request_id, match.snapshot_id, local, claim,
                                    len(state.request.all_token_ids)):
-            reason = "too_slow"
+            reason, chosen = "too_slow", False
         else:
             reason = "partial" if state.restore.too_slow else "restored"
         state.facts.restore_reason = reason
         if reason is not None:
             self._count(state, f"cost_{reason}")
-        return reason != "too_slow"
+        return chosen
 
     def wait_fetches(self, timeout: float) -> None:
         """Wait up to ``timeout`` for a fetch from the tier to end."""

@@ -103,12 +103,21 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         stop_s3_servers()
 
 
+def _times(run: dict[str, Any]) -> dict[str, Any]:
+    """What a failure shows: every timing and the learned rates."""
+    pick = ("first", "seen", "direct")
+    return {"plain": [r["s"] for r in run["plain"]], **{k: run[k]["s"] for k in pick},
+            "restarted": [r["s"] for r in run["restarted"]], "kept": run["kept"],
+            "logs": (run["host2_log"], run["host3_log"])}
+
+
 def test_a_tier_seen_slow_is_not_waited_for(run: dict[str, Any]) -> None:
     assert run["uploaded"] >= 4
     plain = run["plain"]
-    assert run["first"]["s"] >= DEADLINE * 0.9  # tried once, bounded by the deadline
+    # tried once: it waited for the tier (at least one slow request), at most the deadline
+    assert DELAY * 0.9 <= run["first"]["s"] <= DEADLINE + 1.0, _times(run)
     seen = run["seen"]
-    assert seen["s"] <= 1.5 * plain[0]["s"] + 0.05, (seen, plain[0])
+    assert seen["s"] <= 1.5 * plain[0]["s"] + 0.05, _times(run)
     assert seen["tokens"] == plain[0]["tokens"] and seen["cached"] == 0
     assert run["host2_log"][-1] == "too_slow", run["host2_log"]
     sources = {source for source, _unit, _n in run["kept"]}
@@ -118,8 +127,8 @@ def test_a_tier_seen_slow_is_not_waited_for(run: dict[str, Any]) -> None:
 def test_a_restarted_engine_keeps_what_it_learned(run: dict[str, Any]) -> None:
     plain = run["plain"]
     first, second = run["restarted"]
-    assert first["s"] < DEADLINE * 0.7, first  # its first request: not the deadline
-    assert second["s"] <= 1.5 * plain[2]["s"] + 0.05, (second, plain[2])
+    assert first["s"] < DELAY * 0.9, _times(run)  # its first request: not waiting for the tier
+    assert second["s"] <= 1.5 * plain[2]["s"] + 0.05, _times(run)
     assert (first["tokens"], second["tokens"]) == (plain[1]["tokens"], plain[2]["tokens"])
 
 
