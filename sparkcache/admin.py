@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -42,6 +42,7 @@ from sparkcache.indexfile import (
     read_revision,
 )
 from sparkcache.maintenance import CheckReport
+from sparkcache.measures import CostRow
 from sparkcache.rehearsal import DryRun
 from sparkcache.requestlog import KeySummary, RequestRow, printable
 from sparkcache.retention import Retention, RetentionSettings, SweepReport
@@ -62,6 +63,7 @@ __all__ = [
     "VERSION",
     "CheckReport",
     "ClearReport",
+    "CostRow",
     "DbRevision",
     "DeleteModelReport",
     "DryRun",
@@ -136,6 +138,8 @@ class Stats:
     quarantined_counts: dict[str, int]  # quarantines counted, by reason
     quarantined: list[SnapshotRow]  # snapshots quarantined now
     counters: dict[str, int]  # every counter, raw
+    #: The connector's measured rates (its model's and the host's; docs/index.md, "costs").
+    costs: list[CostRow] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -305,7 +309,8 @@ def show(store: SnapshotStore, snapshot_id: int) -> SnapshotDetail:
 def stats(store: SnapshotStore, model: str | int | None = None) -> Stats:
     """Counters (all models, or one) plus the snapshots quarantined now."""
     models = {m.id: m.name for m in list_models(store)}
-    model_id = None if model is None else resolve_model(store, model).id
+    named = None if model is None else resolve_model(store, model)
+    model_id = None if named is None else named.id
     totals = store.catalog.counters(model_id)
     quarantined = [row for row in store.catalog.snapshots(model_id)
                    if row.state == "quarantined"]
@@ -325,6 +330,7 @@ def stats(store: SnapshotStore, model: str | int | None = None) -> Stats:
         restored_bytes=totals.get("restored_bytes", 0),
         evictions=by_prefix("evictions."), quarantined_counts=by_prefix("quarantined."),
         quarantined=quarantined, counters=dict(sorted(totals.items())),
+        costs=store.costs(None if named is None else named.digest),
     )
 
 

@@ -101,6 +101,8 @@ class RequestRow:
     tenant: str | None = None  # the request's tenant (docs/serve.md, "Tenants")
     answer_id: str | None = None  # the id the client saw on the answer (diagnostics)
     fingerprint: str | None = None  # the prompt's parts' digests, JSON (diagnostics)
+    #: The cost model's decision: 'restored', 'partial', 'too_slow' (None: none made).
+    restore_reason: str | None = None
 
     def __post_init__(self) -> None:
         # The index holds the JSON text (or NULL).

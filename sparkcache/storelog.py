@@ -1,9 +1,10 @@
-"""The store's request log: the rows each request leaves, and their summaries.
+"""The store's request log: the rows each request leaves, their summaries, and
+the connector's measured costs.
 
 :class:`StoreLog` is a base class of :class:`~sparkcache.store.SnapshotStore`
 holding these verbs beside :class:`~sparkcache.upkeep.StoreUpkeep`: each calls
-one function of :mod:`sparkcache.requestlog` on the store's core (docs/index.md,
-"request_log").
+one function of :mod:`sparkcache.requestlog` (docs/index.md, "request_log") or
+:mod:`sparkcache.measures` ("costs") on the store's core.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sparkcache import requestlog, tenants
+from sparkcache import measures, requestlog, tenants
 from sparkcache.core import Core
+from sparkcache.measures import CostRow
 from sparkcache.requestlog import KeySummary, LogSummary, RequestRow, Timeline, Ttfts
 from sparkcache.tenants import TenantUsage
 
@@ -106,3 +108,22 @@ class StoreLog:
             model_id: only this model's.
         """
         return tenants.tenant_usage(self._core, model_id=model_id)
+
+    def costs(self, model: str | None = None) -> list[CostRow]:
+        """The connector's measured rates (:mod:`sparkcache.measures`).
+
+        Args:
+            model: an identity digest: that engine's rates and the host's shared
+                ones; None: every row.
+        """
+        if model is None:
+            return measures.all_costs(self._core)
+        return measures.costs(self._core, model)
+
+    def record_costs(self, rows: Sequence[CostRow]) -> None:
+        """Keep measured rates, each replacing the row of its key, in one transaction.
+
+        Args:
+            rows: at most :data:`sparkcache.measures.MAX_ROWS`.
+        """
+        measures.record_costs(self._core, rows)

@@ -83,6 +83,23 @@ def _snapshot_table(rows: Sequence[admin.SnapshotRow]) -> str:
     )
 
 
+def _cost_table(rows: Sequence[admin.CostRow]) -> str:
+    """The cost model's rates for people: tokens/s for prefill, MB/s for a restore."""
+    def rate(r: admin.CostRow) -> str:
+        if not r.unit_s:
+            return "-"
+        if r.source == "prefill":
+            return f"{1 / r.unit_s:,.0f} tokens/s"
+        return f"{1e-6 / r.unit_s:,.1f} MB/s"
+
+    return table(
+        ["SOURCE", "MODEL", "PROMPT", "RATE", "LATENCY S", "SAMPLES", "UPDATED"],
+        [[r.source, r.model[:12] or "(host)", f"<={1 << r.bucket}" if r.source == "prefill"
+          else "", rate(r), round(r.latency_s, 4), r.samples, when(r.updated_at)]
+         for r in rows],
+    )
+
+
 def cmd_ls(ctx: Context) -> int:
     with ctx.store(upgrade=False) as store:
         rows = admin.list_snapshots(store, ctx.args.model)
@@ -148,6 +165,8 @@ def cmd_stats(ctx: Context) -> int:
                                      f"{c.get('fetch_misses', 0)} misses; "
                                      f"{c.get('fetch_refused', 0)} refused"))
         body = fields(pairs)
+        if st.costs:
+            body += "\n\nmeasured costs (restore or recompute):\n" + _cost_table(st.costs)
         if st.quarantined:
             body += "\n\nquarantined now:\n" + _snapshot_table(st.quarantined)
         return body

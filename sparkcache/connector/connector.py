@@ -159,9 +159,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         if self.store is None:
             return
         min_tokens = self.settings.min_tokens
-        log_rows = self.settings.log_rows
-        if log_rows is None:
-            log_rows = log_rows_setting()
+        log_rows = log_rows_setting() if self.settings.log_rows is None else self.settings.log_rows
         if log_rows > 0:
             self.log_writer = LogWriter(self.settings.folder, self.identity, self.counters,
                                         keep=log_rows)
@@ -172,7 +170,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             compute_tokens=self.settings.compute_tokens or (2 if lone_token_differs() else 1),
             min_tokens=self.retention.settings.min_tokens if min_tokens is None else min_tokens,
             on_facts=None if self.log_writer is None else self.log_writer.put,
-            groups=self.groups, params_key=self.params_key,
+            groups=self.groups, params_key=self.params_key, costs=self.settings.cost_model,
         )
         Unsent.register(self._unsent_key, self.sched.saves.take_saves)
         self.sched.restores.total_kv_heads = self.sched.saves.total_kv_heads = \
@@ -205,7 +203,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             self.fetcher = Fetcher(self.upload_store, self.identity, self.counters,
                                    deadline=self.settings.shared_deadline_seconds,
                                    min_tokens=sched.min_tokens)
-            sched.fetcher = self.fetcher
+            sched.use_tier(self.fetcher, shared, self.settings.shared_options.get("endpoint_url"))
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -295,13 +293,14 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     def update_connector_output(self, connector_output: Any) -> None:
         """After each step: what the workers reported in :meth:`get_finished`.
 
-        An id in ``finished_recving`` ends its asynchronous load: its lease goes
-        and requests waiting for that prefix are answered again.  An id in
-        ``finished_sending`` no longer holds blocks (vLLM frees them).
+        An id in ``finished_recving`` ends its asynchronous load: its lease goes,
+        requests waiting for that prefix are answered again; one in
+        ``finished_sending`` holds no blocks now.  The step measures the costs.
         """
         if self.sched is not None:
             self.sched.on_output(connector_output.finished_recving or (),
-                                 connector_output.finished_sending or ())
+                                 connector_output.finished_sending or (),
+                                 connector_output.kv_connector_stats)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -577,6 +576,8 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                 self.sweep_store.close()  # stops its sweeper
             if self.log_writer is not None:
                 self.log_writer.close()
+            if self.sched is not None:
+                self.sched.close()  # keeps what the cost model learned
             if self.shared_sweeper is not None:
                 self.shared_sweeper.stop()
             if self.fetcher is not None:

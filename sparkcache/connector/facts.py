@@ -62,6 +62,8 @@ class Facts:
     local: int | None = None  # vLLM's own prefix hit at the last admission
     restored: int = 0  # tokens a planned restore supplies
     remote_restored: int = 0  # of ``restored``, those the tier supplied
+    #: The cost model's choice: 'restored', 'partial', 'too_slow' (None: none made).
+    restore_reason: str | None = None
     new_prefixes: list[NewPrefix] = field(default_factory=list)
     admitted_at: float | None = None
     loaded_at: float | None = None  # an asynchronous restore landed
@@ -103,6 +105,7 @@ class Facts:
             "breakpoints": list(self.breakpoints),
             "queue_s": _since(arrival, self.admitted_at),
             "restore_s": _since(self.admitted_at, self.loaded_at),
+            "restore_reason": self.restore_reason,
         }
         if final:
             row["output_tokens"] = max(0, len(request.all_token_ids)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -62,6 +62,7 @@ class Fetch:
     future: Future[FetchResult]
     started: float
     deadline: float
+    tokens: int = 0  # the prompt's tokens asked for
 
     def expired(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.started + self.deadline
@@ -84,6 +85,8 @@ class Fetcher:
                                         thread_name_prefix="sparkcache-fetch")
         self._running: set[Future[FetchResult]] = set()
         self._lock = threading.Lock()
+        #: Called with every fetch's result that the tier answered (the cost model).
+        self.on_result: Callable[[FetchResult], None] | None = None
         self._burst = 0  # failures of the tier since it last answered
         self._paused_until = 0.0  # monotonic: not asked before (after failures)
 
@@ -103,7 +106,7 @@ class Fetcher:
             self._running.add(future)
         future.add_done_callback(self._done)
         self.counters.add("remote_lookups")
-        return Fetch(future, time.monotonic(), self.deadline)
+        return Fetch(future, time.monotonic(), self.deadline, len(tokens))
 
     def _done(self, future: Future[FetchResult]) -> None:
         with self._lock:
@@ -140,6 +143,8 @@ class Fetcher:
             logger.warning("sparkcache: a snapshot in the shared tier was refused (a miss): "
                            "%s", result.reason)
         self.counters.add("remote_fetched_bytes", result.nbytes)
+        if self.on_result is not None:
+            self.on_result(result)
         return result
 
     def failed(self) -> None:

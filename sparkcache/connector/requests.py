@@ -230,6 +230,7 @@ class RestorePart:
     fetch_done: bool = False  # asked the tier already (or gave up waiting)
     before_fetch: int = 0  # tokens local (vLLM's or ours) before the fetch
     remote: int = 0  # tokens of the pending offer the tier supplied
+    too_slow: bool = False  # the tier was not asked: slower than recomputing (costs)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from sparkcache.connector.costs import CostPlanner
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.connector.requests import Offer, RequestState, Rules, TenantLabels
@@ -69,6 +70,8 @@ class Restores:
         self.tail_block = tail_block
         #: Fetches from the shared tier (None: no tier, or restoring from it is off).
         self.fetcher = fetcher
+        #: Restore or recompute, from measured rates (None: always restore).
+        self.costs: CostPlanner | None = None
         self.tenants = TenantLabels()  # the per-tenant counters' bounded labels
         self._live: set[str] = set()
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
@@ -111,6 +114,8 @@ class Restores:
         if self._ask_tier(request, state, limit, max(claim, num_computed), hashes):
             return None, False  # ask again once the tier answered
         self._count(state, "lookups")  # once per answer, however often it was asked
+        if self.costs is not None and not self._chosen(state, match, num_computed, claim):
+            return 0, False  # recomputing is faster (docs/connector.md, "Restore or recompute")
         part.remote = 0
         fetch = part.fetch
         if fetch is not None and fetch.future.done() and claim > part.before_fetch \
@@ -149,6 +154,8 @@ class Restores:
                 if not part.fetch.expired():
                     return True
                 self.counters.add("remote_timeouts")  # go on with what is local
+                if self.costs is not None:  # the tier is at most that fast
+                    self.costs.fetch_expired(part.before_fetch, part.fetch.tokens)
                 if self.fetcher is not None:
                     self.fetcher.failed()  # and do not make the next ones wait
             part.fetch_done = True
@@ -209,12 +216,34 @@ class Restores:
         breakpoints = state.params.breakpoints
         if self.rules.groups.ends_only:  # only a whole snapshot past what is local is of use
             breakpoints = tuple(b for b in breakpoints if b >= have + bs)
+        if self.costs is not None and not self.costs.tier_pays(have, limit, len(request_tokens)):
+            part.fetch_done = part.too_slow = True  # slower than recomputing: not asked
+            if self.costs.probe_due():  # measured again in the background: nobody waits
+                self.fetcher.start(request_tokens, state.scope, breakpoints, hashes)
+            return False
         fetch = self.fetcher.start(request_tokens, state.scope, breakpoints, hashes)
         if fetch is None:
             part.fetch_done = True
             return False
         part.fetch, part.before_fetch = fetch, have
         return True
+
+    def _chosen(self, state: RequestState, match: Match | None, local: int, claim: int) -> bool:
+        """The cost model's choice for a match past vLLM's hit: whether to restore
+        it; the reason goes to the request log and the ``cost_*`` counters."""
+        assert self.costs is not None
+        chosen = True  # (nothing past vLLM's hit: a miss, counted as one)
+        if match is None or claim <= local:
+            reason = "too_slow" if state.restore.too_slow else None
+        elif not self.costs.choose(state.request.request_id, match.snapshot_id, local, claim,
+                                   len(state.request.all_token_ids)):
+            reason, chosen = "too_slow", False
+        else:
+            reason = "partial" if state.restore.too_slow else "restored"
+        state.facts.restore_reason = reason
+        if reason is not None:
+            self._count(state, f"cost_{reason}")
+        return chosen
 
     def wait_fetches(self, timeout: float) -> None:
         """Wait up to ``timeout`` for a fetch from the tier to end."""

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from sparkcache.connector.costs import CostKeeper, CostModel, CostPlanner, StepClock, tier_source
 from sparkcache.connector.facts import Reporter
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.groups import KVGroups
@@ -59,6 +60,7 @@ class SchedulerSide:
         fetcher: Fetcher | None = None,
         groups: KVGroups | None = None,
         params_key: str = "sparkcache",
+        costs: bool = False,
     ) -> None:
         self.store = store
         #: The key of the facts in the ``kv_transfer_params`` :meth:`finished` returns.
@@ -77,6 +79,17 @@ class SchedulerSide:
         self.saves = Saves(store, rules, counters, enabled=publish)
         self.reporter = Reporter(on_facts)
         self._reqs: dict[str, RequestState] = {}
+        #: The measured cost model (``costs``: it decides restores; else it is
+        #: not kept), the clock of the steps that measure prefill, its keeper.
+        self.costs = CostModel(identity.digest())
+        self.clock = StepClock(self.costs)
+        self.keeper: CostKeeper | None = None
+        self._planned_step: tuple[int, int] | None = None  # (prefill tokens, longest)
+        if costs:
+            self.keeper = CostKeeper(self.costs, store.root)
+            self.restores.costs = CostPlanner(
+                self.costs, store, ranks=identity.world_size,
+                bytes_per_token=identity.num_layers * identity.page_nbytes / identity.block_size)
 
     @property
     def min_tokens(self) -> int:
@@ -92,6 +105,15 @@ class SchedulerSide:
     @fetcher.setter
     def fetcher(self, fetcher: Fetcher | None) -> None:
         self.restores.fetcher = fetcher
+
+    def use_tier(self, fetcher: Fetcher, url: str, endpoint: str | None) -> None:
+        """Fetch from the shared tier ``url`` (at ``endpoint``) with ``fetcher``,
+        measured as one source of the cost model."""
+        self.restores.fetcher = fetcher
+        planner = self.restores.costs
+        if planner is not None:
+            planner.tier, planner.deadline = tier_source(url, endpoint), fetcher.deadline
+            fetcher.on_result = lambda result: planner.fetched(result.nbytes, result.seconds)
 
     @property
     def on_facts(self) -> Callable[[dict[str, Any]], None] | None:
@@ -179,14 +201,22 @@ class SchedulerSide:
         Notes the time a request's first output token is first seen.
         """
         now = time.time()
+        prefill = longest = 0  # for the cost model's prefill rate
+        self._planned_step = None
         for req_id, state in self._reqs.items():
             state.facts.saw_output(state.request, now)
             step = scheduled.get(req_id)
             if step is None:
                 continue
+            self._planned_step = (0, 0)  # the step computes something
+            if step > 1:
+                prefill += int(step)
+                longest = max(longest, int(state.request.num_computed_tokens) + int(step))
             if state.save.marks:
                 self.saves.plan_marks(state, int(step), block_ids_of)
             self.reporter.stepped(state.request, state.facts, int(step))
+        if self._planned_step is not None:
+            self._planned_step = (prefill, longest)
 
     def preempted(self, req_ids: Iterable[str]) -> list[str]:
         """Of vLLM's preempted requests, those whose breakpoint saves may still be
@@ -198,17 +228,30 @@ class SchedulerSide:
     def take_jobs(self) -> tuple[list[LoadJob], list[SaveJob]]:
         """The loads and saves planned since the last call (``build_connector_meta``);
         they are forgotten here, each handed out once."""
-        return self.restores.take_loads(), self.saves.take_saves()
+        loads = self.restores.take_loads()
+        step, self._planned_step = self._planned_step, None
+        self.clock.planned(step, in_step_loads=any(job.in_step for job in loads))
+        return loads, self.saves.take_saves()
 
-    def on_output(self, finished_recving: Iterable[str], finished_sending: Iterable[str]) -> None:
+    def on_output(self, finished_recving: Iterable[str], finished_sending: Iterable[str],
+                  stats: Any = None) -> None:
         """``update_connector_output``: loads landed (their leases go, followers
-        are answered again), saves copied (their blocks are no longer held)."""
+        are answered again), saves copied (their blocks are no longer held);
+        the step's time and the workers' ``stats`` measure the cost model."""
+        self.clock.ended()
+        if self.restores.costs is not None and stats is not None:
+            self.restores.costs.loads_measured(getattr(stats, "data", None))
         landed = list(finished_recving)
         self.restores.landed(landed)
         for req_id in landed:
             if (state := self._reqs.get(req_id)) is not None:
                 state.facts.loaded_at = time.time()
         self.saves.copied(finished_sending)
+
+    def close(self) -> None:
+        """Keep what the cost model learned (when it is kept)."""
+        if self.keeper is not None:
+            self.keeper.close()
 
     @property
     def pending_block_frees(self) -> bool:

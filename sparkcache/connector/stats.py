@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sparkcache.connector.costs import LOAD_KEY
 from sparkcache.connector.jobs import LoadJob, SaveJob
 from sparkcache.connector.requests import TENANT_KEY
 from sparkcache.connector.settings import ConnectorSettings
@@ -61,11 +62,13 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
     hit_tokens the tier supplied; the rest is local), remote_lookups,
     remote_misses, remote_refused, remote_errors, remote_timeouts,
     remote_dropped, remote_fetched_bytes, remote_seconds
-    (:mod:`sparkcache.connector.fetcher`).
+    (:mod:`sparkcache.connector.fetcher`); with the cost model: cost_restored,
+    cost_partial, cost_too_slow (:mod:`sparkcache.connector.costs`).
     Workers: loads, loaded_tokens, loaded_bytes, load_seconds, loads_direct,
     loads_in_step, load_failures, loads_dropped, loads_unwaited, saves,
     saved_tokens, saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
-    saves_skipped, save_failures, saves_lost_parent, saves_cancelled.
+    saves_skipped, save_failures, saves_lost_parent, saves_cancelled; each
+    restore's own time for the cost model (``LOAD_KEY`` + request id, not logged).
     """
 
     data: dict[str, Any] = field(default_factory=dict)
@@ -81,7 +84,8 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
     def reduce(self) -> dict[str, int | float]:
         """The totals vLLM logs (the per-tenant ones are left to Prometheus)."""
         out = {key: round(value, 4) if isinstance(value, float) else value
-               for key, value in sorted(self.data.items()) if not key.startswith(TENANT_KEY)}
+               for key, value in sorted(self.data.items())
+               if not key.startswith((TENANT_KEY, LOAD_KEY))}
         lookups = self.data.get("lookups", 0)
         if lookups:
             out["hit_rate"] = round(self.data.get("hits", 0) / lookups, 4)
@@ -105,6 +109,9 @@ PROM_COUNTERS = {
     "remote_errors": "Shared-tier lookups that failed: unreachable or refused (recomputed).",
     "remote_timeouts": "Requests that stopped waiting for the shared tier at the deadline.",
     "remote_fetched_bytes": "Bytes fetched from the shared tier.",
+    "cost_restored": "Restores the cost model found faster than recomputing.",
+    "cost_partial": "Restores of the local part only: the shared tier was slower than recomputing.",
+    "cost_too_slow": "Matches recomputed: restoring them was expected to be slower.",
     "coalesced": "Requests that waited for another request's restore of their prefix.",
     "loaded_bytes": "KV bytes copied from sparkcache into the KV cache.",
     "loads_in_step": "Restores read layer by layer under the forward of their prefill step.",

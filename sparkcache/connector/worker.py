@@ -21,10 +21,9 @@ workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
   a sliding window's, which vLLM frees as the request moves on: those are
   copied in ``wait_for_save``, before the step ends (``copy_in_step``).
 
-No disk I/O runs on the forward thread.  Both queues are bounded, and so are
-the host bytes held by saves: when a bound is hit the work is dropped and
-counted - a dropped load is reported failed (vLLM recomputes its blocks), a
-dropped save is reported sent at once (a future miss).  Serving never waits for the disk.
+No disk I/O runs on the forward thread.  Both queues are bounded, and so are the host bytes held
+by saves: over a bound the work is dropped and counted - a dropped load is reported failed (vLLM
+recomputes its blocks), a dropped save sent at once (a future miss).  Serving never waits for it.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sparkcache.connector.costs import LOAD_KEY
 from sparkcache.connector.faults import FAULT_ENV, die_at_publish, scramble
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
@@ -268,10 +268,10 @@ class WorkerIO:
             logger.exception("sparkcache restore for %s crashed (recomputed): %s", job.req_id, exc)
             self._finish_load(job, ok=False, report=report)
             return False
-        n_bytes = self._nbytes(job)
+        self.counters.add(LOAD_KEY + job.req_id, time.perf_counter() - started)  # cost model
         self.counters.add("loads")
         self.counters.add("loaded_tokens", job.n_tokens - job.start_block * self.bs)
-        self.counters.add("loaded_bytes", n_bytes)
+        self.counters.add("loaded_bytes", self._nbytes(job))
         self.counters.add("load_seconds", time.perf_counter() - started)
         self._finish_load(job, ok=True, report=report)
         return True

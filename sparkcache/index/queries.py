@@ -262,7 +262,8 @@ PUT_SETTING = (
 REQUEST_FIELDS = (
     "request_id, created_at, model_id, model, api, cache_key, prompt_tokens, live_tokens, "
     "restored_tokens, written_tokens, output_tokens, breakpoints, queue_s, restore_s, ttft_s, "
-    "total_s, status, remote_tokens, written_by_ttl, tenant, answer_id, fingerprint"
+    "total_s, status, remote_tokens, written_by_ttl, tenant, answer_id, fingerprint, "
+    "restore_reason"
 )
 REQUEST_COLUMNS = f"seq, {REQUEST_FIELDS}"
 # A record fills in the row of its request: a column it leaves NULL keeps its
@@ -338,6 +339,19 @@ REQUESTS_BY_KEY = (
 REQUESTS_BY_KEY_OF_MODEL = (
     f"{REQUEST_KEY_SUMS} WHERE cache_key IS NOT NULL AND model_id = ? "
     "GROUP BY cache_key ORDER BY count(*) DESC, cache_key"
+)
+
+# -- the connector's cost model (revision 0011) --------------------------------
+COST_COLUMNS = "model, source, bucket, unit_s, latency_s, samples, updated_at"
+# One engine's rates and the host's shared ones (model ''), by the primary key.
+COSTS_OF_MODEL = (f"SELECT {COST_COLUMNS} FROM costs WHERE model IN ('', ?) "
+                  "ORDER BY model, source, bucket")
+ALL_COSTS = f"SELECT {COST_COLUMNS} FROM costs ORDER BY model, source, bucket"
+UPSERT_COST = (
+    f"INSERT INTO costs ({COST_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (model, source, bucket) DO UPDATE SET unit_s = excluded.unit_s, "
+    "latency_s = excluded.latency_s, samples = excluded.samples, "
+    "updated_at = excluded.updated_at"
 )
 
 # -- admin API and CLI (sparkcache.admin) ---------------------------------------

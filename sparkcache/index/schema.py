@@ -36,6 +36,7 @@ __all__ = [
     "BOUNDARIES",
     "BOUNDARY_KINDS",
     "COMMIT",
+    "COSTS",
     "COUNTERS",
     "DEFAULT_BUSY_TIMEOUT_MS",
     "JOURNAL_MODE",
@@ -73,7 +74,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0010"
+SCHEMA_REVISION: Final = "0011"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -307,6 +308,9 @@ REQUEST_LOG: Final = Table(
     # fingerprint (digests only) that cache-miss diagnostics compare.
     Column("answer_id", Text, nullable=True),
     Column("fingerprint", Text, nullable=True),
+    # Revision 0011: why the connector restored what it did, or recomputed
+    # (docs/connector.md, "Restore or recompute"); NULL: nothing to restore.
+    Column("restore_reason", Text, nullable=True),
     CheckConstraint(_one_of("api", REQUEST_APIS), name="ck_request_log_api"),
     # One model's requests, newest first (the log's listing and --follow).
     Index("ix_request_log_model_seq", "model_id", "seq"),
@@ -315,6 +319,27 @@ REQUEST_LOG: Final = Table(
     # A request by its answer's id (diagnostics); most requests have none.
     Index("ix_request_log_answer_id", "answer_id", sqlite_where=text("answer_id IS NOT NULL")),
     sqlite_autoincrement=True,
+)
+
+# Revision 0011.  The connector's cost model (docs/connector.md, "Restore or
+# recompute"): one row per measured rate, kept across restarts.  ``model``: the
+# identity digest for an engine's own rates (prefill, step), '' for a source
+# every engine on the host shares (local disk, verification, a shared tier);
+# ``bucket``: the prompt-length bucket of a prefill rate (0 otherwise);
+# ``unit_s``: seconds per unit (a token for prefill, a byte for a restore);
+# ``latency_s``: the fixed seconds of one use (a step's overhead, a tier's
+# first byte); both are averages in which recent measurements weigh more.
+COSTS: Final = Table(
+    "costs",
+    METADATA,
+    Column("model", Text, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("bucket", Integer, nullable=False, server_default=text("0")),
+    Column("unit_s", REAL, nullable=False),
+    Column("latency_s", REAL, nullable=False, server_default=text("0")),
+    Column("samples", Integer, nullable=False, server_default=text("0")),
+    Column("updated_at", REAL, nullable=False),
+    PrimaryKeyConstraint("model", "source", "bucket", name="pk_costs"),
 )
 
 TR_USAGE_INSERT: Final = """CREATE TRIGGER tr_usage_insert AFTER INSERT ON snapshots

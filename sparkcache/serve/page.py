@@ -5,10 +5,10 @@ Server-rendered HTML (no build step; every value escaped): the playground
 charts (:mod:`sparkcache.serve.charts`), the snapshots (tokens, MB, last used,
 hits), the hit rate over the request log, its tenants (snapshots, MB, hit
 rate, a Clear of one tenant's snapshots), the retention limits in force, the
-latest requests with their cached and written tokens, and a **Clear KV
-snapshots** button: a POST form carrying a token only a page this server
-rendered has (the middleware checks it, the request's origin and who asks:
-see :mod:`sparkcache.serve.middleware`).
+cost model's measured rates, the latest requests with their cached and
+written tokens, and a **Clear KV snapshots** button: a POST form carrying a
+token only a page this server rendered has (the middleware checks it, the
+request's origin and who asks: see :mod:`sparkcache.serve.middleware`).
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def _model(store: SnapshotStore, model: admin.ModelRow, csrf: str) -> str:
     parts.append("<h3>Retention limits in force</h3><dl>")
     parts.extend(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>"
                  for k, v in _limits(store, sum(s.nbytes for s in snapshots)))
-    parts.append("</dl><h3>Latest requests</h3>")
+    parts.append("</dl>" + _costs(store, model))
+    parts.append("<h3>Latest requests</h3>")
     if requests:
         parts.append(_table(
             ["time", "api", "prompt", "cached", "live", "restored", "written", "cache key",
@@ -145,6 +146,19 @@ def _model(store: SnapshotStore, model: admin.ModelRow, csrf: str) -> str:
         parts.append('<p class="muted">No requests yet.</p>')
     parts.append("</section>")
     return "".join(parts)
+
+
+def _costs(store: SnapshotStore, model: admin.ModelRow) -> str:
+    """The measured rates that decide restore or recompute (docs/connector.md)."""
+    rows = store.costs(model.digest)
+    if not rows:
+        return ""
+    return "<h3>Restore or recompute: measured rates</h3>" + _table(
+        ["source", "prompt", "rate", "latency s", "samples", "updated"],
+        ([r.source, f"<={1 << r.bucket}" if r.source == "prefill" else "",
+          "-" if not r.unit_s else f"{1 / r.unit_s:,.0f} tokens/s" if r.source == "prefill"
+          else f"{1e-6 / r.unit_s:,.1f} MB/s", f"{r.latency_s:.4f}", r.samples,
+          _when(r.updated_at)] for r in rows), left=1)
 
 
 def tenant_ref(tenant: str) -> str:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from sparkcache import admin
+from sparkcache.measures import CostRow
 
 from .helpers import Run
 
@@ -55,3 +56,20 @@ def test_shell_json_prints_one_document(run: Run) -> None:
     assert run.json("shell", "SELECT x'0102' AS b, 1.5 AS f") == [{"b": "AQI=", "f": 1.5}]
     run("shell", ".tables", "--json", code=2)
     assert "dot-command" in json.loads(run.err)["message"]
+
+
+def test_stats_shows_the_measured_costs(run: Run, folder: Path) -> None:
+    with admin.open_store(folder) as store:
+        digest = admin.resolve_model(store, "tiny-llama").digest
+        store.record_costs([
+            CostRow(digest, "prefill", 12, 1 / 8000, 0.0, 3, 1767323045.0),
+            CostRow("", "local_cold", 0, 1e-8, 0.0, 2, 1767323045.0),
+            CostRow("", "tier s3://b/kv http://127.0.0.1:9", 0, 1e-6, 0.25, 1, 1767323045.0),
+        ])
+    costs = run.json("stats", "tiny-llama")["costs"]
+    assert [(c["source"], c["samples"]) for c in costs] == [
+        ("local_cold", 2), ("tier s3://b/kv http://127.0.0.1:9", 1), ("prefill", 3)]
+    assert len(run.json("stats", "other")["costs"]) == 2  # the host's, not tiny-llama's
+    text = run("stats", "tiny-llama")
+    assert "8,000 tokens/s" in text and "100.0 MB/s" in text and "1.0 MB/s" in text
+    assert "<=4096" in text

@@ -99,3 +99,11 @@ def test_shared_tier_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in (-1, "soon", True):
         with pytest.raises(InvalidArgument, match="upload_wait_seconds"):
             ConnectorSettings.from_extra_config({"folder": "/x", "upload_wait_seconds": bad})
+
+
+def test_cost_model_setting() -> None:
+    assert ConnectorSettings.from_extra_config({"folder": "/x"}).cost_model is True
+    off = ConnectorSettings.from_extra_config({"folder": "/x", "cost_model": "false"})
+    assert off.cost_model is False
+    with pytest.raises(InvalidArgument, match="cost_model"):
+        ConnectorSettings.from_extra_config({"folder": "/x", "cost_model": "sometimes"})

@@ -37,7 +37,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
     assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010"]
+        "0010", "0011"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -51,7 +51,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
         assert db.migrated == ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010"]
+        "0010", "0011"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -94,7 +94,7 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     assert current_revision(raw(path)) == "0003"
     with Database(path) as db:
         assert db.migrated == ["0004", "0005", "0006", "0007", "0008", "0009",
-        "0010"]
+        "0010", "0011"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -123,7 +123,7 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     assert current_revision(raw(path)) == "0004"
     with Database(path) as db:
         assert db.migrated == ["0005", "0006", "0007", "0008", "0009",
-        "0010"]
+        "0010", "0011"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -152,7 +152,7 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     assert current_revision(raw(path)) == "0005"
     with Database(path) as db:
         assert db.migrated == ["0006", "0007", "0008", "0009",
-        "0010"]
+        "0010", "0011"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -338,5 +338,16 @@ def test_0009_downgrades_to_the_schema_of_0008(tmp_path: Path) -> None:
                               "UPDATE request_log SET tenant = 'a'")
     assert conn.execute("SELECT id, state FROM v_snapshots ORDER BY id").fetchall() == [
         (1, "ready"), (2, "quarantined")]
+    assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
+        ("r1", 600)]
+
+
+def test_0011_downgrades_to_the_schema_of_0010(tmp_path: Path) -> None:
+    """0011's downgrade (the column, then the table) leaves exactly 0010's schema
+    and the log's rows."""
+    conn = _golden_downgraded(
+        tmp_path, "0011", "0010",
+        "UPDATE request_log SET restore_reason = 'too_slow'; "
+        "INSERT INTO costs (model, source, unit_s, updated_at) VALUES ('', 'local_warm', 1e-9, 1)")
     assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
         ("r1", 600)]

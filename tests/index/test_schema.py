@@ -27,7 +27,7 @@ VIEWS = {"v_models", "v_snapshots", "v_segments", "v_leases", "v_counters", "v_r
 def test_revisions_form_one_line_ending_at_schema_revision() -> None:
     assert known_revisions() == (
         "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010")
+        "0010", "0011")
     assert head_revision() == schema.SCHEMA_REVISION
 
 
@@ -44,7 +44,7 @@ def test_revisions_ship_inside_the_package() -> None:
 def test_fresh_database_reaches_head(db: Database, db_path: Path) -> None:
     assert db.migrated == [
         "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010"]
+        "0010", "0011"]
     conn = db.connection
     assert current_revision(conn) == head_revision()
     names = {
