@@ -231,7 +231,7 @@ class StorageEvents(Events):
         self._expected: OrderedDict[str, tuple[float, Chain]] = OrderedDict()  # by snap key
         self._out: deque[Any] = deque()
         self._lock = threading.Lock()
-        self._start_id: int | None = None  # the newest snapshot id at start
+        self._old: set[int] | None = None  # ready at start, not in the digest
         self._skipped: set[int] = set()  # ready, seen, not announced
         self._store: SnapshotStore | None = None
         self._thread = Periodic(self._poll, poll_seconds, name="sparkcache-events")
@@ -297,15 +297,16 @@ class StorageEvents(Events):
         for gone in sorted(self.announcer.held - set(ready)):
             events += self.announcer.remove(gone)
         self._skipped &= set(ready)
-        if self._start_id is None:
-            self._start_id = max((s.id for s in rows), default=0)
+        if self._old is None:  # the start: a digest, most recently used first
             newest = sorted(ready.values(), key=lambda s: (s.last_used, s.id), reverse=True)
+            self._old = {s.id for s in newest[self.digest:]}
             for info in newest[:self.digest]:
                 events += self._announce(info)
         else:
+            self._old &= set(ready)
+            known = self._old | self._skipped | self.announcer.held
             for info in sorted(ready.values(), key=lambda s: s.id):
-                if (info.id > self._start_id and info.id not in self._skipped
-                        and info.id not in self.announcer.held):
+                if info.id not in known:
                     events += self._announce(info)
         self._emit(events)
 

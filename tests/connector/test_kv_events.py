@@ -219,3 +219,18 @@ def test_no_events_from_a_store_of_another_model(store: SnapshotStore) -> None:
         assert np.array_equal(store.catalog.tokens(1), toks)
     finally:
         events.close()
+
+
+def test_a_snapshot_is_announced_once_every_rank_published_it(store: SnapshotStore) -> None:
+    ident = identity(world=2, block_size=BS)  # one engine of TP 2: one announcement
+    toks = tokens(2 * BS, seed=40)
+    store.publish(ident, 0, toks, pages_for(ident, toks, rank=0))
+    events = StorageEvents(store.root, ident, Counters(), hash_fn=HASH, poll_seconds=0.02)
+    try:
+        assert collect(events, 1, timeout=0.3) == []  # pending at start: not in the digest
+        assert store.publish(ident, 1, toks, pages_for(ident, toks, rank=1)).state == "ready"
+        (stored,) = collect(events, 1)
+        assert stored.block_hashes == list(stored_chain(toks, None, BS, BS, HASH).hashes)
+        assert collect(events, 1, timeout=0.3) == []
+    finally:
+        events.close()
