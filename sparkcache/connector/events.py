@@ -147,8 +147,8 @@ class Announcer:
         return set(self._chains)
 
     def add(self, snapshot_id: int, chain: Chain) -> list[Any]:
-        """Announce a snapshot: a ``BlockStored`` of the blocks no other holds (or
-        nothing); False-y when it is held already or the bound is reached."""
+        """Announce a snapshot: a ``BlockStored`` of the blocks no other holds;
+        nothing when it is announced already, or (not announced) past the bound."""
         if snapshot_id in self._chains or len(self._refs) + len(chain.hashes) > self.max_blocks:
             return []
         self._chains[snapshot_id] = chain
