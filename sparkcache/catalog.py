@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from sparkcache.core import Core, LeaseInfo, SegmentInfo, SnapshotInfo, ids, select_all
+import numpy as np
+
+from sparkcache.core import Core, LeaseInfo, Match, SegmentInfo, SnapshotInfo, ids, select_all
 from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
+from sparkcache.reader import stored_tokens
 
 __all__ = [
     "MB",
@@ -281,6 +284,17 @@ class Catalog:
         """The token counts of one snapshot's breakpoint rows, in order."""
         with self._core.read() as conn:
             return ids(conn, q.BREAKPOINTS_OF, (snapshot_id,))
+
+    def tokens(self, snapshot_id: int) -> np.ndarray:
+        """A snapshot's token ids, read verified from rank 0's segments (no payload
+        is read); NotFound when it is not restorable, CorruptSnapshot when damaged."""
+        with self._core.read() as conn:
+            info = self._core.snapshot(conn, snapshot_id)
+        if info is None:
+            raise no_snapshot(self._core, snapshot_id)
+        match = Match(snapshot_id, 0, model_identity(self._core, info.model_id),
+                      np.empty(0, np.uint32))
+        return stored_tokens(self._core, match, 0, info.n_tokens)
 
     def counters(self, model_id: int | None = None) -> dict[str, int]:
         """Every counter, summed over models unless ``model_id`` is given, unsaved

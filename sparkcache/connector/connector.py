@@ -4,33 +4,26 @@ Loaded by vLLM by name (:mod:`sparkcache.connector.plugin`) or from
 ``kv_connector_module_path="sparkcache.connector"``; see
 docs/connector.md for users and docs/connector-notes.md for the vLLM API.
 This module is the glue: the decisions live in
-:mod:`sparkcache.connector.scheduler` (scheduler process) and the disk I/O in
-:mod:`sparkcache.connector.worker` (each worker process), both testable
-without vLLM; the jobs the one plans and the other runs, in
-:mod:`sparkcache.connector.jobs`.
+:mod:`sparkcache.connector.scheduler`, the disk I/O in
+:mod:`sparkcache.connector.worker`, the jobs between them in
+:mod:`sparkcache.connector.jobs`, all testable without vLLM.
 
 Scheduler side (one per engine, in the engine-core process): looks prompts up,
-offers the restorable tokens as an asynchronous load, or (``load_async``
-false, or auto while the request is alone) as one within the prefill step,
-read layer by layer under its forward; it coalesces concurrent requests for
-one base, plans saves when requests finish and holds their blocks until every
-worker copied them out.  It also runs the retention sweeper and, with a shared
-tier, the uploader, the fetches of prompts' prefixes from the tier
-(:mod:`sparkcache.connector.fetcher`) and (``shared_sweep``) the tier's
-sweeper (docs/shared.md).
+offers the restorable tokens as an asynchronous load or one within the prefill
+step, coalesces concurrent requests for one base, plans saves and holds their
+blocks until every worker copied them out; runs the retention sweeper and,
+with a shared tier, the uploader, the fetches and the tier's sweeper
+(:mod:`sparkcache.connector.tier`, docs/shared.md); announces the store's blocks as KV
+events (:mod:`sparkcache.connector.events`).
 
 Worker side (one per rank): loads and saves on background threads with
-bounded queues; finished loads and saves reported through ``get_finished``,
-failed loads through ``get_block_ids_with_load_errors`` (vLLM recomputes,
-``kv_load_failure_policy=recompute``, which this connector sets, also on a
-``MultiConnector`` around it: :mod:`sparkcache.connector.engine`).
+bounded queues, reported through ``get_finished``; failed loads through
+``get_block_ids_with_load_errors`` (vLLM recomputes:
+``kv_load_failure_policy=recompute``, :mod:`sparkcache.connector.engine`).
 
-Stats (hits, misses, restored / written tokens and bytes, load and save time,
-dropped work) go through vLLM's ``KVConnectorStats``; log lines through the
-``vllm.sparkcache`` logger (vLLM's handler and format).
-
-vLLM and torch are imported through ``importlib`` (types are ``Any``): mypy then
-never follows into them, and this package imports without them.
+Stats go through vLLM's ``KVConnectorStats``, log lines through the
+``vllm.sparkcache`` logger.  vLLM and torch are imported through
+``importlib`` (types are ``Any``).
 """
 
 from __future__ import annotations
@@ -48,7 +41,7 @@ from sparkcache.connector.engine import (
     recompute_policy,
     register_by_name,
 )
-from sparkcache.connector.fetcher import Fetcher
+from sparkcache.connector.events import Events, storage_events
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters
 from sparkcache.connector.layout import (
@@ -64,13 +57,13 @@ from sparkcache.connector.registration import attention_layers, layer_groups
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
 from sparkcache.connector.stats import SparkCacheMetadata, SparkCachePromMetrics, SparkCacheStats
+from sparkcache.connector.tier import TierServices
 from sparkcache.connector.worker import PAGES_ENV, LayerGroups, WorkerIO
 from sparkcache.cuda import KVPages
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.requestlog import log_rows_setting
 from sparkcache.retention import Retention, RetentionSettings
-from sparkcache.shared import SharedSweeper, TierLimits
 from sparkcache.store import SnapshotStore
 
 __all__ = ["SparkCacheConnector", "SparkCacheMetadata", "SparkCachePromMetrics", "SparkCacheStats"]
@@ -124,6 +117,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             SnapshotStore(self.settings.folder, retention=self.retention) if self.active else None
         )
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.events = Events()  # KV events: none, unless the scheduler's config asks
         if self.is_scheduler:
             self._init_scheduler(getattr(parent, "_kv_transfer_config", None))
         else:
@@ -143,9 +137,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
     def _init_scheduler(self, parent_config: Any) -> None:
         self.sweep_store: SnapshotStore | None = None
-        self.upload_store: SnapshotStore | None = None
-        self.shared_sweeper: SharedSweeper | None = None
-        self.fetcher: Fetcher | None = None
+        self.tier: TierServices | None = None
         self.log_writer: LogWriter | None = None
         self.sched: SchedulerSide | None = None
         # Invariant: a failed restore is a miss.  The scheduler reads the policy of
@@ -173,6 +165,8 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             groups=self.groups, params_key=self.params_key, costs=self.settings.cost_model,
         )
         Unsent.register(self._unsent_key, self.sched.saves.take_saves)
+        self.events = storage_events(self._vllm_config, self._kv_cache_config,
+                                     self.settings.folder, self.identity, self.counters)
         self.sched.restores.total_kv_heads = self.sched.saves.total_kv_heads = \
             total_kv_heads(self._vllm_config)
         if self.settings.sweep:
@@ -181,29 +175,8 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             self.sweep_store = SnapshotStore(self.settings.folder, retention=self.retention)
             self.sweep_store.start_sweeper()
         if self.settings.shared is not None:
-            self._init_shared(self.sched, self.settings.shared)
-
-    def _init_shared(self, sched: SchedulerSide, shared: str) -> None:
-        """The scheduler's uploads to, sweeps of and fetches from the shared tier."""
-        # Its own store too; opening it checks the tier (endpoint, credentials,
-        # bucket): a mistake is an error now, not failed uploads later.
-        self.upload_store = SnapshotStore(self.settings.folder, shared=shared,
-                                          shared_options=self.settings.shared_options,
-                                          retention=self.retention)
-        self.upload_store.start_uploader(wait_seconds=self.settings.upload_wait_seconds)
-        logger.info("sparkcache uploads this host's snapshots to the shared tier %s",
-                    shared)
-        if self.settings.shared_sweep and self.upload_store.shared is not None:
-            # The limits are read now: a bad value stops the engine at start.
-            self.shared_sweeper = SharedSweeper(self.upload_store.shared,
-                                                TierLimits.from_env()).start()
-        if self.settings.shared_fetch and self.settings.restore:
-            # (A sliding-window model fetches only snapshots ending where the
-            # request can restore one: shared.probe.probe_ends.)
-            self.fetcher = Fetcher(self.upload_store, self.identity, self.counters,
-                                   deadline=self.settings.shared_deadline_seconds,
-                                   min_tokens=sched.min_tokens)
-            sched.use_tier(self.fetcher, shared, self.settings.shared_options.get("endpoint_url"))
+            self.tier = TierServices(self.settings, self.settings.shared, self.identity,
+                                     self.counters, self.retention, self.sched)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -230,6 +203,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         """
         if self.sched is None:
             return 0, False
+        self.events.admitted(request)
         return self.sched.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
@@ -275,6 +249,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         if idle:  # requests waiting for the shared tier: let it answer, do not spin
             self.sched.wait_fetches(IDLE_WAIT_SECONDS)
         loads, saves = self.sched.take_jobs()
+        self.events.planned(saves)
         return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted, idle=idle)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -325,9 +300,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         request's output as its ``kv_transfer_params`` (``sparkcache serve``
         turns it into usage).
         """
-        if self.sched is None:
-            return False, None
-        return self.sched.finished(request, block_ids)
+        return self._finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -339,8 +312,12 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         window has moved past; the save takes each group's own blocks (the
         window's only) and holds all of them until copied.
         """
+        return self._finished(request, block_ids)
+
+    def _finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if self.sched is None:
             return False, None
+        self.events.finished(request)
         return self.sched.finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
@@ -481,11 +458,10 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         with the metadata still bound.  First it ends this step's in-step loads
         (waits for them; if the forward skipped :meth:`wait_for_layer_load` for
         some layer, they are reported failed), then queues the saves.  vLLM
-        keeps a save's blocks until :meth:`get_finished` reports its id, which
-        happens once they are copied into host memory; a dropped save is
-        reported at once (a future miss).  A breakpoint save's sliding-window
-        blocks are copied here, before the step ends: vLLM frees them on the
-        next step while the request runs on.
+        keeps a save's blocks until :meth:`get_finished` reports its id (once
+        copied into host memory; a dropped save at once: a future miss).  A
+        breakpoint save's sliding-window blocks are copied here: vLLM frees
+        them on the next step while the request runs on.
         """
         meta = self._get_connector_metadata()
         if self.io is None:
@@ -578,12 +554,9 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                 self.log_writer.close()
             if self.sched is not None:
                 self.sched.close()  # keeps what the cost model learned
-            if self.shared_sweeper is not None:
-                self.shared_sweeper.stop()
-            if self.fetcher is not None:
-                self.fetcher.close()
-            if self.upload_store is not None:
-                self.upload_store.close()
+            if self.tier is not None:
+                self.tier.close()
+            self.events.close()
         elif self.io is not None:
             unsent = Unsent.take(self._unsent_key)
             if unsent:
@@ -596,5 +569,6 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             self.store.close()
 
     def take_events(self) -> Iterable[Any]:
-        """No KV cache events: the store is not part of vLLM's block pool."""
-        return ()
+        """After each step, scheduler side: the store's KV events since the last call
+        (none without ``kv_events_config``): docs/connector.md, "KV events"."""
+        return self.events.take()

