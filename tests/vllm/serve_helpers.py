@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_CACHE_BLOCKS, apply_cpu_env
+from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_CACHE_BLOCKS, TEST_SETTINGS, apply_cpu_env
 
 from sparkcache.store import SnapshotStore
 
@@ -98,6 +98,8 @@ class Server:
             "--num-gpu-blocks-override", str(cache_blocks), "--max-num-seqs", "8",
             "--seed", "0", *extra,
         ]
+        if "--connector-config" not in extra:  # the suite's settings (tiny_model)
+            self.cmd += ["--connector-config", json.dumps(TEST_SETTINGS)]
         self.env = apply_cpu_env({**os.environ, **(env or {})})
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT), self.env.get("PYTHONPATH", "")) if p)

@@ -47,7 +47,7 @@ def timed(llm, prompt):
 def engine(folder=None, **extra):
     kw = dict(args["engine"])
     if folder:
-        kw["kv_transfer_config"] = connector_config(folder, **extra)
+        kw["kv_transfer_config"] = connector_config(folder, cost_model=True, **extra)
     return in_process_engine(args["model"], **kw)
 
 def reasons(folder):

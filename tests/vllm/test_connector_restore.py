@@ -113,14 +113,15 @@ def test_concurrent_requests_read_the_base_once(
     assert len([s for s in rec["snapshots"] if s[2] == "ready"]) == 4
 
 
-def test_a_shared_prefix_restores_its_last_whole_block(
+def test_a_shared_prefix_restores_all_it_shares(
     restored: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
     (out,) = restored["shared"]["outs"]
     # Shares 300 tokens with LONG_PROMPT: the lookup stops at the 256-token stride
-    # alias, and grow() reaches the last whole shared block (9 x 32), as vLLM's own
-    # prefix cache would (it restored 256 before).
-    assert out["cached"] == 288
+    # alias, grow() reaches the last whole shared block (9 x 32), as vLLM's own
+    # prefix cache would (it restored 256 before), and extend() the 12 tokens of
+    # the next stored block that the prompt shares.
+    assert out["cached"] == 300
     assert same_answer(out, baseline["shared"][0]) == ""
 
 

@@ -265,7 +265,9 @@ def test_the_page_clears_one_tenant(served: Server) -> None:
     # The forms in the order of the rows: most requests first (a: 4, then b and c: 3).
     forms = re.findall(r'name="model" value="(\d+)"><input type="hidden" name="tenant" '
                        r'value="([0-9a-f]{32})"', page)
-    csrf = html.unescape(re.findall(r'name="csrf" value="([^"]+)"', page)[0])
+    # The Clear forms' token (the playground's form carries one of its own).
+    csrf = html.unescape(re.findall(r'name="tenant" value="[0-9a-f]{32}">'
+                                    r'<input type="hidden" name="csrf" value="([^"]+)"', page)[0])
     names = [html.unescape(n) for n, _c in rows]
     model_id, ref = forms[names.index("tenant-c")]
     before = settled(served)

@@ -136,6 +136,12 @@ def apply_cpu_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return dict(target)
 
 
+#: The suite's connector settings unless a test gives its own: the cost model
+#: off, so that what a test restores does not hang on this machine's timings
+#: (its own tests, tests/vllm/test_connector_costs.py, turn it on).
+TEST_SETTINGS: dict[str, Any] = {"cost_model": False}
+
+
 def connector_config(folder: str | Path, **extra: Any) -> dict[str, Any]:
     """``kv_transfer_config`` loading sparkcache from this checkout."""
     return {
@@ -143,7 +149,7 @@ def connector_config(folder: str | Path, **extra: Any) -> dict[str, Any]:
         "kv_connector_module_path": "sparkcache.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"folder": str(folder), **extra},
+        "kv_connector_extra_config": {**TEST_SETTINGS, "folder": str(folder), **extra},
     }
 
 
