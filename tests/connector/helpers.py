@@ -9,6 +9,7 @@ store; only the requests and the KV cache are stand-ins.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,3 +138,13 @@ def published_pages(store: SnapshotStore, p: list[int]) -> tuple[SnapshotInfo, l
     store.publish(identity(), 0, p[:96], pages)
     (snap,) = store.snapshots()
     return snap, pages
+
+
+def ask(sched: SchedulerSide, req: Req, timeout: float = 30.0) -> tuple[int | None, bool]:
+    """vLLM's loop: ask again (an idle step waits for the fetch) until answered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = sched.matched_tokens(req, 0)
+        if answer[0] is not None or time.monotonic() > deadline:
+            return answer
+        sched.wait_fetches(0.02)

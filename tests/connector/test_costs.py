@@ -30,7 +30,7 @@ from sparkcache.connector.stats import SparkCacheStats
 from sparkcache.connector.worker import WorkerIO
 
 from ..s3server import DelayProxy, s3_server, stop_s3_servers
-from .helpers import BS, FakePages, Req, blocks_of, finished, identity, prompt, save
+from .helpers import BS, FakePages, Req, ask, blocks_of, finished, identity, prompt, save
 
 P = prompt(100, 31)
 Q = prompt(100, 77)
@@ -255,7 +255,7 @@ def test_a_tier_seen_slow_is_skipped_then_used_again_once_it_recovered(
         sched.costs.set(PREFILL, 4e-3, bucket=bucket_of(len(P)))  # 0.38 s to recompute
         proxy.delay = 0.6
         started = time.monotonic()
-        assert _ask(sched, Req("b", prompts[0])) == (0, False)  # tried: the deadline
+        assert ask(sched, Req("b", prompts[0])) == (0, False)  # tried: the deadline
         assert 0.5 <= time.monotonic() - started < 3.0
         assert counters.take()["remote_timeouts"] == 1
         time.sleep(1.1)  # past the fetcher's own pause
@@ -273,18 +273,9 @@ def test_a_tier_seen_slow_is_skipped_then_used_again_once_it_recovered(
         assert sched.matched_tokens(Req("d", prompts[2]), 0) == (0, False)  # probes
         _idle(fetcher)
         assert counters.take()["remote_lookups"] == 1
-        assert _ask(sched, Req("e", prompts[3])) == (99, True)  # fast again: restored
+        assert ask(sched, Req("e", prompts[3])) == (99, True)  # fast again: restored
     finally:
         proxy.stop()
-
-
-def _ask(sched: SchedulerSide, req: Req, timeout: float = 30.0) -> tuple[int | None, bool]:
-    deadline = time.monotonic() + timeout
-    while True:
-        answer = sched.matched_tokens(req, 0)
-        if answer[0] is not None or time.monotonic() > deadline:
-            return answer
-        sched.wait_fetches(0.02)
 
 
 def _idle(fetcher: Fetcher, timeout: float = 60.0) -> None:

@@ -22,7 +22,18 @@ from sparkcache.connector.worker import WorkerIO
 from sparkcache.identity import WINDOW_BLOCKS_KEY
 
 from ..s3server import DelayProxy, S3Server, s3_calls, s3_server, stop_s3_servers
-from .helpers import BS, PAGE_NBYTES, FakePages, Req, blocks_of, finished, identity, prompt, save
+from .helpers import (
+    BS,
+    PAGE_NBYTES,
+    FakePages,
+    Req,
+    ask,
+    blocks_of,
+    finished,
+    identity,
+    prompt,
+    save,
+)
 
 P = prompt(100, 31)
 
@@ -72,23 +83,13 @@ def _uploaded(hosts: Callable[..., Any], server: S3Server) -> tuple[str, Any]:
     return url, a
 
 
-def _ask(sched: SchedulerSide, req: Req, timeout: float = 30.0) -> tuple[int | None, bool]:
-    """vLLM's loop: ask again (an idle step waits for the fetch) until answered."""
-    deadline = time.monotonic() + timeout
-    while True:
-        answer = sched.matched_tokens(req, 0)
-        if answer[0] is not None or time.monotonic() > deadline:
-            return answer
-        sched.wait_fetches(0.02)
-
-
 def test_a_second_host_restores_through_the_tier(hosts: Callable[..., Any]) -> None:
     server = s3_server()
     url, a = _uploaded(hosts, server)
     b_store, b_sched, b_io, counters, _ = hosts("b", url, server.endpoint)
     req = Req("b", P)
     assert b_sched.matched_tokens(req, 0) == (None, False)  # the fetch runs
-    assert _ask(b_sched, req) == (99, True)  # 96 whole + the block holding the end
+    assert ask(b_sched, req) == (99, True)  # 96 whole + the block holding the end
     b_sched.after_alloc(req, list(range(7)), 99)
     (load,), _ = b_sched.take_jobs()
     b_io.submit_load(load)
@@ -121,7 +122,7 @@ def test_a_slow_tier_is_a_miss_at_the_deadline(hosts: Callable[..., Any]) -> Non
         assert sched.matched_tokens(req, 0) == (None, False)
         # another request with nothing to ask the tier (under a block) is answered at once
         assert sched.matched_tokens(Req("short", P[:10]), 0) == (0, False)
-        answer = _ask(sched, req)
+        answer = ask(sched, req)
         waited = time.monotonic() - started
         assert answer == (0, False) and 0.5 <= waited < 3.0, (answer, waited)
         # the tier is paused now: the next request does not wait out the deadline
@@ -134,7 +135,7 @@ def test_a_slow_tier_is_a_miss_at_the_deadline(hosts: Callable[..., Any]) -> Non
         time.sleep(1.1)
         again = Req("again", P)
         assert sched.matched_tokens(again, 0) == (None, False)
-        assert _ask(sched, again) == (99, True)
+        assert ask(sched, again) == (99, True)
     finally:
         proxy.stop()
 
@@ -149,7 +150,7 @@ def test_a_tier_that_is_down_is_a_counted_miss(hosts: Callable[..., Any]) -> Non
         server.stop()
     req = Req("b", P)
     assert sched.matched_tokens(req, 0) == (None, False)
-    assert _ask(sched, req) == (0, False)
+    assert ask(sched, req) == (0, False)
     assert sched.matched_tokens(Req("next", P), 0) == (0, False)  # paused: not asked
     data = counters.take()
     assert (data["remote_errors"], data["remote_skipped"]) == (1, 1)
@@ -183,7 +184,7 @@ def test_a_sliding_window_model_fetches_the_snapshot_ending_at_a_breakpoint(
         longer = [*toks.tolist(), *prompt(60, 42)]  # 172 tokens: 160 in whole blocks
         req = Req("b", longer, kv_transfer_params={"sparkcache": {"breakpoints": [112]}})
         assert sched.matched_tokens(req, 0) == (None, False)  # the fetch runs
-        assert _ask(sched, req) == (112, True)  # the whole snapshot, at its end
+        assert ask(sched, req) == (112, True)  # the whole snapshot, at its end
         data = counters.take()
         assert data["remote_lookups"] == 1 and "remote_misses" not in data
         assert store.stats()["fetches"] == 1
@@ -193,7 +194,7 @@ def test_a_sliding_window_model_fetches_the_snapshot_ending_at_a_breakpoint(
                     kv_transfer_params={"sparkcache": {"breakpoints": [112, 200]}})
         with s3_calls(shared.shared.backend.fs) as calls:
             assert sched.matched_tokens(again, 0) == (None, False)
-            assert _ask(sched, again) == (112, True)
+            assert ask(sched, again) == (112, True)
         assert calls == {"HeadObject": 2}  # 240 and 200: no snapshot ends there
         assert counters.take()["remote_misses"] == 1
     finally:
