@@ -219,7 +219,7 @@ def _seconds(value: float | None) -> float | None:
 
 def cmd_tenants(ctx: Context) -> int:
     """Each tenant of each model: snapshots, MB, requests and hit rate; a tenant's
-    name printed with control and format characters escaped, as ``log`` does."""
+    name printed with control and format characters escaped, as every table is."""
     with ctx.store(upgrade=False) as store:
         rows = admin.tenants(store, ctx.args.model)
 
@@ -227,8 +227,8 @@ def cmd_tenants(ctx: Context) -> int:
         if not rows:
             return "no tenants"
         return table(("MODEL", "TENANT", "SNAPSHOTS", "MB", "REQUESTS", "HIT RATE"),
-                     [[admin.printable(r.model), admin.printable(r.tenant), r.snapshots, r.mb,
-                       r.requests, f"{r.hit_rate:.1%}" if r.requests else "-"] for r in rows])
+                     [[r.model, r.tenant, r.snapshots, r.mb, r.requests,
+                       f"{r.hit_rate:.1%}" if r.requests else "-"] for r in rows])
 
     ctx.emit(rows, text)
     return EXIT_OK
