@@ -17,13 +17,17 @@ with a shared tier, the uploader, the fetches and the tier's sweeper
 events (:mod:`sparkcache.connector.events`).
 
 Worker side (one per rank): loads and saves on background threads with
-bounded queues, reported through ``get_finished``; failed loads through
-``get_block_ids_with_load_errors`` (vLLM recomputes:
-``kv_load_failure_policy=recompute``, :mod:`sparkcache.connector.engine`).
+bounded queues; finished loads and saves reported through ``get_finished``,
+failed loads through ``get_block_ids_with_load_errors`` (vLLM recomputes,
+``kv_load_failure_policy=recompute``, which this connector sets, also on a
+``MultiConnector`` around it: :mod:`sparkcache.connector.engine`).
 
-Stats go through vLLM's ``KVConnectorStats``, log lines through the
-``vllm.sparkcache`` logger.  vLLM and torch are imported through
-``importlib`` (types are ``Any``).
+Stats (hits, misses, restored / written tokens and bytes, load and save time,
+dropped work) go through vLLM's ``KVConnectorStats``; log lines through the
+``vllm.sparkcache`` logger (vLLM's handler and format).
+
+vLLM and torch are imported through ``importlib`` (types are ``Any``): mypy then
+never follows into them, and this package imports without them.
 """
 
 from __future__ import annotations
