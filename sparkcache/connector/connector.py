@@ -48,6 +48,7 @@ from sparkcache.connector.engine import (
 from sparkcache.connector.events import Events, storage_events
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters
+from sparkcache.connector.kvlayers import LayerGroups
 from sparkcache.connector.layout import (
     check_isa,
     kv_groups,
@@ -62,7 +63,7 @@ from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
 from sparkcache.connector.stats import SparkCacheMetadata, SparkCachePromMetrics, SparkCacheStats
 from sparkcache.connector.tier import TierServices
-from sparkcache.connector.worker import PAGES_ENV, LayerGroups, WorkerIO
+from sparkcache.connector.worker import PAGES_ENV, WorkerIO
 from sparkcache.cuda import KVPages
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity

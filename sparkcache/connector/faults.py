@@ -10,14 +10,16 @@ import time
 
 import numpy as np
 
-__all__ = ["DIE_AT_PUBLISH", "FAULT_ENV", "die_at_publish", "scramble"]
+__all__ = ["DIE_AT_PUBLISH", "FAULT_ENV", "die_at_publish", "scramble", "slow_restore"]
 
 #: ``flip-restored`` scrambles restored pages *after* verification (every layer
 #: gets another layer's pages): a wrong restore must change the tokens or
 #: logprobs the tests compare.  ``die-publish:<rank>:<file>``: while ``<file>``
 #: exists, that rank's worker, at the start of a publish, waits for
 #: ``<file>.go`` (the test creates it once the other ranks' segments are
-#: written) and is killed: a rank that dies mid-publish.
+#: written) and is killed: a rank that dies mid-publish.  ``slow-restore``:
+#: each restore waits half a second before it reads, so the forward an
+#: in-step restore feeds reaches its layers first.
 FAULT_ENV = "SPARKCACHE_TEST_FAULT"
 
 #: The prefix of the ``die-publish`` fault.
@@ -46,3 +48,9 @@ def die_at_publish(fault: str, rank: int, wait: float = 60.0) -> None:
     while not os.path.exists(trigger + ".go") and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_restore(fault: str, seconds: float = 0.5) -> None:
+    """The ``slow-restore`` fault: wait ``seconds`` before a restore's read."""
+    if fault == "slow-restore":
+        time.sleep(seconds)

@@ -11,7 +11,7 @@ the other.  Plain data over numpy: no vLLM, no store.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,6 +42,31 @@ class LoadJob:
     #: The identity the snapshot was stored under when it is another sharding
     #: of the engine's KV (another TP size); None: the engine's own.
     source: ModelIdentity | None = None
+    #: The token the request's forward computes from once this load landed
+    #: (vLLM's hit and the restore; None: ``n_tokens``).  Inside the last block,
+    #: the step an in-step load feeds writes that block's later slots before
+    #: each layer waits for its restore, so that block lands first (:meth:`split`).
+    computes_from: int | None = None
+
+    def split(self, block_size: int) -> tuple[LoadJob, LoadJob | None] | None:
+        """``(the last block, the blocks before it or None)`` when this load
+        shares its last block with the forward it feeds (see
+        :attr:`computes_from`), each a load of its own (the whole load first
+        where the blocks before it would leave a group with none); None when
+        the forward writes into none of its blocks."""
+        end = self.n_tokens // block_size
+        if not self.in_step or self.computes_from is None or \
+                self.computes_from >= self.n_tokens or not self.blocks or not all(self.blocks):
+            return None
+        last = replace(self, blocks=tuple(ids[-1:] for ids in self.blocks),
+                       start_block=end - 1)
+        if all(len(ids) == 1 for ids in self.blocks):
+            return last, None
+        if any(len(ids) == 1 for ids in self.blocks):
+            return self, None  # (a window group holding only the last block: all first)
+        n = (end - 1) * block_size
+        return last, replace(self, n_tokens=n, token_ids=self.token_ids[:n],
+                             blocks=tuple(ids[:-1] for ids in self.blocks))
 
 
 @dataclass(frozen=True)

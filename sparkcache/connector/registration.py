@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sparkcache.connector.kvlayers import LayerGroups
 from sparkcache.connector.layout import KVGroup, check_tensors, layer_order
-from sparkcache.connector.worker import LayerGroups
 from sparkcache.cuda import KVPages
 from sparkcache.errors import InvalidArgument
 from sparkcache.identity import ModelIdentity

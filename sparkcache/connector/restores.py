@@ -312,6 +312,7 @@ class Restores:
             token_ids=match.token_ids, start_block=start,
             blocks=groups.blocks(per_group, start, end), in_step=not offer.load_async,
             source=None if match.identity == self.rules.identity else match.identity,
+            computes_from=offer.claim,
         ))
         if offer.load_async:
             self._inflight[request.request_id] = state.hashes(offer.claim, bs)

@@ -13,7 +13,10 @@ workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
   thread reads it layer by layer while that forward runs, and each attention
   layer waits only for its own layer (``wait_layer``; on a GPU a layer
   counts as landed once its uploads are complete), so the read overlaps the
-  compute.
+  compute.  vLLM writes a layer's new tokens into the cache before that
+  layer waits, so a last block the restore shares with them (a prompt that
+  leaves the snapshot inside a block) is read first, every layer, before the
+  forward starts.
 * **saves** (a request finished; vLLM holds its blocks): a saver thread copies
   the blocks out into host memory, reports the id in ``finished_sending`` (vLLM
   frees the blocks on the next step) and publishes from host memory.  A
@@ -36,23 +39,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from sparkcache.connector.costs import LOAD_KEY
-from sparkcache.connector.faults import FAULT_ENV, die_at_publish, scramble
+from sparkcache.connector.faults import FAULT_ENV, die_at_publish, scramble, slow_restore
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
+from sparkcache.connector.kvlayers import LayerGroups, Pages
 from sparkcache.connector.resharded import load_resharded
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.cpus import read_cpus, widen_affinity
-from sparkcache.cuda import StagedRestore
 from sparkcache.errors import NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.store import Match, SnapshotStore
 
-__all__ = ["FAULT_ENV", "PAGES_ENV", "LayerGroups", "Pages", "WorkerIO"]
+__all__ = ["FAULT_ENV", "PAGES_ENV", "WorkerIO"]
 
 logger = logging.getLogger("vllm.sparkcache")
 
@@ -64,38 +67,9 @@ PAGES_ENV = "SPARKCACHE_TEST_PAGES"
 
 #: An in-step load's progress once it ended (landed or failed).
 LOADED = sys.maxsize
-
-
-class Pages(Protocol):
-    """What the I/O needs of a worker's KV cache (``KVPages`` or a test double)."""
-
-    num_blocks: int
-    page_nbytes: int
-
-    def __len__(self) -> int: ...
-    def block_views(self, block_ids: Sequence[int]) -> list[list[np.ndarray]] | None: ...
-    def fence(self) -> object: ...
-    def gather(self, block_ids: Sequence[int], after: object = None) -> list[np.ndarray]: ...
-    def scatter(self, block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> None: ...
-    def staged(self, block_ids: Sequence[int]) -> StagedRestore: ...
-
-
-class LayerGroups:
-    """A worker's KV layers by KV cache group (a plain model: one group).
-
-    Each group has its own block table, so its layers move through their own
-    :class:`Pages`; ``where[i]`` says where the identity's layer ``i`` (model
-    order) is: ``(group, index among that group's pages)``.
-    """
-
-    def __init__(self, pages: Sequence[Pages], where: Sequence[tuple[int, int]]) -> None:
-        self.pages = list(pages)
-        self.where = list(where)
-
-    @classmethod
-    def one(cls, pages: Pages) -> LayerGroups:
-        """A plain model's one group: every layer of ``pages``, in order."""
-        return cls([pages], [(0, i) for i in range(len(pages))])
+#: An in-step load's progress while the last block it shares with the forward
+#: (``LoadJob.split``) has not landed: the forward does not start.
+HEAD = -1
 
 
 class WorkerIO:
@@ -199,10 +173,15 @@ class WorkerIO:
         complete, so the kernels queued after ``wait_layer`` read its pages)."""
         with self._lock:
             for job in jobs:
-                self._step_layers[job.req_id] = 0
+                self._step_layers[job.req_id] = 0 if job.split(self.bs) is None else HEAD
         self.counters.add("loads_in_step", len(jobs))
         for job in jobs:
             self._in_step.put(job)
+        # The forward writes its new tokens into a block before that layer waits
+        # for its restore: a block both share lands before the forward starts.
+        with self._lock:
+            while any(done == HEAD for done in self._step_layers.values()):
+                self._progress.wait()
 
     def wait_layer(self, layer: int | None) -> None:
         """Block until ``layer`` (None: every layer) of this step's loads landed."""
@@ -284,20 +263,35 @@ class WorkerIO:
         straight into the KV cache, each read thread pinned to its own core
         (connector-notes.md, "CPU placement"); otherwise through each group's
         reused staging slots, each chunk uploaded while the next is read and
-        verified.  ``on_layer(i)`` runs once layer ``i`` is in place."""
+        verified.  ``on_layer(i)`` runs once layer ``i`` is in place; a last
+        block the forward shares (``LoadJob.split``) is read first, for every
+        layer, then ``on_layer(HEAD)`` runs."""
         groups = self._groups_of(job)
         if self.kinds.bad_load(job.blocks):
             raise SparkCacheError(f"no blocks to restore in a group: "
                                   f"{[list(ids)[:4] for ids in job.blocks]}")
+        split = job.split(self.bs)
+        if split is not None:  # the block the forward shares first, all layers
+            self._load_part(split[0], groups, None)
+            if on_layer is not None:
+                on_layer(HEAD)  # (progress 0: the forward may start)
+        rest = job if split is None else split[1]
+        if rest is not None:
+            self._load_part(rest, groups, on_layer)
+        if self.fault == "flip-restored":
+            for p, ids in zip(groups.pages, job.blocks, strict=True):
+                p.scatter(ids, scramble(p.gather(ids)))
+
+    def _load_part(self, job: LoadJob, groups: LayerGroups,
+                   on_layer: Callable[[int], None] | None) -> None:
+        """:meth:`_load` of ``job``'s blocks, whichever sharding stored them."""
+        slow_restore(self.fault)
         if job.source is not None:  # stored by an engine of another TP size
             load_resharded(self.store, self.identity, self.rank, self.total_kv_heads, job,
                            groups.pages[0], job.blocks[0], self.counters,
                            threads=self.load_threads, cpus=read_cpus())
         else:
             self._load_own(job, groups, on_layer)
-        if self.fault == "flip-restored":
-            for p, ids in zip(groups.pages, job.blocks, strict=True):
-                p.scatter(ids, scramble(p.gather(ids)))
 
     def _load_own(self, job: LoadJob, groups: LayerGroups,
                   on_layer: Callable[[int], None] | None) -> None:

@@ -24,8 +24,9 @@ import pytest
 from sparkcache import SnapshotStore
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters
+from sparkcache.connector.kvlayers import LayerGroups
 from sparkcache.connector.scheduler import SchedulerSide
-from sparkcache.connector.worker import LayerGroups, WorkerIO
+from sparkcache.connector.worker import WorkerIO
 from sparkcache.identity import WINDOW_BLOCKS_KEY
 
 from .helpers import BS, PAGE_NBYTES, Req, finished, identity, prompt, step

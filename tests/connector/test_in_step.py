@@ -4,6 +4,7 @@ layer by layer under it; a failure or a skipped wait means vLLM recomputes."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -131,3 +132,82 @@ def test_an_in_step_load_that_fails_or_is_not_awaited_is_recomputed(tmp_path: Pa
         got = counters.take()
         assert got["load_failures"] == 1 and got["loads_unwaited"] == 1
         io.close()
+
+
+def test_a_last_block_the_forward_writes_into_lands_before_it_starts(tmp_path: Path) -> None:
+    """vLLM writes a layer's new tokens into the cache before that layer waits
+    for its restore: where the prompt leaves the snapshot inside the last
+    restored block, that block (every layer) is read first and the step's
+    forward does not start before it landed; the other blocks then land
+    layer by layer under the forward."""
+    with SnapshotStore(tmp_path / "s") as store:
+        p = prompt(100, 23)
+        snap, pages = published_pages(store, p)
+        kv = FakePages(16, 2)
+        io = WorkerIO(store, identity(), 0, kv, Counters(), load_threads=1)
+        gate = threading.Event()
+        calls: list[tuple[Any, Any]] = []
+        real = store.read_into
+
+        def gated(*args: Any, **kwargs: Any) -> int:
+            calls.append((kwargs["start_tokens"], kwargs["n_tokens"]))
+            assert gate.wait(10)
+            return real(*args, **kwargs)
+
+        store.read_into = gated  # type: ignore[method-assign]
+        ids = (9, 3, 4, 12, 1, 7)
+        job = LoadJob("r", snap.id, 96, np.asarray(p[:96], np.uint32), 0, (ids,),
+                      in_step=True, computes_from=90)  # 10 tokens of block 5 restored
+        started = threading.Event()
+        starter = threading.Thread(target=lambda: (io.start_step_loads([job]), started.set()))
+        starter.start()
+        assert not started.wait(0.3)  # the shared block has not landed: no forward yet
+        assert calls == [([80, 80], 96)]  # block 5 of both layers, read first
+        gate.set()
+        assert started.wait(10)
+        starter.join()
+        expect = [pg.reshape(6, PAGE_NBYTES) for pg in pages]
+        for layer in (0, 1):
+            np.testing.assert_array_equal(kv.arr[layer, ids[-1]], expect[layer][5])
+        io.wait_layer(None)
+        assert calls[1] == ([0, 0], 80)  # then the five blocks before it
+        for layer in (0, 1):
+            np.testing.assert_array_equal(kv.arr[layer, list(ids)], expect[layer])
+        io.finish_step_loads(all_layers_waited=True)
+        assert io.take_failed_blocks() == set()
+        # The same load where the shared block fails its check: the forward
+        # starts at once, every block is reported failed and recomputed.
+        (segment,) = (tmp_path / "s").glob("objects/*/*/*.safetensors")
+        data = bytearray(segment.read_bytes())
+        data[-96 * 4 - 10] ^= 0xFF  # layer 1's last block, just before the token ids
+        segment.write_bytes(bytes(data))
+        calls.clear()
+        io.start_step_loads([job])
+        io.finish_step_loads(all_layers_waited=True)
+        assert calls == [([80, 80], 96)]  # nothing read past the failure
+        assert io.take_failed_blocks() == set(ids)
+        io.close()
+
+
+def test_split_of_a_load_sharing_its_last_block() -> None:
+    tokens = np.arange(96, dtype=np.uint32)
+    job = LoadJob("r", 1, 96, tokens, 2, ((1, 2, 3, 4),), in_step=True, computes_from=90)
+    last, rest = job.split(BS)  # type: ignore[misc]
+    assert (last.blocks, last.start_block, last.n_tokens) == (((4,),), 5, 96)
+    assert rest is not None and (rest.blocks, rest.start_block, rest.n_tokens) == \
+        (((1, 2, 3),), 2, 80)
+    np.testing.assert_array_equal(rest.token_ids, tokens[:80])
+    # Nothing the forward writes into: no split.
+    for other in (dataclasses.replace(job, computes_from=96),
+                  dataclasses.replace(job, computes_from=None),
+                  dataclasses.replace(job, in_step=False)):
+        assert other.split(BS) is None
+    # Only the shared block: that block alone.  A window group holding only the
+    # shared block: the whole load first.
+    one = dataclasses.replace(job, blocks=((4,),), start_block=5)
+    assert one.split(BS) == (one, None)
+    window = dataclasses.replace(job, blocks=((1, 2, 3, 4), (8,)))
+    assert window.split(BS) == (window, None)
+    two = dataclasses.replace(job, blocks=((1, 2, 3, 4), (7, 8)))
+    last, rest = two.split(BS)  # type: ignore[misc]
+    assert last.blocks == ((4,), (8,)) and rest is not None and rest.blocks == ((1, 2, 3), (7,))

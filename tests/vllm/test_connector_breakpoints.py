@@ -47,25 +47,31 @@ def test_a_breakpoint_is_published_before_the_request_finishes(
     assert any(s[3] == prefix[0] for s in snaps.values()), snaps  # a copy-on-write tail
 
 
-@pytest.mark.parametrize("fault", [None, "flip-restored"], ids=["restored", "scrambled"])
+@pytest.mark.parametrize("fault", [None, "slow-restore", "flip-restored"],
+                         ids=["restored", "slow", "scrambled"])
 def test_the_breakpoints_block_is_restored_inside_it(
     tiny_model_dir: Path, baseline: dict[str, Any], tmp_path: Path, fault: str | None
 ) -> None:
     """vLLM's own prefix cache still holds the aborted request's whole blocks, so
     a prompt sharing its first 300 tokens gets 288 from it; the connector
     restores only the 12 after them, from inside the stored block 288-320.
-    The answer is plain vLLM's; scrambled after verification (negative
+    The answer is plain vLLM's, also when the restore is read in the prefill
+    step and slower than its forward (which writes its new tokens into that
+    block before each layer waits for the restore); scrambled after verification (negative
     control), those 12 tokens' KV alone change it."""
     result = run_scenario(tiny_model_dir, tmp_path, [
         {"op": "breakpoint_abort", "name": "bp", "prompt": LONG_PROMPT, "breakpoint": 300,
          "max_tokens": 1200},
         {"op": "gen", "name": "shared", "prompts": [SHARED_PREFIX_PROMPT]},
-    ], folder=tmp_path / "store", engine=CHUNK, env={FAULT_ENV: fault} if fault else None)
+    ], folder=tmp_path / "store", engine=CHUNK, env={FAULT_ENV: fault} if fault else None,
+        extra={"load_async": False} if fault == "slow-restore" else {})
     (shared,) = result["shared"]["outs"]
     assert shared["cached"] == 300, result["_log"]
     hits = "vllm:external_prefix_cache_hits"
     assert result["shared"]["metrics"][hits] - result["bp"]["metrics"][hits] == 12
-    if fault is None:
+    in_step = result["shared"]["metrics"].get("vllm:sparkcache_loads_in_step", 0)
+    assert in_step == (1 if fault == "slow-restore" else 0)
+    if fault != "flip-restored":
         assert same_answer(shared, baseline["shared"][0]) == ""
     else:
         assert same_answer(shared, baseline["shared"][0]) != ""
