@@ -63,7 +63,9 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
     remote_misses, remote_refused, remote_errors, remote_timeouts,
     remote_dropped, remote_fetched_bytes, remote_seconds
     (:mod:`sparkcache.connector.fetcher`); with the cost model: cost_restored,
-    cost_partial, cost_too_slow (:mod:`sparkcache.connector.costs`).
+    cost_partial, cost_too_slow (:mod:`sparkcache.connector.costs`); with KV
+    events: events_stored_blocks, events_removed_blocks, events_dropped,
+    events_unannounced (:mod:`sparkcache.connector.events`).
     Workers: loads, loaded_tokens, loaded_bytes, load_seconds, loads_direct,
     loads_in_step, load_failures, loads_dropped, loads_unwaited, saves,
     saved_tokens, saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
@@ -121,6 +123,10 @@ PROM_COUNTERS = {
     "saved_bytes": "Bytes written to sparkcache.",
     "saves_dropped": "Saves dropped because a queue or the memory bound was full.",
     "save_seconds": "Seconds spent publishing snapshots.",
+    "events_stored_blocks": "Blocks announced as stored (KV events, medium STORAGE).",
+    "events_removed_blocks": "Blocks announced as removed (KV events, medium STORAGE).",
+    "events_dropped": "KV events dropped: more were waiting for a step than the bound.",
+    "events_unannounced": "Snapshots not announced: no block hashes vLLM would match.",
 }
 
 

@@ -55,12 +55,14 @@ def test_per_tenant_counters_reach_prometheus_with_a_tenant_label() -> None:
         config, {prometheus.Gauge: None, prometheus.Counter: counter,
                  prometheus.Histogram: None}, ["engine"], {0: ["0"]})
     labels = TenantLabels()
-    stats = SparkCacheStats({"hits": 2, labels.counter(RequestScope(tenant="t1"), "hits"): 2,
+    stats = SparkCacheStats({"hits": 2, "events_stored_blocks": 9,
+                             labels.counter(RequestScope(tenant="t1"), "hits"): 2,
                              labels.counter(RequestScope(tenant="t1"), "hit_tokens"): 96})
-    assert stats.reduce() == {"hits": 2}  # vLLM's log line: the totals only
+    assert stats.reduce() == {"hits": 2, "events_stored_blocks": 9}  # the totals only
     metrics.observe(stats.data, 0)
     value = registry.get_sample_value
     assert value("vllm:sparkcache_hits_total", {"engine": "0"}) == 2
+    assert value("vllm:sparkcache_events_stored_blocks_total", {"engine": "0"}) == 9
     assert value("vllm:sparkcache_tenant_hits_total", {"engine": "0", "tenant": "t1"}) == 2
     assert value("vllm:sparkcache_tenant_hit_tokens_total",
                  {"engine": "0", "tenant": "t1"}) == 96
