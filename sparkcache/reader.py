@@ -65,7 +65,7 @@ def read_into(
     core: Core, match: Match, rank: int, out: Sequence[Any], *,
     n_tokens: int | None = None, start_tokens: int | Sequence[int] = 0,
     on_layer: Callable[[int], None] | None = None, threads: int = 1,
-    cpus: Sequence[int] = (),
+    cpus: Sequence[int] = (), hit: bool = True,
 ) -> int:
     """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
@@ -79,8 +79,9 @@ def read_into(
     are read).  ``start_tokens`` may also be one start per layer (a
     sliding-window layer needs only its window): each layer's destination
     then receives its own start's block first.  Returns the number of blocks
-    copied (from the lowest start).  A failure may leave ``out`` partly
-    written with *verified* bytes only; treat it as a miss."""
+    copied (from the lowest start).  ``hit`` False: the restored amounts are
+    counted but not a hit (one restore read in two parts).  A failure may
+    leave ``out`` partly written with *verified* bytes only; treat it as a miss."""
     dests: list[np.ndarray | seg.Sink] = [
         seg.Pieces(o) if isinstance(o, (list, tuple))
         else o if not isinstance(o, np.ndarray) and isinstance(o, seg.Sink)
@@ -106,7 +107,7 @@ def read_into(
         return dests
 
     return _read_chain(core, match, rank, n_tokens, check, skip_tokens=start_tokens,
-                       on_layer=on_layer, threads=threads, cpus=cpus)
+                       on_layer=on_layer, threads=threads, cpus=cpus, hits=int(hit))
 
 
 def stored_tokens(core: Core, match: Match, rank: int, n_tokens: int) -> np.ndarray:
@@ -229,6 +230,7 @@ def _read_range(match: Match, n_tokens: int | None,
 def _read_chain(
     core: Core, match: Match, rank: int, n_tokens: int | None,
     dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Sink]], *, touch: bool = True,
+    hits: int = 1,
     skip_tokens: int | Sequence[int] = 0, on_layer: Callable[[int], None] | None = None,
     threads: int = 1, cpus: Sequence[int] = (),
 ) -> int:
@@ -284,7 +286,7 @@ def _read_chain(
             copies.clear()  # drop the views before the mmaps close
     n_blocks = n // bs - skip_blocks
     if touch:
-        _touch(core, model_id, links, n - low, copied)
+        _touch(core, model_id, links, n - low, copied, hits)
     return n_blocks
 
 
@@ -450,7 +452,8 @@ def _open_verified(
             del buf
 
 
-def _touch(core: Core, model_id: int, links: list[_Link], n: int, nbytes: int) -> None:
+def _touch(core: Core, model_id: int, links: list[_Link], n: int, nbytes: int,
+           hits: int = 1) -> None:
     """Record the hit: every link read was used, and the restored amounts."""
     core.record_use([link.id for link in links], model_id,
-                    {"hits": 1, "restored_tokens": n, "restored_bytes": nbytes})
+                    {"hits": hits, "restored_tokens": n, "restored_bytes": nbytes})

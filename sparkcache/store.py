@@ -382,7 +382,7 @@ class SnapshotStore(StoreUpkeep, StoreLog):
     def read_into(
         self, match: Match, rank: int, out: Sequence[Any], *, n_tokens: int | None = None,
         start_tokens: int | Sequence[int] = 0, on_layer: Callable[[int], None] | None = None,
-        threads: int = 1, cpus: Sequence[int] = (),
+        threads: int = 1, cpus: Sequence[int] = (), hit: bool = True,
     ) -> int:
         """Verify and copy tokens ``[start_tokens, n_tokens)`` of a match into
         ``out``; no unverified byte is copied (docs/architecture.md, "Segment
@@ -401,6 +401,8 @@ class SnapshotStore(StoreUpkeep, StoreLog):
             on_layer: called with each layer's index as soon as it is complete.
             threads: threads sharing the layers (still reported in order).
             cpus: the CPUs the threads copy on (thread ``k`` on ``cpus[k % len]``).
+            hit: False to count the restored amounts but no hit (the first
+                part of a restore read in two).
 
         Returns:
             The number of blocks copied (``restored_*`` count only those).
@@ -413,7 +415,7 @@ class SnapshotStore(StoreUpkeep, StoreLog):
         """
         return reader.read_into(self._core, match, rank, out, n_tokens=n_tokens,
                                 start_tokens=start_tokens, on_layer=on_layer, threads=threads,
-                                cpus=cpus)
+                                cpus=cpus, hit=hit)
 
     # -- the shared tier (sparkcache.shared) ---------------------------------------------
 

@@ -272,7 +272,7 @@ class WorkerIO:
                                   f"{[list(ids)[:4] for ids in job.blocks]}")
         split = job.split(self.bs)
         if split is not None:  # the block the forward shares first, all layers
-            self._load_part(split[0], groups, None)
+            self._load_part(split[0], groups, None, hit=split[1] is None)
             if on_layer is not None:
                 on_layer(HEAD)  # (progress 0: the forward may start)
         rest = job if split is None else split[1]
@@ -283,18 +283,19 @@ class WorkerIO:
                 p.scatter(ids, scramble(p.gather(ids)))
 
     def _load_part(self, job: LoadJob, groups: LayerGroups,
-                   on_layer: Callable[[int], None] | None) -> None:
-        """:meth:`_load` of ``job``'s blocks, whichever sharding stored them."""
+                   on_layer: Callable[[int], None] | None, *, hit: bool = True) -> None:
+        """:meth:`_load` of ``job``'s blocks, whichever sharding stored them
+        (``hit``: the store counts the read a hit, once a restore)."""
         slow_restore(self.fault)
         if job.source is not None:  # stored by an engine of another TP size
             load_resharded(self.store, self.identity, self.rank, self.total_kv_heads, job,
                            groups.pages[0], job.blocks[0], self.counters,
                            threads=self.load_threads, cpus=read_cpus())
         else:
-            self._load_own(job, groups, on_layer)
+            self._load_own(job, groups, on_layer, hit)
 
     def _load_own(self, job: LoadJob, groups: LayerGroups,
-                  on_layer: Callable[[int], None] | None) -> None:
+                  on_layer: Callable[[int], None] | None, hit: bool = True) -> None:
         """:meth:`_load` of a snapshot stored under the engine's own identity."""
         match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids, from_lookup=True)
         end = job.n_tokens // self.bs
@@ -309,7 +310,7 @@ class WorkerIO:
             out: list[Any] = [views[g][j] for g, j in groups.where]  # type: ignore[index]
             self.store.read_into(match, self.rank, out, n_tokens=job.n_tokens,
                                  start_tokens=starts, on_layer=notify,
-                                 threads=self.load_threads, cpus=read_cpus())
+                                 threads=self.load_threads, cpus=read_cpus(), hit=hit)
             self.counters.add("loads_direct")
         else:
             # Leaving the block waits for every queued upload of every group.
@@ -326,7 +327,7 @@ class WorkerIO:
                 self.store.read_into(match, self.rank,
                                      [staged[g].layers[j] for g, j in groups.where],
                                      n_tokens=job.n_tokens, start_tokens=starts,
-                                     threads=self.load_threads, on_layer=landed)
+                                     threads=self.load_threads, on_layer=landed, hit=hit)
 
     def _groups_of(self, job: LoadJob | SaveJob) -> LayerGroups:
         """This worker's KV cache groups, which the job's per-group blocks must match."""

@@ -175,6 +175,8 @@ def test_a_last_block_the_forward_writes_into_lands_before_it_starts(tmp_path: P
             np.testing.assert_array_equal(kv.arr[layer, list(ids)], expect[layer])
         io.finish_step_loads(all_layers_waited=True)
         assert io.take_failed_blocks() == set()
+        stats = store.stats()  # one restore, read in two parts: one hit, all its blocks
+        assert (stats["hits"], stats["restored_tokens"]) == (1, 96), stats
         # The same load where the shared block fails its check: the forward
         # starts at once, every block is reported failed and recomputed.
         (segment,) = (tmp_path / "s").glob("objects/*/*/*.safetensors")
