@@ -401,8 +401,7 @@ class SnapshotStore(StoreUpkeep, StoreLog):
             on_layer: called with each layer's index as soon as it is complete.
             threads: threads sharing the layers (still reported in order).
             cpus: the CPUs the threads copy on (thread ``k`` on ``cpus[k % len]``).
-            hit: False to count the restored amounts but no hit (the first
-                part of a restore read in two).
+            hit: False: the restored amounts count, not a hit (a restore's first part).
 
         Returns:
             The number of blocks copied (``restored_*`` count only those).
