@@ -150,7 +150,7 @@ def read_resharded(
     core: Core, match: Match, engine: ModelIdentity, tp_rank: int, total_kv_heads: int,
     out: Sequence[Sequence[Any]], *, pp_rank: int = 0, n_tokens: int | None = None,
     start_tokens: int = 0, threads: int = 1, cpus: Sequence[int] = (),
-    on_layer: Callable[[int], None] | None = None,
+    on_layer: Callable[[int], None] | None = None, hit: bool = True,
 ) -> None:
     """Engine rank ``tp_rank``'s heads of tokens ``[start_tokens, n_tokens)`` of a
     snapshot stored under another sharding of the same KV, verified and
@@ -159,10 +159,12 @@ def read_resharded(
     ``start_tokens // block_size``).  Each stored rank that holds some of the
     heads is read once (:func:`sparkcache.reader.read_into`: every chunk
     verified before its heads are copied); ``on_layer(i)`` runs once layer
-    ``i`` holds every stored rank's heads.  ShardingRefused when the pair is
-    not supported (sliding windows included: their layers store only a
-    window); CorruptSnapshot or NotFound as :func:`read_into`: a miss, which
-    may leave ``out`` partly written with verified bytes."""
+    ``i`` holds every stored rank's heads.  The restore is one hit, counted
+    by the last stored rank's read (``hit`` False: none, as :func:`read_into`);
+    each stored rank's read counts its restored amounts.  ShardingRefused when
+    the pair is not supported (sliding windows included: their layers store
+    only a window); CorruptSnapshot or NotFound as :func:`read_into`: a miss,
+    which may leave ``out`` partly written with verified bytes."""
     stored = match.identity
     reads = _checked_pair(match, engine, tp_rank, total_kv_heads)
     head_nbytes = engine.page_nbytes // engine.num_kv_heads
@@ -173,6 +175,7 @@ def read_resharded(
         rank = (pp_rank * stored.tp_size + src_rank) * stored.dcp_size
         sinks = [HeadSink(layer, runs, stored.page_nbytes, engine.page_nbytes)
                  for layer in out]
+        last = k == len(by_rank) - 1
         read_into(core, match, rank, sinks, n_tokens=n_tokens, start_tokens=start_tokens,
-                  threads=threads, cpus=cpus,
-                  on_layer=on_layer if k == len(by_rank) - 1 else None)
+                  threads=threads, cpus=cpus, on_layer=on_layer if last else None,
+                  hit=hit and last)

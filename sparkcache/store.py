@@ -432,11 +432,10 @@ class SnapshotStore(StoreUpkeep, StoreLog):
     def read_resharded(self, match: Match, engine: ModelIdentity, tp_rank: int,
                        total_kv_heads: int, out: Sequence[Sequence[Any]], *,
                        pp_rank: int = 0, n_tokens: int | None = None, start_tokens: int = 0,
-                       threads: int = 1, cpus: Sequence[int] = ()) -> None:
+                       threads: int = 1, cpus: Sequence[int] = (), hit: bool = True) -> None:
         """Engine rank ``tp_rank``'s heads of a snapshot stored under another
-        sharding of the same KV, verified, into its pages: each stored rank's
-        chunks checked, then their heads written to ``out``
-        (:func:`sparkcache.reshard.read_resharded`).
+        sharding of the same KV, verified: each stored rank's chunks checked, then
+        their heads written to ``out`` (:func:`sparkcache.reshard.read_resharded`).
 
         Args:
             match: from :meth:`lookup` with a sibling identity.
@@ -450,6 +449,7 @@ class SnapshotStore(StoreUpkeep, StoreLog):
             start_tokens: the first token copied (a multiple of the block size).
             threads: copying threads, as :meth:`read_into`.
             cpus: the cores they run on, as :meth:`read_into`.
+            hit: one hit however many stored ranks are read; False: none (a first part).
 
         Raises:
             ShardingRefused: the pair of shardings is not supported.
@@ -458,7 +458,7 @@ class SnapshotStore(StoreUpkeep, StoreLog):
         """
         reshard.read_resharded(self._core, match, engine, tp_rank, total_kv_heads, out,
                                pp_rank=pp_rank, n_tokens=n_tokens, start_tokens=start_tokens,
-                               threads=threads, cpus=cpus)
+                               threads=threads, cpus=cpus, hit=hit)
 
     def _tier(self) -> SharedTier:
         if self.shared is None:

@@ -141,3 +141,30 @@ def test_other_kv_and_sliding_windows_are_refused(tmp_path: Path) -> None:
     windowed = ident(1, extra=(("window_blocks", "1,0"),))
     with pytest.raises(ShardingRefused):
         read_pages(store._core, match, windowed, 0)
+
+
+
+def test_a_cross_tp_restore_counts_one_hit(tmp_path: Path) -> None:
+    """A TP 2 -> 1 restore reads both stored ranks but is one hit (none with
+    hit=False, a restore's first part); its restored amounts count either way."""
+    store = SnapshotStore(tmp_path / "s")
+    kv = full_kv()
+    publish(store, 2, kv, TOKENS)
+    match = store.lookup(ident(2), TOKENS)
+    assert match is not None
+    grown: list[dict[str, int]] = []
+    for hit in (True, False):
+        before = store.stats()
+        out = [np.zeros((N_BLOCKS, ident(1).page_nbytes), np.uint8) for _ in range(LAYERS)]
+        dests = [[o.reshape(-1)] for o in out]
+        if hit:  # the default
+            store.read_resharded(match, ident(1), 0, HEADS, dests)
+        else:
+            store.read_resharded(match, ident(1), 0, HEADS, dests, hit=False)
+        after = store.stats()
+        grown.append({k: after.get(k, 0) - before.get(k, 0)
+                      for k in ("hits", "restored_tokens", "restored_bytes")})
+        assert grown[-1].pop("hits") == int(hit)
+        for got, want in zip(out, rank_pages(kv, 1, 0), strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert grown[0] == grown[1] and grown[0]["restored_bytes"] > 0  # amounts as before
