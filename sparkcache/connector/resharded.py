@@ -54,13 +54,14 @@ def sibling_match(store: SnapshotStore, identity: ModelIdentity, total_kv_heads:
 def load_resharded(store: SnapshotStore, identity: ModelIdentity, rank: int,
                    total_kv_heads: int, job: LoadJob, pages: Any,
                    block_ids: Sequence[int], counters: Counters, *, threads: int = 1,
-                   cpus: Sequence[int] = ()) -> None:
+                   cpus: Sequence[int] = (), hit: bool = True) -> None:
     """Restore ``job`` (a snapshot of ``job.source``'s sharding) into this
     worker's ``block_ids`` of ``pages`` (one KV cache group): this rank's heads,
     read verified from the stored ranks holding them.  Where the pages are the
     host's own memory (``block_views``) each stored chunk's heads go straight
     into the KV cache (counted in ``loads_direct``); else whole pages are
-    read, re-sharded and scattered.  Raises a
+    read, re-sharded and scattered.  ``hit`` False: the store counts the
+    restored amounts but no hit (a restore's first part).  Raises a
     SparkCacheError (a miss, vLLM recomputes) when it cannot."""
     if job.source is None or total_kv_heads <= 0:
         raise ShardingRefused("the model's KV heads in all are unknown")
@@ -72,12 +73,13 @@ def load_resharded(store: SnapshotStore, identity: ModelIdentity, rank: int,
     if views is not None:
         store.read_resharded(match, identity, tp_rank, total_kv_heads, views, pp_rank=pp_rank,
                              n_tokens=job.n_tokens, start_tokens=start, threads=threads,
-                             cpus=cpus)
+                             cpus=cpus, hit=hit)
         counters.add("loads_direct")
         return
     layers = [np.empty((len(block_ids), identity.page_nbytes), np.uint8)
               for _ in range(identity.num_layers)]
     store.read_resharded(match, identity, tp_rank, total_kv_heads,
                          [[layer.reshape(-1)] for layer in layers], pp_rank=pp_rank,
-                         n_tokens=job.n_tokens, start_tokens=start, threads=threads, cpus=cpus)
+                         n_tokens=job.n_tokens, start_tokens=start, threads=threads, cpus=cpus,
+                         hit=hit)
     pages.scatter(block_ids, layers)

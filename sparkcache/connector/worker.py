@@ -290,7 +290,7 @@ class WorkerIO:
         if job.source is not None:  # stored by an engine of another TP size
             load_resharded(self.store, self.identity, self.rank, self.total_kv_heads, job,
                            groups.pages[0], job.blocks[0], self.counters,
-                           threads=self.load_threads, cpus=read_cpus())
+                           threads=self.load_threads, cpus=read_cpus(), hit=hit)
         else:
             self._load_own(job, groups, on_layer, hit)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sparkcache import ModelIdentity, SnapshotStore
-from sparkcache.connector.jobs import Counters
+from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.connector.resharded import sibling_match
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
@@ -127,3 +127,36 @@ def test_a_sharding_that_cannot_be_resharded_is_not_offered(tmp_path: Path) -> N
     publish(store, 2, p, [Pages(16, 1, seed=rank) for rank in (0, 1)])  # tp=2, pp=1
     found = sibling_match(store, ident(1), HEADS, tokens, None)
     assert found is not None and found.identity == ident(2)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_split_in_step_restore_of_another_tp_size_is_one_hit(
+        tmp_path: Path, direct: bool) -> None:
+    """An in-step restore whose last block the forward shares is read in two
+    parts, each from both stored ranks: the store counts one hit."""
+    store = SnapshotStore(tmp_path / "s")
+    kv = [Pages(16, 1, seed=rank) for rank in (0, 1)]
+    p = prompt(100, 4)
+    publish(store, 2, p, kv)
+    match = store.lookup(ident(2), p)
+    assert match is not None
+    n = match.n_tokens
+    ids = tuple(range(9, 9 + n // BS))
+    job = LoadJob("b", match.snapshot_id, n, np.asarray(p[:n], np.uint32), 0, (ids,),
+                  in_step=True, source=ident(2), computes_from=n - 2)
+    split = job.split(BS)
+    assert split is not None and split[1] is not None  # two parts
+    one = Pages(16, HEADS, seed=50, direct=direct)
+    io = WorkerIO(store, ident(1), 0, one, Counters())  # type: ignore[arg-type]
+    io.total_kv_heads = HEADS
+    before = store.stats()
+    io.start_step_loads([job])
+    io.finish_step_loads(all_layers_waited=True)
+    assert io.take_failed_blocks() == set()
+    io.close()
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(one.arr[layer, list(ids), :HEAD_NBYTES],
+                                      kv[0].arr[layer, :len(ids)])
+        np.testing.assert_array_equal(one.arr[layer, list(ids), HEAD_NBYTES:],
+                                      kv[1].arr[layer, :len(ids)])
+    assert store.stats()["hits"] - before.get("hits", 0) == 1
