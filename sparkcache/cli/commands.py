@@ -314,7 +314,7 @@ def cmd_shell(ctx: Context) -> int:
             mode = "read-write" if ctx.args.write else "read-only"
             shell.cmdloop(intro=f"sparkcache index {path} ({mode}); views: v_models, "
                                 "v_snapshots, v_segments, v_leases, v_counters, "
-                                "v_request_log; .help, .quit\n")
+                                "v_request_log, v_costs; .help, .quit\n")
             return EXIT_OK
         # Errors become our one line; the shell's own report of them is dropped.
         shell.stderr = io.StringIO()

@@ -63,6 +63,7 @@ __all__ = [
     "TRIGGERS",
     "USER_OBJECT_COUNT",
     "VIEWS",
+    "V_COSTS",
     "V_COUNTERS",
     "V_LEASES",
     "V_MODELS",
@@ -74,7 +75,7 @@ __all__ = [
 # The alembic revision this metadata describes.  ``migrate.ensure_schema`` compares
 # it with the database's ``alembic_version`` so that an up-to-date open never has to
 # import alembic; a test checks it equals the newest revision file.
-SCHEMA_REVISION: Final = "0011"
+SCHEMA_REVISION: Final = "0012"
 
 # -- connection settings --------------------------------------------------------------------
 # WAL: readers never block the writer; one writer at a time (BEGIN IMMEDIATE).
@@ -365,7 +366,7 @@ TRIGGERS: Final[dict[str, str]] = {
     "tr_usage_resize": TR_USAGE_RESIZE,
 }
 
-# -- views for people at the sqlite3 shell (revisions 0002, 0005 and 0006) -----------------------
+# -- views for people at the sqlite3 shell (revisions 0002, 0005, 0006 and 0012) ----------------
 # Times are UTC 'YYYY-MM-DD HH:MM:SS' text, which sorts like the number it shows;
 # sizes are decimal megabytes (10**6 bytes).  Nothing in sparkcache reads the views.
 # v_leases computes "now" in unix seconds as (julianday('now') - 2440587.5) * 86400.0,
@@ -400,7 +401,8 @@ SELECT s.id AS id,
        datetime(s.created_at, 'unixepoch') AS created,
        datetime(s.last_used, 'unixepoch') AS last_used,
        s.snap_key AS snap_key,
-       datetime(s.uploaded_at, 'unixepoch') AS uploaded
+       datetime(s.uploaded_at, 'unixepoch') AS uploaded,
+       s.tenant AS tenant
 FROM snapshots AS s JOIN models AS m ON m.id = s.model_id"""
 
 V_SEGMENTS: Final = """CREATE VIEW v_segments AS
@@ -434,8 +436,10 @@ SELECT CASE WHEN c.model_id = 0 THEN '(all)'
        c.model_id AS model_id
 FROM counters AS c LEFT JOIN models AS m ON m.id = c.model_id"""
 
-# Revision 0005.  ``model``: as the request named it, else the engine's model
-# name; ``cached``: tokens the request did not compute (live + restored).
+# Revisions 0005 and 0012.  ``model``: as the request named it, else the engine's
+# model name; ``cached``: tokens the request did not compute (live + restored).
+# ``fingerprint`` is left out: digests of the prompt's parts say nothing to a
+# person, and would let a guess of a short part be confirmed.
 V_REQUEST_LOG: Final = """CREATE VIEW v_request_log AS
 SELECT r.seq AS seq,
        datetime(r.created_at, 'unixepoch') AS created,
@@ -455,8 +459,32 @@ SELECT r.seq AS seq,
        round(r.total_s, 3) AS total_s,
        r.status AS status,
        r.request_id AS request_id,
-       r.model_id AS model_id
+       r.model_id AS model_id,
+       r.remote_tokens AS remote,
+       r.written_by_ttl AS written_by_ttl,
+       r.tenant AS tenant,
+       r.answer_id AS answer_id,
+       r.restore_reason AS restore_reason
 FROM request_log AS r LEFT JOIN models AS m ON m.id = r.model_id"""
+
+# Revision 0012.  ``model``: the engine's model name for its own rates, ``(host)``
+# for a source every engine of the host shares (as ``sparkcache stats`` writes
+# it); the rates in people's units: tokens/s for prefill, MB/s for a restore.
+V_COSTS: Final = """CREATE VIEW v_costs AS
+SELECT CASE WHEN c.model = '' THEN '(host)'
+            ELSE coalesce(m.name, c.model) END AS model,
+       c.source AS source,
+       c.bucket AS bucket,
+       CASE WHEN c.source = 'prefill' THEN 1 << c.bucket END AS prompt_max,
+       CASE WHEN c.source = 'prefill' AND c.unit_s > 0
+            THEN round(1.0 / c.unit_s) END AS tokens_per_s,
+       CASE WHEN c.source <> 'prefill' AND c.unit_s > 0
+            THEN round(1e-6 / c.unit_s, 1) END AS mb_per_s,
+       round(c.latency_s, 4) AS latency_s,
+       c.samples AS samples,
+       datetime(c.updated_at, 'unixepoch') AS updated,
+       c.model AS digest
+FROM costs AS c LEFT JOIN models AS m ON m.digest = c.model"""
 
 # name -> CREATE VIEW statement, in creation order.
 VIEWS: Final[dict[str, str]] = {
@@ -466,4 +494,5 @@ VIEWS: Final[dict[str, str]] = {
     "v_leases": V_LEASES,
     "v_counters": V_COUNTERS,
     "v_request_log": V_REQUEST_LOG,
+    "v_costs": V_COSTS,
 }

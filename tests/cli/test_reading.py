@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
 from sparkcache import admin
+from sparkcache.cli import commands
+from sparkcache.index import schema
 from sparkcache.measures import CostRow
 
 from .helpers import Run
@@ -42,6 +45,12 @@ def test_shell_runs_sql_read_only(run: Run) -> None:
     run("shell", "SELECT nope", code=2)
 
 
+def test_interactive_shell_names_every_view() -> None:
+    # apsw prints the banner only on a terminal, so its text is read from the source.
+    banner = inspect.getsource(commands.cmd_shell)
+    assert all(view in banner for view in schema.VIEWS), sorted(schema.VIEWS)
+
+
 def test_admin_results_match_cli_json(run: Run, folder: Path) -> None:
     with admin.open_store(folder) as store:
         expected = admin.to_dict(admin.list_snapshots(store))
@@ -73,3 +82,12 @@ def test_stats_shows_the_measured_costs(run: Run, folder: Path) -> None:
     text = run("stats", "tiny-llama")
     assert "8,000 tokens/s" in text and "100.0 MB/s" in text and "1.0 MB/s" in text
     assert "<=4096" in text
+    # The index's view shows the same rates (revision 0012).
+    assert run.json("shell", "SELECT model, source, prompt_max, tokens_per_s, mb_per_s "
+                    "FROM v_costs ORDER BY digest, source") == [
+        {"model": "(host)", "source": "local_cold", "prompt_max": None, "tokens_per_s": None,
+         "mb_per_s": 100.0},
+        {"model": "(host)", "source": "tier s3://b/kv http://127.0.0.1:9", "prompt_max": None,
+         "tokens_per_s": None, "mb_per_s": 1.0},
+        {"model": "tiny-llama", "source": "prefill", "prompt_max": 4096, "tokens_per_s": 8000.0,
+         "mb_per_s": None}]

@@ -8,6 +8,7 @@ so an existing file is refused::
     .venv/bin/python tests/index/make_golden.py 0003   # golden_0003.sqlite
     .venv/bin/python tests/index/make_golden.py 0004   # golden_0004.sqlite
     .venv/bin/python tests/index/make_golden.py 0005   # golden_0005.sqlite
+    .venv/bin/python tests/index/make_golden.py 0011   # golden_0011.sqlite
 """
 
 from __future__ import annotations
@@ -94,10 +95,26 @@ REQUEST_LOG_ROWS = [
      "restored_tokens) VALUES (?, ?, ?, ?, ?, ?)", ("r1", T0 + 20, 1, "chat", 600, 512)),
 ]
 
+# Revisions 0006 to 0011: the upload time, the tenants, the log's later columns
+# and the cost model's rates (an engine's prefill and step, the host's local disk).
+LATER_ROWS = [
+    ("UPDATE snapshots SET uploaded_at = ?, tenant = ? WHERE id = 1", (T0 + 30, "team-a")),
+    ("UPDATE request_log SET written_tokens = ?, remote_tokens = ?, written_by_ttl = ?, "
+     "tenant = ?, answer_id = ?, fingerprint = ?, restore_reason = ? WHERE request_id = 'r1'",
+     (88, 256, '{"300":64,"3600":24}', "team-a", "msg_01", '{"model":"ab12"}', "partial")),
+    ("INSERT INTO costs (model, source, bucket, unit_s, latency_s, samples, updated_at) "
+     "VALUES (?, ?, ?, ?, ?, ?, ?)", (DIGEST, "prefill", 10, 1e-4, 0.0, 5, T0 + 40)),
+    ("INSERT INTO costs (model, source, bucket, unit_s, latency_s, samples, updated_at) "
+     "VALUES (?, ?, ?, ?, ?, ?, ?)", (DIGEST, "step", 0, 0.0, 0.0125, 9, T0 + 40)),
+    ("INSERT INTO costs (model, source, bucket, unit_s, latency_s, samples, updated_at) "
+     "VALUES (?, ?, ?, ?, ?, ?, ?)", ("", "local_warm", 0, 5e-10, 0.00123456, 3, T0 + 40)),
+]
+
 #: The rows of each golden database, by revision.
 GOLDEN_ROWS = {"0001": ROWS, "0003": ROWS + COUNTER_ROWS,
                "0004": ROWS + COUNTER_ROWS + SCOPE_ROWS,
-               "0005": ROWS + COUNTER_ROWS + SCOPE_ROWS + REQUEST_LOG_ROWS}
+               "0005": ROWS + COUNTER_ROWS + SCOPE_ROWS + REQUEST_LOG_ROWS,
+               "0011": ROWS + COUNTER_ROWS + SCOPE_ROWS + REQUEST_LOG_ROWS + LATER_ROWS}
 
 
 def main(revision: str) -> Path:

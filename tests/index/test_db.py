@@ -187,7 +187,7 @@ def test_busy_fresh_store_raises_store_timeout_on_open(db_path: Path) -> None:
     with Database(db_path) as db:
         assert db.migrated == [
         "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010", "0011"]
+        "0010", "0011", "0012"]
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from sparkcache.errors import SchemaMismatch
 from sparkcache.index import Database, current_revision, head_revision, queries, upgrade
 from sparkcache.index.migrate import alembic_config, known_revisions, render_sql
 
-from .helpers import DATA, raw, schema_objects
+from .helpers import DATA, check_later_columns, raw, schema_objects
 
 
 def test_render_sql_is_plain_sqlite() -> None:
@@ -37,7 +37,7 @@ def test_upgrade_step_by_step(db_path: Path) -> None:
     assert current_revision(conn) == "0001"
     assert upgrade(conn, "0001") == []
     assert upgrade(conn) == ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010", "0011"]
+        "0010", "0011", "0012"]
     assert upgrade(conn, "0001") == []  # never a downgrade
     assert current_revision(conn) == head_revision()
     assert not conn.in_transaction
@@ -51,7 +51,7 @@ def test_golden_0001_upgrades_and_keeps_its_rows(
     assert current_revision(raw(path)) == "0001"
     with caplog.at_level(logging.INFO, logger="sparkcache.index"), Database(path) as db:
         assert db.migrated == ["0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010", "0011"]
+        "0010", "0011", "0012"]
         assert "upgraded the schema" in caplog.text
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
@@ -94,7 +94,7 @@ def test_golden_0003_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     assert current_revision(raw(path)) == "0003"
     with Database(path) as db:
         assert db.migrated == ["0004", "0005", "0006", "0007", "0008", "0009",
-        "0010", "0011"]
+        "0010", "0011", "0012"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -123,7 +123,7 @@ def test_golden_0004_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     assert current_revision(raw(path)) == "0004"
     with Database(path) as db:
         assert db.migrated == ["0005", "0006", "0007", "0008", "0009",
-        "0010", "0011"]
+        "0010", "0011", "0012"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -152,7 +152,7 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
     assert current_revision(raw(path)) == "0005"
     with Database(path) as db:
         assert db.migrated == ["0006", "0007", "0008", "0009",
-        "0010", "0011"]
+        "0010", "0011", "0012"]
         with db.read() as conn:
             assert current_revision(conn) == head_revision()
             rows = select_all(conn, queries.LIST_SNAPSHOTS + " ORDER BY id", into=SnapshotInfo)
@@ -177,6 +177,23 @@ def test_golden_0005_upgrades_and_keeps_its_rows(tmp_path: Path) -> None:
             assert conn.execute("SELECT id, uploaded FROM v_snapshots ORDER BY id").fetchall() \
                 == [(1, "2026-01-02 03:04:05"), (2, None)]
             assert list(conn.execute(queries.UPLOAD_QUEUE, (10,))) == []
+
+
+def test_golden_0011_upgrades_and_its_views_show_the_later_columns(tmp_path: Path) -> None:
+    """0012: the views of an index made at 0011 show the columns 0006 to 0011 added,
+    and v_costs its measured rates, as on a fresh index (tests/index/test_schema.py)."""
+    path = tmp_path / "index.sqlite"
+    shutil.copyfile(DATA / "golden_0011.sqlite", path)
+    assert current_revision(raw(path)) == "0011"
+    with Database(path) as db:
+        assert db.migrated == ["0012"]
+        with db.read() as conn:
+            assert current_revision(conn) == head_revision()
+            check_later_columns(conn)
+            assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        fresh = Database(tmp_path / "fresh.sqlite")
+        assert schema_objects(db.connection) == schema_objects(fresh.connection)
+        fresh.close()
 
 
 def _golden_downgraded(tmp_path: Path, rev: str, back: str, fill: str) -> apsw.Connection:
@@ -351,3 +368,16 @@ def test_0011_downgrades_to_the_schema_of_0010(tmp_path: Path) -> None:
         "INSERT INTO costs (model, source, unit_s, updated_at) VALUES ('', 'local_warm', 1e-9, 1)")
     assert conn.execute("SELECT request_id, prompt_tokens FROM request_log").fetchall() == [
         ("r1", 600)]
+
+
+def test_0012_downgrades_to_the_schema_of_0011(tmp_path: Path) -> None:
+    """0012's downgrade (v_costs, then the two views as 0006 and 0005 wrote them)
+    leaves exactly 0011's schema; 0011's own downgrade can then drop its column."""
+    conn = _golden_downgraded(
+        tmp_path, "0012", "0011",
+        "UPDATE request_log SET restore_reason = 'too_slow'; "
+        "UPDATE snapshots SET tenant = 'a'")
+    assert conn.execute("SELECT request_id, prompt, restored FROM v_request_log").fetchall() == [
+        ("r1", 600, 512)]
+    assert conn.execute("SELECT id, state FROM v_snapshots ORDER BY id").fetchall() == [
+        (1, "ready"), (2, "quarantined")]

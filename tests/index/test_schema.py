@@ -14,20 +14,22 @@ from sparkcache.errors import CorruptIndex, SchemaMismatch
 from sparkcache.index import Database, current_revision, head_revision, schema
 from sparkcache.index.migrate import MIGRATIONS_PACKAGE, known_revisions
 
-from .helpers import raw, schema_objects
+from .helpers import check_later_columns, raw, schema_objects
+from .make_golden import GOLDEN_ROWS
 
 TABLES = {
     "settings", "models", "snapshots", "segments", "boundaries", "leases", "counters",
     "model_usage", "request_log",
 }
 TRIGGERS = {"tr_usage_insert", "tr_usage_delete", "tr_usage_resize"}
-VIEWS = {"v_models", "v_snapshots", "v_segments", "v_leases", "v_counters", "v_request_log"}
+VIEWS = {"v_models", "v_snapshots", "v_segments", "v_leases", "v_counters", "v_request_log",
+         "v_costs"}
 
 
 def test_revisions_form_one_line_ending_at_schema_revision() -> None:
     assert known_revisions() == (
         "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010", "0011")
+        "0010", "0011", "0012")
     assert head_revision() == schema.SCHEMA_REVISION
 
 
@@ -44,7 +46,7 @@ def test_revisions_ship_inside_the_package() -> None:
 def test_fresh_database_reaches_head(db: Database, db_path: Path) -> None:
     assert db.migrated == [
         "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010", "0011"]
+        "0010", "0011", "0012"]
     conn = db.connection
     assert current_revision(conn) == head_revision()
     names = {
@@ -187,6 +189,21 @@ def test_request_log_rules_and_view(db: Database) -> None:
             (1, "2026-01-02 03:04:05", "#7", "chat", 100, 80, 0.123),
             (2, "2026-01-02 03:04:06", "llama-served", None, 10, 0, None),
             (4, "2026-01-02 03:04:05", None, None, None, 0, None)]
+
+
+def test_views_show_the_later_columns(db: Database) -> None:
+    """A fresh index's views show what 0006 to 0011 added (revision 0012), as an
+    index migrated from 0011 does (tests/index/test_migrate.py)."""
+    with db.write() as conn:
+        for sql, params in GOLDEN_ROWS["0011"]:
+            conn.execute(sql, params)
+    with db.read() as conn:
+        check_later_columns(conn)
+    with db.write() as conn:  # an engine's rates before its model's first publish
+        conn.execute("INSERT INTO costs (model, source, unit_s, updated_at) "
+                     "VALUES ('ff', 'prefill', 0, 0)")
+        assert conn.execute("SELECT model, tokens_per_s, prompt_max FROM v_costs "
+                            "WHERE digest = 'ff'").fetchall() == [("ff", None, 1)]
 
 
 def test_foreign_database_is_refused(db_path: Path) -> None:

@@ -89,5 +89,5 @@ def test_installed_wheel_creates_an_index_at_head(tmp_path: Path) -> None:
     assert not result["top_level_migrations"]
     assert result["applied"] == [
         "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-        "0010", "0011"]
-    assert result["revision"] == result["head"] == "0011"
+        "0010", "0011", "0012"]
+    assert result["revision"] == result["head"] == "0012"
