@@ -431,9 +431,13 @@ def machine() -> dict[str, str]:
 
 def table(rows: list[Row]) -> str:
     head = ["measurement", "sparkcache", "baseline", "ratio", "target", "result", "notes"]
-    body = [[r.name, r.value, r.baseline, r.ratio, r.target,
-             "" if r.passed is None else ("PASS" if r.passed else "MISS"), r.note]
-            for r in rows]
+    return grid(head, [[r.name, r.value, r.baseline, r.ratio, r.target,
+                        "" if r.passed is None else ("PASS" if r.passed else "MISS"), r.note]
+                       for r in rows])
+
+
+def grid(head: list[str], body: list[list[str]]) -> str:
+    """A Markdown table of ``head`` and the rows of ``body``, columns aligned."""
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
 
     def line(cells: list[str]) -> str:

@@ -83,7 +83,7 @@ from typing import Any
 import anthropic
 import openai
 from anthropic.types import MessageParam, TextBlockParam
-from common import log, machine, pct
+from common import grid, log, machine, pct
 
 from sparkcache.demo.engine import ENGINE_ENV
 from sparkcache.demo.model import DEMO, WORDS, ModelSize, ensure_model
@@ -425,7 +425,7 @@ def openai_report(passes: dict[bool, list[tuple[float, int, int]]]) -> str:
                      f"{pct(ttft, 90):.2f}", f"{sum(c for _, c, _ in passes[mark])}",
                      f"{sum(w for _, _, w in passes[mark])}"])
     ratio = pct([t for t, _, _ in passes[True]], 50) / pct([t for t, _, _ in passes[False]], 50)
-    return (table(["requests", "n", "TTFT p50 s", "p90 s", "cached_tokens",
+    return (grid(["requests", "n", "TTFT p50 s", "p90 s", "cached_tokens",
                    "cache_write_tokens"], body)
             + f"\n\nwith / without breakpoints: TTFT p50 {ratio:.2f}x (target <= 1.05x)")
 
@@ -466,16 +466,6 @@ def summary(turns: Sequence[Turn]) -> dict[str, float]:
             "cache_creation": sum(t.cache_creation for t in turns)}
 
 
-def table(head: list[str], body: list[list[str]]) -> str:
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-                      *(line(b) for b in body)])
-
-
 def report(runs: list[Run]) -> tuple[str, dict[str, dict[str, dict[str, float]]]]:
     stats: dict[str, dict[str, dict[str, float]]] = {}
     body = []
@@ -493,7 +483,7 @@ def report(runs: list[Run]) -> tuple[str, dict[str, dict[str, dict[str, float]]]
                          f"{max(starts):.0f}" if starts else ""])
     head = ["server", "requests", "n", "TTFT p50 s", "p90 s", "max s", "requests s",
             "prompt tokens", "cache_read", "computed", "input", "cache_creation", "start s"]
-    out = table(head, body)
+    out = grid(head, body)
     ours, plain = stats[SERVERS[0]], stats[SERVERS[1]]
     ratios = ", ".join(f"{phase} {ours[phase]['p50'] / plain[phase]['p50']:.2f}x"
                        for phase in (*PHASES, "all"))

@@ -124,14 +124,37 @@ def s3_calls(fs: Any) -> Iterator[Counter[str]]:
         fs.s3.meta.events.unregister("before-call.s3", count)
 
 
-class DelayProxy:
-    """A TCP proxy on 127.0.0.1 to ``port`` that holds every piece a client sends
-    ``delay`` seconds before forwarding it: a slow endpoint (every request, on
-    new and kept-alive connections), made of real sockets.  ``delay`` may be
-    changed while it runs; :meth:`stop` closes everything."""
+class _Pacer:
+    """Paces the bytes of every connection through it to one rate: a link of
+    that bandwidth, shared by all of them (one per direction)."""
 
-    def __init__(self, port: int, delay: float) -> None:
-        self.target, self.delay = port, delay
+    def __init__(self) -> None:
+        self._free_at = 0.0  # monotonic: when the link has sent what it was given
+        self._lock = threading.Lock()
+
+    def wait(self, nbytes: int, rate: float | None, stop: threading.Event) -> bool:
+        """Hold ``nbytes`` until the link at ``rate`` bytes/s has carried them
+        after what it was given before (None: at once); True when stopped."""
+        if not rate:
+            return False
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + nbytes / rate
+            until = self._free_at
+        return stop.wait(until - now)
+
+
+class DelayProxy:
+    """A TCP proxy on 127.0.0.1 to ``port``: a slow endpoint (every request, on
+    new and kept-alive connections), made of real sockets.  ``delay``: every
+    piece a client sends is held that many seconds before it is forwarded.
+    ``rate``: bytes per second each way, all connections together (a link of
+    that bandwidth; None: as fast as loopback).  Both may be changed while it
+    runs; :meth:`wait_idle` waits until nothing moves; :meth:`stop` closes
+    everything."""
+
+    def __init__(self, port: int, delay: float = 0.0, *, rate: float | None = None) -> None:
+        self.target, self.delay, self.rate = port, delay, rate
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -139,11 +162,26 @@ class DelayProxy:
         self.port = int(self.sock.getsockname()[1])
         self._open: list[socket.socket] = []
         self._stop = threading.Event()
+        self._pacers = {True: _Pacer(), False: _Pacer()}  # client -> server, and back
+        #: Bytes forwarded from the server to clients (what a download moved).
+        self.down_bytes = 0
+        self._moved_at = time.monotonic()  # the last byte forwarded either way
+        self._count = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def wait_idle(self, quiet: float = 0.5, timeout: float = 60.0) -> bool:
+        """Wait until no byte went through for ``quiet`` seconds (True), or
+        ``timeout`` ran out (False)."""
+        deadline = time.monotonic() + timeout
+        while (idle := time.monotonic() - self._moved_at) < quiet:
+            if time.monotonic() + quiet - idle > deadline:
+                return False
+            time.sleep(quiet - idle)
+        return True
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -160,15 +198,21 @@ class DelayProxy:
             client.close()
             return
         self._open += [client, upstream]
-        for a, b, slow in ((client, upstream, True), (upstream, client, False)):
-            threading.Thread(target=self._pipe, args=(a, b, slow), daemon=True).start()
+        for a, b, up in ((client, upstream, True), (upstream, client, False)):
+            threading.Thread(target=self._pipe, args=(a, b, up), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        pacer = self._pacers[up]
         try:
             while data := src.recv(65536):
-                if slow and self._stop.wait(self.delay):
+                if up and self._stop.wait(self.delay):
+                    break
+                if pacer.wait(len(data), self.rate, self._stop):
                     break
                 dst.sendall(data)
+                with self._count:
+                    self._moved_at = time.monotonic()
+                    self.down_bytes += 0 if up else len(data)
         except OSError:
             pass
         finally:

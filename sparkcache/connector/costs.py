@@ -167,7 +167,12 @@ class CostModel:
             return
         with self._lock:
             rate = self._rates.setdefault((source, 0), Rate(0.0))
-            rate.unit_s = max(rate.unit_s, max(0.0, seconds - rate.latency_s) / units)
+            bound = max(0.0, seconds - rate.latency_s) / units
+            # Rounded up until ``units`` take ``seconds`` at least: rounded down,
+            # the same fetch is expected within the deadline it just missed.
+            while rate.latency_s + units * bound < seconds:
+                bound = math.nextafter(bound, math.inf)
+            rate.unit_s = max(rate.unit_s, bound)
             self._touch(rate, (source, 0))
 
     def observe_step(self, prefill: int, longest: int, seconds: float) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from sparkcache import SnapshotStore
 from sparkcache.connector import costs as costs_module
@@ -20,6 +22,7 @@ from sparkcache.connector.costs import (
     PREFILL,
     STEP,
     CostModel,
+    CostPlanner,
     bucket_of,
     tier_source,
 )
@@ -126,6 +129,22 @@ def test_prefill_is_measured_from_steps_less_their_overhead() -> None:
     model.observe_step(3000, 3000, 1.51)
     assert model.prefill_seconds(300, 3000) == pytest.approx(0.15)
     assert bucket_of(3000) == 12 and bucket_of(512) == 9 and bucket_of(1) == 0
+
+
+@given(latency=st.floats(0.0, 1.9), tokens=st.integers(200, 100_000))
+@example(latency=0.0025442721360680338, tokens=2976)  # 1.9999999999999998 s, unrounded
+def test_a_tier_that_missed_the_deadline_is_not_asked_for_as_much_again(
+        latency: float, tokens: int) -> None:
+    """A request waited out the 2 s deadline for ``tokens`` of the tier: the
+    next prompt of as many is not fetched (recomputing them takes longer than
+    the deadline, so the deadline decides), whatever rounding makes of the bound."""
+    model = CostModel("m")
+    tier = tier_source("s3://b/kv", None)
+    model.set(PREFILL, 0.02, bucket=bucket_of(tokens))
+    model.observe_latency(tier, latency)
+    planner = CostPlanner(model, None, bytes_per_token=49152, tier=tier, deadline=2.0)
+    planner.fetch_expired(0, tokens)
+    assert not planner.tier_pays(0, tokens, tokens)
 
 
 def test_a_cold_local_store_on_a_slow_disk_is_recomputed(
