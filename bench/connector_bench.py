@@ -1,7 +1,8 @@
 """Time to first token: recompute vs sparkcache restore vs vLLM's ExampleConnector.
 
     .venv/bin/python bench/connector_bench.py [--tokens 4000] [--reps 4] [--rounds 2]
-                                              [--dir DIR] [--json]
+                                              [--dir DIR] [--json] [--with-auto]
+                                              [--with-whole-cold]
 
 A random-weight Llama (hidden 1024, 12 layers, 16 heads over 8 KV heads,
 fp32) and a prompt of ``--tokens`` random token ids.  Every engine is a fresh
@@ -11,16 +12,19 @@ process (vLLM on CPU, enforce eager, block size 32):
 2. sparkcache publish: answers the prompt once, its snapshot is saved;
 3. ExampleConnector publish (vLLM's reference disk connector; it crashes on
    chunked prefill, so max_num_batched_tokens is set above the prompt);
-4. ``--rounds`` rounds of four restore engines, each on the stored prompt,
+4. ``--rounds`` rounds of the restore engines, each on the stored prompt,
    vLLM's prefix cache reset before every repetition so each one restores
    from disk: sparkcache with its default (``load_async: true``: the restore
    lands before the prefill step) and ExampleConnector, each once with the
    stored files in the page cache (warm: an engine restart) and once with
    them evicted from it before every repetition (cold: after a reboot or
    memory pressure; ``posix_fadvise(DONTNEED)`` on the payload files, the
-   index stays warm).  ``--with-auto`` adds sparkcache with ``load_async:
-   auto`` (the request is alone, so the restore is read layer by layer under
-   its prefill's forward).
+   index stays warm); and sparkcache without the tail block (``tail_block:
+   false``, warm: it restores the same whole blocks as ExampleConnector and
+   vLLM computes the last partial block).  ``--with-whole-cold`` adds that
+   one cold (an engine more per round); ``--with-auto`` adds sparkcache with
+   ``load_async: auto`` (the request is alone, so the restore is read layer
+   by layer under its prefill's forward).
    Rounds alternate the engines so that a slow spell of the machine or one
    unlucky process does not decide the comparison; each restore row pools
    ``--rounds`` x ``--reps`` repetitions, and the last lines count the rounds
@@ -28,14 +32,18 @@ process (vLLM on CPU, enforce eager, block size 32):
    answers the prompt once more from vLLM's own prefix cache: "over live" is
    the median of (restore - that), the restore's cost with the engine's own
    speed taken out (engines of one configuration differ by up to ~0.1 s).
+5. a reference, in this process: one ``np.copyto`` of the whole-block
+   restore's bytes between two preallocated arrays (the median of 7 before
+   the rounds and 7 after each), the floor of any restore that moves them.
 
 sparkcache's snapshot holds the answer's first token too, so by default
 (``tail_block``) it restores the block holding the prompt's end and vLLM
 computes only the last ``compute_tokens`` prompt tokens (on CPU two: 3998
 cached tokens for 4000);
 ExampleConnector, like vLLM's own prefix cache, stops at the last whole block
-below it (3968) and vLLM computes 32.  For sparkcache's engine the "live"
-answer therefore also loads that one block from disk.
+below it (3968) and vLLM computes 32, as sparkcache does without the tail
+block.  For sparkcache's default engine the "live" answer therefore also
+loads that one block from disk.
 
 Every engine is warmed up first (two short requests with logprobs: the first
 one compiles a helper).  TTFT is the wall time of ``generate`` with
@@ -43,7 +51,9 @@ one compiles a helper).  TTFT is the wall time of ``generate`` with
 recompute measured in the same run (STYLE habit 10).  The first token and
 its logprob are compared with recompute's.  Targets: sparkcache <= 0.2x
 recompute and faster than ExampleConnector, both warm (the cold rows are
-reported beside them); exit status 1 if missed.
+reported beside them); the whole-block restore (no tail block, warm) over
+live <= 1.2x the memcpy of its bytes, and its TTFT <= 0.8x
+ExampleConnector's; exit status 1 if one is missed.
 """
 
 from __future__ import annotations
@@ -61,6 +71,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
 from tiny_model import (
+    BLOCK_SIZE,
+    COMPUTED,
     MISSING,
     SKIP_REASON,
     VOCAB_SIZE,
@@ -163,9 +175,183 @@ def phase(name: str, model: Path, tmp: Path, prompt: list[int], reps: int,
     return result
 
 
-RESTORES = ("sparkcache restore (default, async)", "ExampleConnector restore",
-            "sparkcache restore, cold page cache", "ExampleConnector restore, cold",
-            "sparkcache restore, load_async auto")
+SPARK, EXAMPLE = "sparkcache restore (default, async)", "ExampleConnector restore"
+SPARK_COLD, EXAMPLE_COLD = "sparkcache restore, cold page cache", "ExampleConnector restore, cold"
+WHOLE, WHOLE_COLD = "sparkcache restore, no tail block", "sparkcache, no tail block, cold"
+AUTO = "sparkcache restore, load_async auto"
+MEMCPY = "memcpy of the whole-block restore's bytes"
+#: Targets of the whole-block restore (sparkcache with ``tail_block: false``).
+WHOLE_OVER_MEMCPY, WHOLE_VS_EXAMPLE = 1.2, 0.8
+
+
+def memcpy_seconds(nbytes: int, reps: int = 7) -> list[float]:
+    """Times of ``np.copyto`` of ``nbytes`` between two preallocated (touched) arrays."""
+    import numpy as np
+
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def restore_engines(opts: argparse.Namespace, store: Path, example: Path
+                    ) -> dict[str, tuple[dict[str, Any], Path | None, Path | None]]:
+    """name -> (engine settings, store to wait for, folder to evict before each rep)."""
+    spark = {"kv_transfer_config": connector_config(store)}
+    whole = {"kv_transfer_config": connector_config(store, tail_block=False)}
+    engines: dict[str, tuple[dict[str, Any], Path | None, Path | None]] = {
+        SPARK: (spark, store, None),
+        EXAMPLE: (example_engine(example, opts.tokens), None, None),
+        WHOLE: (whole, store, None),
+        SPARK_COLD: (spark, store, store / "objects"),
+        EXAMPLE_COLD: (example_engine(example, opts.tokens), None, example),
+    }
+    if opts.with_whole_cold:
+        engines[WHOLE_COLD] = (whole, store, store / "objects")
+    if opts.with_auto:
+        auto = {"kv_transfer_config": connector_config(store, load_async="auto")}
+        engines[AUTO] = (auto, store, None)
+    return engines
+
+
+def example_engine(folder: Path, tokens: int) -> dict[str, Any]:
+    """ExampleConnector's engine settings (no chunked prefill: it crashes on it)."""
+    return {"kv_transfer_config": {
+        "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(folder)}},
+        "max_num_batched_tokens": tokens + 512}
+
+
+def run_all(opts: argparse.Namespace, work: Path) -> tuple[dict[str, dict[str, Any]], list[float]]:
+    """Every engine's pooled repetitions, and the memcpy reference's times (a few
+    before the rounds and after each, in this process)."""
+    model = build_model(work / "model")
+    prompt = token_prompt(opts.tokens, seed=11)
+    store, example = work / "store", work / "example"
+    for folder in (store, example):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+    engines = restore_engines(opts, store, example)
+    runs = {
+        "recompute": phase("recompute", model, work, prompt, min(opts.reps, 3),
+                           {"enable_prefix_caching": False}),
+        "sparkcache publish": phase("sparkcache publish", model, work, prompt, 1,
+                                    engines[SPARK][0], store=store),
+        "ExampleConnector publish": phase("ExampleConnector publish", model, work, prompt,
+                                          1, engines[EXAMPLE][0]),
+    }
+    nbytes = whole_block_bytes(opts.tokens)
+    copies = memcpy_seconds(nbytes)
+    for _round in range(opts.rounds):
+        for name, (engine, folder, evict) in engines.items():
+            result = phase(name, model, work, prompt, opts.reps, engine, store=folder,
+                           live=True, evict=evict)
+            pooled = runs.setdefault(name, {"times": [], "firsts": [], "rounds": [],
+                                            "over_live": [], "wall": 0.0, "connector": {}})
+            pooled["times"] += result["times"]
+            pooled["over_live"] += [t - lv for t, lv in zip(result["times"],
+                                                             result["live"], strict=True)]
+            pooled["firsts"] += result["firsts"]
+            pooled["rounds"].append(round(statistics.median(result["times"]), 3))
+            pooled["wall"] += result["wall"]
+            pooled["connector"] = result.get("connector", {})
+        copies += memcpy_seconds(nbytes)
+    return runs, copies
+
+
+def whole_block_bytes(tokens: int) -> int:
+    """The KV bytes of the prompt's whole blocks below its last ``COMPUTED``
+    tokens: what ExampleConnector and sparkcache without the tail block restore."""
+    whole = (tokens - COMPUTED) // BLOCK_SIZE * BLOCK_SIZE
+    return whole * LAYERS * 2 * KV_HEADS * (HIDDEN // HEADS) * 4  # K and V, fp32
+
+
+def table_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per engine: medians, ratio to recompute, over live, the first token."""
+    base = statistics.median(runs["recompute"]["times"])
+    ref_token, ref_lp, _ = runs["recompute"]["firsts"][0]
+    rows = []
+    for name, run in runs.items():
+        med = statistics.median(run["times"])
+        rows.append({"phase": name, "median_s": round(med, 3), "min_s": round(min(run["times"]), 3),
+                     "ratio": round(med / base, 3), "n": len(run["times"]),
+                     "round_medians": run.get("rounds", []),
+                     "over_live_s": (round(statistics.median(run["over_live"]), 4)
+                                     if run.get("over_live") else None),
+                     "cached": min(f[2] for f in run["firsts"]),
+                     "same_token": all(f[0] == ref_token for f in run["firsts"]),
+                     "logprob_diff": max(abs(f[1] - ref_lp) for f in run["firsts"]),
+                     "engine_process_s": round(run["wall"], 1)})
+    return rows
+
+
+def targets(runs: dict[str, dict[str, Any]], copies: list[float]) -> dict[str, Any]:
+    """The targets' ratios, each measured in this run, and whether each is met."""
+    med = {name: statistics.median(run["times"]) for name, run in runs.items()}
+    base, memcpy = med["recompute"], statistics.median(copies)
+    whole_over = statistics.median(runs[WHOLE]["over_live"])
+    found = {
+        "default_vs_recompute": med[SPARK] / base,
+        "default_vs_example": med[SPARK] / med[EXAMPLE],
+        "whole_over_live_vs_memcpy": whole_over / memcpy,
+        "whole_vs_example": med[WHOLE] / med[EXAMPLE],
+        "cold_vs_example": med[SPARK_COLD] / med[EXAMPLE_COLD],
+        "memcpy_s": memcpy,
+    }
+    if WHOLE_COLD in med:
+        found["whole_cold_vs_example"] = med[WHOLE_COLD] / med[EXAMPLE_COLD]
+    found["met"] = {
+        "default": found["default_vs_recompute"] <= 0.2 and found["default_vs_example"] < 1,
+        "whole_over_live": found["whole_over_live_vs_memcpy"] <= WHOLE_OVER_MEMCPY,
+        "whole_vs_example": found["whole_vs_example"] <= WHOLE_VS_EXAMPLE,
+    }
+    return found
+
+
+def print_table(opts: argparse.Namespace, runs: dict[str, dict[str, Any]],
+                rows: list[dict[str, Any]], copies: list[float], found: dict[str, Any]) -> None:
+    nbytes = whole_block_bytes(opts.tokens)
+    print(f"prompt {opts.tokens} tokens; Llama hidden {HIDDEN}, {LAYERS} layers, fp32; "
+          f"restores: {opts.rounds} engines x {opts.reps} reps each, alternated")
+    print(f"{'phase':<42}{'n':>3}{'median s':>10}{'min s':>8}{'x recompute':>13}"
+          f"{'over live s':>13}{'cached':>8}{'same token':>12}{'|dlogprob|':>12}"
+          "  per-engine medians")
+    for r in rows:
+        over = "" if r["over_live_s"] is None else f"{r['over_live_s']:.3f}"
+        print(f"{r['phase']:<42}{r['n']:>3}{r['median_s']:>10.3f}{r['min_s']:>8.3f}"
+              f"{r['ratio']:>13.3f}{over:>13}{r['cached']:>8}{r['same_token']!s:>12}"
+              f"{r['logprob_diff']:>12.2e}  {r['round_medians'] or ''}")
+    print(f"{MEMCPY:<42}{len(copies):>3}{statistics.median(copies):>10.4f}{min(copies):>8.4f}"
+          f"  ({nbytes / 1e6:.1f} MB, np.copyto between two preallocated arrays)")
+    print("over live: each restore minus the same prompt answered right after it from "
+          "vLLM's own prefix cache in the same engine (median of the pairs)")
+    print("cold: the payload files were evicted from the page cache before every restore")
+    met = found["met"]
+    word = {True: "met", False: "MISSED"}
+    print(f"targets: sparkcache restore (default) {found['default_vs_recompute']:.3f}x recompute "
+          f"(<= 0.2x) and {found['default_vs_example']:.2f}x ExampleConnector (< 1x), warm: "
+          + word[met["default"]])
+    print(f"whole-block restore over live / memcpy: {found['whole_over_live_vs_memcpy']:.2f}x "
+          f"(target <= {WHOLE_OVER_MEMCPY}x): {word[met['whole_over_live']]}")
+    print(f"whole-block restore / ExampleConnector, warm TTFT: {found['whole_vs_example']:.2f}x "
+          f"(target <= {WHOLE_VS_EXAMPLE}x): {word[met['whole_vs_example']]}")
+    cold = f"cold page cache vs ExampleConnector: sparkcache {found['cold_vs_example']:.2f}x"
+    if "whole_cold_vs_example" in found:
+        cold += f", no tail block {found['whole_cold_vs_example']:.2f}x"
+    print(cold)
+    pairs_of = [("warm", SPARK, EXAMPLE), ("warm, no tail block", WHOLE, EXAMPLE),
+                ("cold", SPARK_COLD, EXAMPLE_COLD), ("cold, no tail block", WHOLE_COLD,
+                                                     EXAMPLE_COLD)]
+    for label, ours_name, theirs_name in pairs_of:
+        if ours_name not in runs:
+            continue
+        pairs = zip(runs[ours_name]["rounds"], runs[theirs_name]["rounds"], strict=True)
+        won = sum(a < b for a, b in pairs)
+        print(f"{label}: sparkcache's engine median below ExampleConnector's in {won} of "
+              f"{opts.rounds} rounds")
 
 
 def main() -> int:
@@ -177,6 +363,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--with-auto", action="store_true",
                         help="also restore with load_async auto (warm)")
+    parser.add_argument("--with-whole-cold", action="store_true",
+                        help="also restore without the tail block, cold")
     opts = parser.parse_args()
     if MISSING:
         print(SKIP_REASON, file=sys.stderr)
@@ -184,95 +372,18 @@ def main() -> int:
     work = opts.dir or Path(tempfile.mkdtemp(prefix="sparkcache-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        model = build_model(work / "model")
-        prompt = token_prompt(opts.tokens, seed=11)
-        store, example = work / "store", work / "example"
-        for folder in (store, example):
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-        spark = {"kv_transfer_config": connector_config(store)}
-        ex = {"kv_transfer_config": {
-            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(example)}},
-            "max_num_batched_tokens": opts.tokens + 512}
-        # name -> (engine settings, store to wait for, folder to evict before each rep)
-        engines: dict[str, tuple[dict[str, Any], Path | None, Path | None]] = {
-            RESTORES[0]: (spark, store, None),
-            RESTORES[1]: (ex, None, None),
-            RESTORES[2]: (spark, store, store / "objects"),
-            RESTORES[3]: (ex, None, example),
-        }
-        if opts.with_auto:
-            auto = {"kv_transfer_config": connector_config(store, load_async="auto")}
-            engines[RESTORES[4]] = (auto, store, None)
-        runs = {
-            "recompute": phase("recompute", model, work, prompt, min(opts.reps, 3),
-                               {"enable_prefix_caching": False}),
-            "sparkcache publish": phase("sparkcache publish", model, work, prompt, 1, spark,
-                                        store=store),
-            "ExampleConnector publish": phase("ExampleConnector publish", model, work, prompt,
-                                              1, ex),
-        }
-        for _round in range(opts.rounds):
-            for name, (engine, folder, evict) in engines.items():
-                result = phase(name, model, work, prompt, opts.reps, engine, store=folder,
-                               live=True, evict=evict)
-                pooled = runs.setdefault(name, {"times": [], "firsts": [], "rounds": [],
-                                                "over_live": [], "wall": 0.0, "connector": {}})
-                pooled["times"] += result["times"]
-                pooled["over_live"] += [t - lv for t, lv in zip(result["times"],
-                                                                 result["live"], strict=True)]
-                pooled["firsts"] += result["firsts"]
-                pooled["rounds"].append(round(statistics.median(result["times"]), 3))
-                pooled["wall"] += result["wall"]
-                pooled["connector"] = result.get("connector", {})
+        runs, copies = run_all(opts, work)
     finally:
         if opts.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    base = statistics.median(runs["recompute"]["times"])
-    ref_token, ref_lp, _ = runs["recompute"]["firsts"][0]
-    rows = []
-    for name, run in runs.items():
-        med = statistics.median(run["times"])
-        rows.append({"phase": name, "median_s": round(med, 3), "min_s": round(min(run["times"]), 3),
-                     "ratio": round(med / base, 3), "n": len(run["times"]),
-                     "round_medians": run.get("rounds", []),
-                     "over_live_s": (round(statistics.median(run["over_live"]), 3)
-                                     if run.get("over_live") else None),
-                     "cached": min(f[2] for f in run["firsts"]),
-                     "same_token": all(f[0] == ref_token for f in run["firsts"]),
-                     "logprob_diff": max(abs(f[1] - ref_lp) for f in run["firsts"]),
-                     "engine_process_s": round(run["wall"], 1)})
-    medians = {name: statistics.median(run["times"]) for name, run in runs.items()}
-    ok = medians[RESTORES[0]] <= 0.2 * base and medians[RESTORES[0]] < medians[RESTORES[1]]
+    rows = table_rows(runs)
+    found = targets(runs, copies)
+    ok = all(found["met"].values())
     if opts.json:
-        print(json.dumps({"rows": rows, "connector": runs[RESTORES[0]]["connector"], "ok": ok},
-                         indent=2))
+        print(json.dumps({"rows": rows, "memcpy_s": copies, "targets": found,
+                          "connector": runs[SPARK]["connector"], "ok": ok}, indent=2))
     else:
-        print(f"prompt {opts.tokens} tokens; Llama hidden {HIDDEN}, {LAYERS} layers, fp32; "
-              f"restores: {opts.rounds} engines x {opts.reps} reps each, alternated")
-        print(f"{'phase':<38}{'n':>3}{'median s':>10}{'min s':>8}{'x recompute':>13}"
-              f"{'over live s':>13}{'cached':>8}{'same token':>12}{'|dlogprob|':>12}"
-              "  per-engine medians")
-        for r in rows:
-            over = "" if r["over_live_s"] is None else f"{r['over_live_s']:.3f}"
-            print(f"{r['phase']:<38}{r['n']:>3}{r['median_s']:>10.3f}{r['min_s']:>8.3f}"
-                  f"{r['ratio']:>13.3f}{over:>13}{r['cached']:>8}{r['same_token']!s:>12}"
-                  f"{r['logprob_diff']:>12.2e}  {r['round_medians'] or ''}")
-        print("over live: each restore minus the same prompt answered right after it from "
-              "vLLM's own prefix cache in the same engine (median of the pairs)")
-        print("cold: the payload files were evicted from the page cache before every restore")
-        print("targets: sparkcache restore (default) <= 0.2x recompute and faster than "
-              "ExampleConnector (warm): " + ("met" if ok else "MISSED"))
-        cold = medians[RESTORES[2]] / medians[RESTORES[3]]
-        print(f"cold page cache: sparkcache {medians[RESTORES[2]]:.3f} s vs ExampleConnector "
-              f"{medians[RESTORES[3]]:.3f} s ({cold:.2f}x)")
-        for label, ours_name, theirs_name in (("warm", RESTORES[0], RESTORES[1]),
-                                              ("cold", RESTORES[2], RESTORES[3])):
-            pairs = zip(runs[ours_name]["rounds"], runs[theirs_name]["rounds"], strict=True)
-            won = sum(a < b for a, b in pairs)
-            print(f"{label}: sparkcache's engine median below ExampleConnector's in {won} of "
-                  f"{opts.rounds} rounds")
+        print_table(opts, runs, rows, copies, found)
     return 0 if ok else 1
 
 
