@@ -163,10 +163,7 @@ class DelayProxy:
         self._open: list[socket.socket] = []
         self._stop = threading.Event()
         self._pacers = {True: _Pacer(), False: _Pacer()}  # client -> server, and back
-        #: Bytes forwarded from the server to clients (what a download moved).
-        self.down_bytes = 0
         self._moved_at = time.monotonic()  # the last byte forwarded either way
-        self._count = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -210,9 +207,7 @@ class DelayProxy:
                 if pacer.wait(len(data), self.rate, self._stop):
                     break
                 dst.sendall(data)
-                with self._count:
-                    self._moved_at = time.monotonic()
-                    self.down_bytes += 0 if up else len(data)
+                self._moved_at = time.monotonic()
         except OSError:
             pass
         finally:
