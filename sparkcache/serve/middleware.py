@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 
 from sparkcache.errors import InvalidArgument, SparkCacheError
 from sparkcache.requestlog import log_rows_setting
-from sparkcache.serve import page
+from sparkcache.serve import page, warmup
 from sparkcache.serve.access import ApiKeys
 from sparkcache.serve.bodies import (
     BadBody,
@@ -134,6 +134,18 @@ def _max_body(env: MutableMapping[str, str]) -> int:
     return int(mb * (1 << 20))
 
 
+def _warming(scope: Scope, send: Send) -> Send:
+    """``send`` of the server's lifespan, warming the engine up (:mod:`sparkcache.serve.warmup`)
+    before the startup it reports complete lets uvicorn take requests."""
+
+    async def sending(message: Message) -> None:
+        if message.get("type") == "lifespan.startup.complete":
+            await warmup.warm_up(scope.get("app"))
+        await send(message)
+
+    return sending
+
+
 @dataclass(frozen=True)
 class ServeSettings:
     """What the middleware needs; read from the environment ``sparkcache serve`` sets."""
@@ -142,6 +154,7 @@ class ServeSettings:
     admin_token: str | None = None
     log_rows: int = 10_000
     max_body: int = MAX_BODY_MB << 20  # bytes
+    warm_up: bool = True  # the engine answers one tiny request at start (serve.warmup)
 
     def __post_init__(self) -> None:
         if self.admin_token is not None:
@@ -155,7 +168,8 @@ class ServeSettings:
             raise SparkCacheError(f"{ENV_FOLDER} is not set: start the server with "
                                   "`sparkcache serve`, which sets it")
         return cls(folder=folder, admin_token=env.get(ENV_ADMIN_TOKEN) or None,
-                   log_rows=log_rows_setting(env), max_body=_max_body(env))
+                   log_rows=log_rows_setting(env), max_body=_max_body(env),
+                   warm_up=warmup.wanted(env))
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -239,6 +253,8 @@ class SparkCacheMiddleware:
     # -- dispatch -------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan" and self.settings.warm_up:
+            return await self.app(scope, receive, _warming(scope, send))
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")

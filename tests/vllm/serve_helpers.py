@@ -32,6 +32,7 @@ from typing import Any
 
 from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_CACHE_BLOCKS, TEST_SETTINGS, apply_cpu_env
 
+from sparkcache.serve.warmup import REQUEST_PREFIX as WARM_UP_PREFIX
 from sparkcache.store import SnapshotStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,13 +190,22 @@ def wait_for(what: Any, timeout: float = 30.0) -> Any:
     return found
 
 
-def log_rows(folder: Path, until: Any = None, timeout: float = 10.0) -> list[Any]:
+def requests(store: SnapshotStore, warm_up: bool = False, **query: Any) -> list[Any]:
+    """``store.requests(**query)`` without the server's own warm-up request
+    (:mod:`sparkcache.serve.warmup`) unless ``warm_up``."""
+    rows = store.requests(**query)
+    return rows if warm_up else [r for r in rows if not r.request_id.startswith(WARM_UP_PREFIX)]
+
+
+def log_rows(folder: Path, until: Any = None, timeout: float = 10.0,
+             warm_up: bool = False) -> list[Any]:
     """The request log, newest first; with ``until``, polled until it holds for
-    the rows (the server writes its part just after the answer is sent)."""
+    the rows (the server writes its part just after the answer is sent);
+    the server's warm-up request left out unless ``warm_up``."""
     deadline = time.monotonic() + timeout
     while True:
         with SnapshotStore(folder) as store:
-            rows = store.requests(limit=1000)
+            rows = requests(store, warm_up, limit=1000)
         if until is None or until(rows) or time.monotonic() > deadline:
             return rows
         time.sleep(0.05)

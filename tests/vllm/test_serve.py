@@ -37,6 +37,7 @@ from serve_helpers import (
 )
 from tiny_model import NEEDS_VLLM
 
+from sparkcache.serve import warmup
 from sparkcache.store import SnapshotStore
 from tests.browser import Browser, find_chromium, skip_reason
 
@@ -62,6 +63,20 @@ def served(tiny_model_dir: Path, store_dir: Path,
 def clients(server: Server) -> tuple[Any, Any]:
     return (anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0),
             openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0))
+
+
+def test_the_engine_is_warmed_up_before_the_first_request(served: Server) -> None:
+    """The server's first request does not pay the engine's one-time set-up: a
+    tiny request of its own ran at start, neither restored nor saved."""
+    def warm(rows: list[Any]) -> list[Any]:
+        return [r for r in rows if r.request_id.startswith(warmup.REQUEST_PREFIX)]
+
+    rows = log_rows(served.folder, until=warm, warm_up=True)
+    (first, *_), oldest = warm(rows)[::-1], min(rows, key=lambda r: r.seq)
+    assert oldest.request_id == first.request_id, [r.request_id for r in rows]
+    assert first.prompt_tokens == warmup.PROMPT_TOKENS and first.output_tokens == 1
+    assert not first.restored_tokens and not first.written_tokens and first.api is None
+    assert "engine warmed up" in served.log_path.read_text(errors="replace")
 
 
 def test_bad_cache_control_is_a_400_that_says_what_is_wrong(served: Server) -> None:

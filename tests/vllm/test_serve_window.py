@@ -44,6 +44,7 @@ from serve_helpers import (
     Server,
     ask,
     log_rows,
+    requests,
     system_prompt,
     usage,
     whole,
@@ -119,7 +120,7 @@ def new_row(folder: Path, after: int, timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         with SnapshotStore(folder) as store:
-            rows = store.requests(after_seq=after, limit=10)
+            rows = requests(store, after_seq=after, limit=10)
         done = [r for r in rows if r.status is not None and r.restored_tokens is not None]
         if done or time.monotonic() > deadline:
             assert len(rows) == 1 and done, rows
