@@ -130,6 +130,10 @@ class Restores:
             # it (read layer by layer under the forward); with others running it
             # lands while the request waits, so their steps never wait for it.
             load_async = len(self._live) > 1
+        if load_async and claim - num_computed <= self.rules.bs and self.rules.groups.plain:
+            # At most a block past vLLM's own hit (a breakpoint's partial block):
+            # reading it takes less than the steps an asynchronous load waits.
+            load_async = False
         part.offer = Offer(match, num_computed, load_async, claim)
         return claim - num_computed, load_async
 

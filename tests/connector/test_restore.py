@@ -34,7 +34,8 @@ def test_the_block_holding_the_prompts_end_is_restored(one_rank: Any) -> None:
     (snap,) = store.snapshots()
     assert snap.n_tokens == 112
     again = Req("b", p)  # 99 offered: the 100th is the one vLLM computes
-    assert sched.matched_tokens(again, 96) == (3, True)  # 96 were a local hit
+    # 96 were a local hit; one block past it is read in the step, not waited for
+    assert sched.matched_tokens(again, 96) == (3, False)
     sched.after_alloc(again, [40, 41, 42, 43, 44, 45, 50], 3)
     (load,), _ = sched.take_jobs()
     assert (load.start_block, load.blocks, load.n_tokens) == (6, ((50,),), 112)
@@ -87,7 +88,7 @@ def test_compute_tokens_leaves_the_prompts_last_tokens_to_vllm(one_rank: Any) ->
     two = SchedulerSide(store, identity(), Counters(), min_tokens=BS, publish=False,
                         compute_tokens=2)
     assert two.matched_tokens(Req("b", p), 0) == (98, True)  # vLLM computes 98 and 99
-    assert two.matched_tokens(Req("c", p), 96) == (2, True)
+    assert two.matched_tokens(Req("c", p), 96) == (2, False)
     assert sched.matched_tokens(Req("d", p), 0) == (99, True)  # the default: one token
     # A prompt one token past a block boundary (97): saved under the same rule,
     # its prompt-end alias is at 80, and a resend restores 95 tokens through the
@@ -96,7 +97,7 @@ def test_compute_tokens_leaves_the_prompts_last_tokens_to_vllm(one_rank: Any) ->
     q = prompt(97, 33)
     save(saver, io, Req("q", q))  # its whole blocks: q and answer tokens
     assert two.matched_tokens(Req("e", q), 0) == (95, True)
-    assert two.matched_tokens(Req("f", q), 80) == (15, True)
+    assert two.matched_tokens(Req("f", q), 80) == (15, False)
     whole = SchedulerSide(store, identity(), Counters(), min_tokens=BS, publish=False,
                           tail_block=False, compute_tokens=2)
     assert whole.matched_tokens(Req("g", q), 0) == (80, True)
@@ -118,7 +119,7 @@ def test_concurrent_requests_wait_for_one_load(one_rank: Any) -> None:
     sched.on_output({"b"}, ())
     # Landed: vLLM's own prefix cache now covers the follower's 96 tokens (its
     # whole blocks); the stored block offers the 4 after them.
-    assert sched.matched_tokens(follower, 96) == (4, True)
+    assert sched.matched_tokens(follower, 96) == (4, False)
     assert sched.matched_tokens(follower, 100) == (0, False)
     # A request not sharing the base is never held back.
     assert sched.matched_tokens(Req("d", prompt(100, 5)), 0) == (0, False)

@@ -69,8 +69,8 @@ def test_the_breakpoints_block_is_restored_inside_it(
     assert shared["cached"] == 300, result["_log"]
     hits = "vllm:external_prefix_cache_hits"
     assert result["shared"]["metrics"][hits] - result["bp"]["metrics"][hits] == 12
-    in_step = result["shared"]["metrics"].get("vllm:sparkcache_loads_in_step", 0)
-    assert in_step == (1 if fault == "slow-restore" else 0)
+    # 12 tokens past vLLM's hit, within one block: read in the step, load_async or not
+    assert result["shared"]["metrics"].get("vllm:sparkcache_loads_in_step", 0) == 1
     if fault != "flip-restored":
         assert same_answer(shared, baseline["shared"][0]) == ""
     else:
