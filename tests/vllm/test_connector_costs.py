@@ -7,8 +7,10 @@ prompts; host 2 reaches the tier through a proxy that holds every request
 waits out the deadline once, after which the tier is known to be slower than
 recomputing and a prompt the tier holds is answered within ~1.5x plain vLLM's
 time, not after the deadline; host 2 restarted keeps what it learned (its
-first requests do not wait for the tier either); host 3 reaches the same tier
-directly and restores from it.
+first requests do not wait for the tier either); host 2 with the cost model
+off waits for the slow tier again (the negative control: without the model
+the timing checks fail); host 3 reaches the same tier directly and restores
+from it.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ def timed(llm, prompt):
     return {"s": time.perf_counter() - started, "cached": o.num_cached_tokens,
             "tokens": list(o.outputs[0].token_ids)}
 
-def engine(folder=None, **extra):
+def engine(folder=None, cost_model=True, **extra):
     kw = dict(args["engine"])
     if folder:
-        kw["kv_transfer_config"] = connector_config(folder, cost_model=True, **extra)
+        kw["kv_transfer_config"] = connector_config(folder, cost_model=cost_model, **extra)
     return in_process_engine(args["model"], **kw)
 
 def reasons(folder):
@@ -75,6 +77,8 @@ with SnapshotStore(args["host2"]) as store:
     rec["kept"] = [[c.source, c.unit_s, c.samples] for c in store.costs()]
 with engine(args["host2"], **slow) as llm:  # restarted
     rec["restarted"] = [timed(llm, P[1]), timed(llm, P[2])]
+with engine(args["host2"], cost_model=False, **slow) as llm:  # the negative control
+    rec["off"] = timed(llm, P[3])
 fast = {"shared": args["url"], "shared_options": {"endpoint_url": args["direct"]},
         "shared_deadline_seconds": 60, "upload_wait_seconds": 0}
 with engine(args["host3"], **fast) as llm:
@@ -105,7 +109,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 
 def _times(run: dict[str, Any]) -> dict[str, Any]:
     """What a failure shows: every timing and the learned rates."""
-    pick = ("first", "seen", "direct")
+    pick = ("first", "seen", "off", "direct")
     return {"plain": [r["s"] for r in run["plain"]], **{k: run[k]["s"] for k in pick},
             "restarted": [r["s"] for r in run["restarted"]], "kept": run["kept"],
             "logs": (run["host2_log"], run["host3_log"])}
@@ -137,3 +141,12 @@ def test_an_unthrottled_tier_still_restores(run: dict[str, Any]) -> None:
     direct = run["direct"]
     assert direct["cached"] >= 0.9 * len(PROMPTS[3]), direct
     assert run["host3_log"][-1] == "restored", run["host3_log"]
+
+
+def test_negative_control_with_the_model_off_the_slow_tier_is_waited_for(
+        run: dict[str, Any]) -> None:
+    """The same host, what it learned kept, the cost model off: the request
+    waits for the slow tier again, so the timing checks above would fail."""
+    off, plain = run["off"], run["plain"]
+    assert off["s"] >= DELAY * 0.9, _times(run)
+    assert off["s"] > 1.5 * max(r["s"] for r in plain) + 0.05, _times(run)
