@@ -6,18 +6,26 @@ msgspec types.
 
 Two engines, one after the other, on one store: the first answers a prompt
 (its snapshot is announced with the hashes vLLM's pool announced for the same
-tokens), has its store cleared (removed with those hashes) and answers a
-second prompt; the second engine announces that snapshot at start, which a
-client gets from vLLM's replay endpoint (a subscriber that was not connected
-yet misses a publisher's first batches: ZeroMQ's slow joiner).
+tokens), uploads it to a shared tier (moto's S3 server on 127.0.0.1), has its
+store cleared (removed with those hashes) and answers a second prompt; the
+second engine announces that snapshot at start, which a client gets from
+vLLM's replay endpoint (a subscriber that was not connected yet misses a
+publisher's first batches: ZeroMQ's slow joiner).  A third engine, on
+another host's empty store and restore-only (it saves nothing), restores the
+first prompt from the tier: the fetched snapshot is announced once, with the
+first engine's hashes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from tiny_model import LONG_PROMPT, NEEDS_VLLM, run_engine_script, token_prompt
+
+from tests.s3server import s3_server, stop_s3_servers
 
 pytestmark = NEEDS_VLLM
 
@@ -52,8 +60,10 @@ def engine(pub, replay):
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                             endpoint=f"tcp://127.0.0.1:{pub}",
                             replay_endpoint=f"tcp://127.0.0.1:{replay}")
-    return in_process_engine(args["model"], kv_transfer_config=connector_config(folder),
-                             kv_events_config=events, max_num_batched_tokens=128)
+    return in_process_engine(args["model"],
+                             kv_transfer_config=connector_config(folder, **args["extra"]),
+                             kv_events_config=events, max_num_batched_tokens=128,
+                             **args["engine"])
 
 def gen(llm, prompt):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -128,11 +138,24 @@ with engine(pub, replay) as llm:
             assert time.monotonic() < deadline, f"no digest: {out['replayed']}"
             gen(llm, args["flush"])
             out["replayed"] = replayed(replay)
+    elif args["part"] == "tier":
+        out["a_tokens"] = gen(llm, args["a"])
+        try:
+            until(llm, sub, got, lambda: storage(got, "BlockStored"), "fetched BlockStored")
+            drain(sub, got)
+        except AssertionError as exc:  # reported with what the store did
+            out["error"] = str(exc)[:300]
+        out["fetched"] = list(got)
+        with SnapshotStore(folder) as store:
+            out["local"] = [[s.n_tokens, s.state] for s in store.snapshots()]
+            out["stats"] = store.stats()
     else:
         out["a_tokens"] = gen(llm, args["a"])
         ready(1)
         until(llm, sub, got, lambda: storage(got, "BlockStored"), "BlockStored")
         out["first"] = list(got)
+        with SnapshotStore(folder, shared=args["url"], shared_options=args["s3"]) as up:
+            out["uploaded"] = len(up.upload().uploaded)
         with SnapshotStore(folder) as store:
             (model_id,) = {s.model_id for s in store.snapshots()}
             store.clear_model(model_id)
@@ -165,15 +188,33 @@ def chain_of(events: list[dict[str, Any]]) -> tuple[list[Any], list[int]]:
     return hashes, toks
 
 
+@pytest.fixture(scope="module")
+def result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           ) -> Iterator[dict[str, Any]]:
+    """The three engines' reports: ``first``, ``restart`` (one store) and
+    ``tier`` (another host's store, restoring from the shared tier)."""
+    tmp = tmp_path_factory.mktemp("kv-events")
+    server = s3_server()
+    tier = {"url": f"s3://{server.bucket()}/kv", "s3": {"endpoint_url": server.endpoint}}
+    args = {"model": str(tiny_model_dir), "tmp": str(tmp), "folder": str(tmp / "store"),
+            "a": LONG_PROMPT, "b": token_prompt(300, seed=61),
+            "flush": token_prompt(40, seed=62), "extra": {}, "engine": {}, **tier}
+    try:
+        out = run_engine_script(SCRIPT, args={**args, "part": "first"})
+        out.update(run_engine_script(SCRIPT, args={**args, "part": "restart"}))
+        fetch = {"shared": tier["url"], "shared_options": tier["s3"], "mode": "restore-only",
+                 "shared_deadline_seconds": 60}
+        out["tier"] = run_engine_script(SCRIPT, args={
+            **args, "part": "tier", "folder": str(tmp / "host2"), "extra": fetch,
+            "engine": {}})
+        yield out
+    finally:
+        stop_s3_servers()
+
+
 def test_stored_snapshots_are_announced_with_vllms_hashes_and_removed(
-    tiny_model_dir: Path, tmp_path: Path
+    result: dict[str, Any],
 ) -> None:
-    b = token_prompt(300, seed=61)
-    args = {"model": str(tiny_model_dir), "tmp": str(tmp_path),
-            "folder": str(tmp_path / "store"), "a": LONG_PROMPT, "b": b,
-            "flush": token_prompt(40, seed=62)}
-    result = run_engine_script(SCRIPT, args={**args, "part": "first"})
-    result.update(run_engine_script(SCRIPT, args={**args, "part": "restart"}))
     bs = 32
     # The snapshot of the answer: its whole blocks (the last token has no KV yet).
     a_hashes, a_toks = chain_of(stored(result["first"]))
@@ -194,3 +235,21 @@ def test_stored_snapshots_are_announced_with_vllms_hashes_and_removed(
     b_hashes, b_toks = chain_of(stored(result["b_stored"]))
     assert b_toks == result["b_tokens"][:len(b_toks)] and b_hashes
     assert chain_of(stored(result["replayed"]))[0] == b_hashes
+
+
+def test_a_snapshot_fetched_from_the_tier_is_announced_once(
+    result: dict[str, Any],
+) -> None:
+    """Host 2 saves nothing (restore-only); what it announces is the first
+    engine's snapshot, fetched from the tier and restored, under the same
+    hashes, each block once."""
+    tier = result["tier"]
+    assert "error" not in tier, {k: tier[k] for k in ("error", "local", "stats")}
+    assert result["uploaded"] >= 1
+    assert tier["a_tokens"] == result["a_tokens"]
+    assert tier["local"] and all(state == "ready" for _n, state in tier["local"]), tier
+    a_hashes, a_toks = chain_of(stored(result["first"]))
+    got, toks = chain_of(stored(tier["fetched"]))
+    assert (got, toks) == (a_hashes, a_toks), (len(got), len(a_hashes))
+    assert not [e for e in tier["fetched"] if e["medium"] == "STORAGE"
+                and e["kind"] == "BlockRemoved"]
