@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/serve_bench.py [--quick] [--repeats N] [--blocks N]
                                           [--server-args ARGS] [--cache DIR] [--json]
-                                          [--openai-explicit]
+                                          [--openai-explicit] [--sparkcache-args ARGS]
 
 A random-weight Llama (:data:`sparkcache.demo.model.DEMO`: prefilling 2000
 tokens takes a second or two on two cores), built once into ``--cache`` and
@@ -26,7 +26,7 @@ The same requests go to both servers, one after the other (never at once;
 both with ``--dtype float32 --block-size 32 --enforce-eager --seed 0``, the same
 ``--max-model-len``, ``--num-gpu-blocks-override`` and ``--max-num-seqs``, and
 the same environment (vLLM's CPU settings, its OpenMP threads bound to the same
-cores), plus ``--server-args``.  A server is stopped as Ctrl-C stops it
+cores), plus ``--server-args`` (and ``--sparkcache-args``, sparkcache's alone).  A server is stopped as Ctrl-C stops it
 (SIGINT to its process group).  Each server answers one unrelated warm-up
 request before it is measured (the first request of a process compiles helpers).
 
@@ -521,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-args", default="", metavar="ARGS",
                         help="more vLLM options for both servers, as one string "
                         "(e.g. --server-args='--shutdown-timeout 30')")
+    parser.add_argument("--sparkcache-args", default="", metavar="ARGS",
+                        help="more options for sparkcache serve alone, as one string")
     parser.add_argument("--cache", type=Path,
                         default=Path(tempfile.gettempdir()) / "sparkcache-bench-model",
                         help="where the random model is built once and reused "
@@ -537,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     plan = QUICK if args.quick else FULL
     extra = shlex.split(args.server_args)
+    ours = [*extra, *shlex.split(args.sparkcache_args)]
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -548,14 +551,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model in {model} ({'built' if ensure_model(model, plan.size) else 'reused'})")
     wl = workload(plan, model, args.blocks)
     if args.openai_explicit:
-        return openai_main(plan, model, wl, args.repeats, extra)
+        return openai_main(plan, model, wl, args.repeats, ours)
     work = Path(tempfile.mkdtemp(prefix="sparkcache-serve-bench-"))
     runs: list[Run] = []
     try:
         for rep in range(args.repeats):
             order = SERVERS if rep % 2 == 0 else SERVERS[::-1]
             for kind in order:
-                runs.append(replay(kind, model, work, plan, wl, f"r{rep}", extra))
+                runs.append(replay(kind, model, work, plan, wl, f"r{rep}",
+                                   ours if kind == "sparkcache" else extra))
     except ServerFailed as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
@@ -569,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                           *(argv if argv is not None else sys.argv[1:])])
     sizes = {"model": plan.size.describe(), "system prompt tokens": plan.system_tokens,
              "user turn tokens": plan.user_tokens, "max_model_len": wl.max_model_len,
-             "kv blocks": wl.blocks, "server args": extra}
+             "kv blocks": wl.blocks, "server args": extra, "sparkcache args": ours}
     if args.json:
         print(json.dumps({"machine": info, "command": command, "seconds": round(elapsed, 1),
                           "plan": {**asdict(plan), **sizes}, "stats": stats,
@@ -586,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
           f"--max-model-len {wl.max_model_len}, --num-gpu-blocks-override {wl.blocks} "
           f"(blocks of {BLOCK_SIZE}); restart after {plan.conversations * plan.turns // 2} of "
           f"{plan.conversations * plan.turns} requests; {args.repeats} repeat(s)"
-          + (f"; both servers also {shlex.join(extra)}" if extra else "") + "\n")
+          + (f"; both servers also {shlex.join(extra)}" if extra else "")
+          + (f"; sparkcache {shlex.join(ours)}" if args.sparkcache_args else "") + "\n")
     print(text)
     return 0
 
