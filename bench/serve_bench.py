@@ -26,9 +26,10 @@ The same requests go to both servers, one after the other (never at once;
 both with ``--dtype float32 --block-size 32 --enforce-eager --seed 0``, the same
 ``--max-model-len``, ``--num-gpu-blocks-override`` and ``--max-num-seqs``, and
 the same environment (vLLM's CPU settings, its OpenMP threads bound to the same
-cores), plus ``--server-args`` (and ``--sparkcache-args``, sparkcache's alone).  A server is stopped as Ctrl-C stops it
-(SIGINT to its process group).  Each server answers one unrelated warm-up
-request before it is measured (the first request of a process compiles helpers).
+cores), plus ``--server-args`` (and ``--sparkcache-args``, sparkcache's alone).
+A server is stopped as Ctrl-C stops it (SIGINT to its process group).  Each
+server answers one unrelated warm-up request before it is measured (the first
+request of a process compiles helpers).
 
 Requests go through the official ``anthropic`` client, streamed: TTFT is the
 client's time from sending to the first text delta (to the end of the answer
@@ -52,8 +53,7 @@ once plainly and once with the system prompt's text part marked
 store (``--repeats`` alternates which goes first); TTFT is the time to the
 first content delta.  The table shows both passes' TTFT p50/p90 and the
 usage (``cached_tokens``, ``cache_write_tokens``), then the ratio with /
-without (the target: at most 1.05x).
-docs/benchmarks.md has the results.
+without (the target: at most 1.05x).  docs/benchmarks.md has the results.
 """
 
 from __future__ import annotations
