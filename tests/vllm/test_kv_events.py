@@ -13,7 +13,10 @@ vLLM's replay endpoint (a subscriber that was not connected yet misses a
 publisher's first batches: ZeroMQ's slow joiner).  A third engine, on
 another host's empty store and restore-only (it saves nothing), restores the
 first prompt from the tier: the fetched snapshot is announced once, with the
-first engine's hashes.
+first engine's hashes.  A fourth, with tensor_parallel_size=2 (two workers
+saving a segment each, one scheduler announcing), on a store of its own,
+answers the first prompt: its snapshot is announced once, with the same
+hashes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from tiny_model import LONG_PROMPT, NEEDS_VLLM, run_engine_script, token_prompt
 from tests.s3server import s3_server, stop_s3_servers
 
 pytestmark = NEEDS_VLLM
+
+#: One core per rank for the TP=2 engine.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 SCRIPT = """
 import socket, time
@@ -138,6 +144,12 @@ with engine(pub, replay) as llm:
             assert time.monotonic() < deadline, f"no digest: {out['replayed']}"
             gen(llm, args["flush"])
             out["replayed"] = replayed(replay)
+    elif args["part"] == "tp2":
+        out["a_tokens"] = gen(llm, args["a"])
+        ready(1)
+        until(llm, sub, got, lambda: storage(got, "BlockStored"), "TP=2's BlockStored")
+        drain(sub, got)
+        out["stored"] = list(got)
     elif args["part"] == "tier":
         out["a_tokens"] = gen(llm, args["a"])
         try:
@@ -191,8 +203,9 @@ def chain_of(events: list[dict[str, Any]]) -> tuple[list[Any], list[int]]:
 @pytest.fixture(scope="module")
 def result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
            ) -> Iterator[dict[str, Any]]:
-    """The three engines' reports: ``first``, ``restart`` (one store) and
-    ``tier`` (another host's store, restoring from the shared tier)."""
+    """The four engines' reports: ``first``, ``restart`` (one store),
+    ``tier`` (another host's store, restoring from the shared tier) and
+    ``tp2`` (TP=2, a store of its own)."""
     tmp = tmp_path_factory.mktemp("kv-events")
     server = s3_server()
     tier = {"url": f"s3://{server.bucket()}/kv", "s3": {"endpoint_url": server.endpoint}}
@@ -207,6 +220,9 @@ def result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         out["tier"] = run_engine_script(SCRIPT, args={
             **args, "part": "tier", "folder": str(tmp / "host2"), "extra": fetch,
             "engine": {}})
+        out["tp2"] = run_engine_script(SCRIPT, env=TP_ENV, args={
+            **args, "part": "tp2", "folder": str(tmp / "tp2"),
+            "engine": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}})
         yield out
     finally:
         stop_s3_servers()
@@ -253,3 +269,13 @@ def test_a_snapshot_fetched_from_the_tier_is_announced_once(
     assert (got, toks) == (a_hashes, a_toks), (len(got), len(a_hashes))
     assert not [e for e in tier["fetched"] if e["medium"] == "STORAGE"
                 and e["kind"] == "BlockRemoved"]
+
+
+def test_a_tp2_engine_announces_each_stored_block_once(result: dict[str, Any]) -> None:
+    """Two ranks publish a segment each; the scheduler announces the snapshot
+    once, with the hashes a TP=1 engine announced for the same tokens."""
+    tp2 = result["tp2"]
+    assert tp2["a_tokens"] == result["a_tokens"]
+    a_hashes, a_toks = chain_of(stored(result["first"]))
+    got, toks = chain_of(stored(tp2["stored"]))
+    assert (got, toks) == (a_hashes, a_toks), (len(got), len(a_hashes))
