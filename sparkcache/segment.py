@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHUNK_BYTES",
     "FORMAT",
+    "Landing",
     "Pieces",
     "ReadAt",
     "SegmentHeader",
@@ -339,9 +340,68 @@ class Pieces:
             i += 1
 
 
+@runtime_checkable
+class Landing(Sink, Protocol):
+    """A :class:`Sink` that lends its own memory for the next bytes: a staging
+    slot (:class:`sparkcache.cuda.staging.LayerSink`), never the KV cache.
+
+    ``reserve(at, n)`` returns ``n`` bytes of scratch room that become bytes
+    ``[at, at + n)`` of the destination only when ``commit(at, n)`` is called
+    (or None when it cannot lend them: then ``put``); bytes reserved and not
+    committed never reach the destination.  A positional read lands a chunk
+    there and verifies it in place: no bounce buffer, no copy
+    (:func:`copy_verified`).  The KV cache itself is only ever a plain
+    :class:`Sink`: no unverified byte is written into it (invariant 3).
+    """
+
+    def reserve(self, at: int, n: int) -> np.ndarray | None: ...
+
+    def commit(self, at: int, n: int) -> None: ...
+
+
 ReadAt = Callable[[int, np.ndarray], int]
 """A positional read of the segment file: fill the array from a byte offset
 (like ``os.preadv``) and return the number of bytes read, fewer only at its end."""
+
+
+def _read_into(read_at: ReadAt, offset: int, room: np.ndarray, name: str,
+               start: int) -> np.ndarray:
+    """``room`` filled from byte ``offset`` of the file (a short read: ``truncated``)."""
+    got = read_at(offset, room)
+    if got != room.size:
+        raise _fail(f"{name} chunk at byte {start}: read {got} of {room.size} bytes "
+                    "(the file was truncated)", "truncated")
+    return room
+
+
+#: ``chunk_at(start, size)``: a tensor's chunk, ready to hash; ``land(start, room)``:
+#: that chunk read into ``room`` instead (positional reads only).
+ChunkAt = Callable[[int, int], np.ndarray]
+LandAt = Callable[[int, np.ndarray], np.ndarray]
+
+
+def _chunk_source(buf: memoryview, header: SegmentHeader, name: str, read_at: ReadAt | None,
+                  bounce: np.ndarray | None) -> tuple[ChunkAt, LandAt | None]:
+    """Where :func:`copy_verified` takes tensor ``name``'s chunks from: views of
+    ``buf`` (no ``read_at``), or positional reads into ``bounce`` (or a room)."""
+    offset, total = header.tensors[name]
+    if read_at is None:
+        view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
+
+        def chunk_at(start: int, size: int) -> np.ndarray:
+            return view[start : start + size]
+        return chunk_at, None
+    reader = read_at
+    scratch = bounce if bounce is not None else np.empty(CHUNK_BYTES, np.uint8)
+    if scratch.size < CHUNK_BYTES:
+        raise InvalidArgument(f"bounce must hold {CHUNK_BYTES} bytes, got {scratch.size}")
+
+    def land(start: int, room: np.ndarray) -> np.ndarray:
+        return _read_into(reader, offset + start, room, name, start)
+
+    def read_chunk(start: int, size: int) -> np.ndarray:
+        return land(start, scratch[:size])
+    return read_chunk, land
 
 
 def copy_verified(
@@ -360,14 +420,16 @@ def copy_verified(
     Without ``read_at`` each chunk is hashed where it lies in ``buf``.  With it
     (the backend's positional read), each chunk is read into ``bounce`` (a
     scratch array of at least ``CHUNK_BYTES``, one per thread) and verified
-    there.  A short read (the file shrank) is then a ``truncated``
-    CorruptSnapshot and an I/O error the backend's error, where touching a
-    mapping past the end of its file, or over a failing disk, raises SIGBUS.
-    It costs one more copy: ~10% slower for one thread on a warm page cache,
-    faster with two threads (no page faults, no unmapping) and on a cold one
-    (docs/benchmarks.md).
+    there, or, when ``dest`` is a :class:`Landing` that has room for a chunk
+    copied whole, into that room and verified there (committed once it
+    passed: no copy at all).  A short read (the file shrank) is then a
+    ``truncated`` CorruptSnapshot and an I/O error the backend's error, where
+    touching a mapping past the end of its file, or over a failing disk,
+    raises SIGBUS.  The bounce costs one more copy: ~10% slower for one thread
+    on a warm page cache, faster with two threads (no page faults, no
+    unmapping) and on a cold one (docs/benchmarks.md).
     """
-    offset, total = header.tensors[name]
+    total = header.tensors[name][1]
     if nbytes > total:
         raise _fail(f"{name} holds {total} bytes, {nbytes} requested", "shape")
     if not 0 <= skip <= nbytes:
@@ -375,30 +437,21 @@ def copy_verified(
     if at < 0 or at + nbytes - skip > dest.size:
         raise InvalidArgument(
             f"the destination holds {dest.size} bytes; {nbytes - skip} are copied at {at}")
-    if read_at is None:
-        view = np.frombuffer(buf, dtype=np.uint8, count=total, offset=offset)
-
-        def chunk_at(start: int, size: int) -> np.ndarray:
-            return view[start : start + size]
-    else:
-        scratch = bounce if bounce is not None else np.empty(CHUNK_BYTES, np.uint8)
-        if scratch.size < CHUNK_BYTES:
-            raise InvalidArgument(f"bounce must hold {CHUNK_BYTES} bytes, got {scratch.size}")
-
-        def chunk_at(start: int, size: int) -> np.ndarray:
-            got = read_at(offset + start, scratch[:size])
-            if got != size:
-                raise _fail(f"{name} chunk at byte {start}: read {got} of {size} bytes "
-                            "(the file was truncated)", "truncated")
-            return scratch[:size]
+    chunk_at, land = _chunk_source(buf, header, name, read_at, bounce)
+    landing = dest if land is not None and isinstance(dest, Landing) else None
     first = skip // CHUNK_BYTES
     for index, start in enumerate(range(first * CHUNK_BYTES, nbytes, CHUNK_BYTES), first):
-        chunk = chunk_at(start, min(CHUNK_BYTES, total - start))
+        size = min(CHUNK_BYTES, total - start)
+        lo, stop = max(start, skip), min(start + CHUNK_BYTES, nbytes)
+        where = at + lo - skip
+        whole = lo == start and stop - start == size  # the chunk is copied whole
+        room = landing.reserve(where, size) if landing is not None and whole else None
+        chunk = chunk_at(start, size) if room is None or land is None else land(start, room)
         if _hexdigest(chunk) != header.chunk_digest(name, index):
             raise _fail(f"{name} chunk {index} digest mismatch (payload corrupted)", "digest")
-        lo, stop = max(start, skip), min(start + CHUNK_BYTES, nbytes)
-        part = chunk[lo - start : stop - start]
-        if isinstance(dest, np.ndarray):
-            dest[at + lo - skip : at + stop - skip] = part
+        if landing is not None and room is not None:
+            landing.commit(where, size)  # verified in the sink's own room: no copy
+        elif isinstance(dest, np.ndarray):
+            dest[where : where + stop - lo] = chunk[lo - start : stop - start]
         else:
-            dest.put(at + lo - skip, part)
+            dest.put(where, chunk[lo - start : stop - start])

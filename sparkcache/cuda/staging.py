@@ -19,7 +19,11 @@ tensors.
 
 Nothing here knows about storage: a sink is any destination with ``size`` and
 ``put(at, data)`` (:class:`sparkcache.segment.Sink`), written in order from
-byte 0, as the verified reader does.
+byte 0, as the verified reader does.  A layer's sink also lends the slot
+itself (:class:`sparkcache.segment.Landing`): the reader then reads a chunk
+straight into the slot and verifies it there, with no bounce buffer and no
+copy into the slot; the slot is staging memory, not the KV cache, and only
+committed (verified) bytes are ever uploaded.
 """
 
 from __future__ import annotations
@@ -199,26 +203,57 @@ class LayerSink:
     def complete(self) -> bool:
         return self.filled == self.size
 
-    def put(self, at: int, data: np.ndarray) -> None:
-        """Write ``data`` at byte ``at``: the bytes written so far must end there."""
+    def _check(self, at: int, n: int) -> None:
         if at != self.filled:
             raise InvalidArgument(f"staged writes of layer {self.layer} must come in order: "
                                   f"{self.filled} bytes written, a write at {at}")
-        if at + data.size > self.size:
-            raise InvalidArgument(f"{data.size} bytes at {at} exceed {self.size} bytes")
-        pool = self._restore.pool
+        if at + n > self.size:
+            raise InvalidArgument(f"{n} bytes at {at} exceed {self.size} bytes")
+
+    def _room(self) -> tuple[_Slot, int]:
+        """The slot being filled (one acquired if none) and the bytes of it used."""
+        if self._slot is None:
+            self._slot = self._restore.pool.acquire()
+            self._slot_start = self.filled
+        return self._slot, self.filled - self._slot_start
+
+    def _advance(self, used: int, n: int) -> None:
+        """``n`` more bytes are in the slot after its first ``used``: upload it once full
+        (or the layer complete)."""
+        self.filled += n
+        if used + n == self._restore.pool.slot_bytes or self.filled == self.size:
+            self._submit()
+
+    def put(self, at: int, data: np.ndarray) -> None:
+        """Write ``data`` at byte ``at``: the bytes written so far must end there."""
+        self._check(at, data.size)
         done = 0
         while done < data.size:
-            if self._slot is None:
-                self._slot = pool.acquire()
-                self._slot_start = self.filled
-            used = self.filled - self._slot_start
-            n = min(data.size - done, pool.slot_bytes - used)
-            self._slot.array[used:used + n] = data[done:done + n]
+            slot, used = self._room()
+            n = min(data.size - done, self._restore.pool.slot_bytes - used)
+            slot.array[used:used + n] = data[done:done + n]
             done += n
-            self.filled += n
-            if used + n == pool.slot_bytes or self.filled == self.size:
-                self._submit()
+            self._advance(used, n)
+
+    def reserve(self, at: int, n: int) -> np.ndarray | None:
+        """Scratch room in the slot for bytes ``[at, at + n)`` (``at``: the bytes
+        written so far), or None when the slot being filled has less room left:
+        a verified read lands a chunk there and checks it in place, and
+        :meth:`commit` makes it part of the layer; nothing is uploaded before."""
+        self._check(at, n)
+        slot, used = self._room()
+        if used + n > self._restore.pool.slot_bytes:
+            return None
+        view: np.ndarray = slot.array[used:used + n]
+        return view
+
+    def commit(self, at: int, n: int) -> None:
+        """The first ``n`` bytes of the room :meth:`reserve` lent for ``at`` are verified:
+        they are the layer's bytes ``[at, at + n)`` (uploaded once the slot is full)."""
+        self._check(at, n)
+        if self._slot is None or self.filled - self._slot_start + n > self._restore.pool.slot_bytes:
+            raise InvalidArgument(f"commit of {n} bytes at {at} without room reserved for them")
+        self._advance(self.filled - self._slot_start, n)
 
     def _submit(self) -> None:
         slot, self._slot = self._slot, None

@@ -5,8 +5,10 @@ A real store, real segments and the worker's own load path: every restored
 block holds the published bytes, every other block keeps its poison, for
 contiguous and scattered block ids, ranged reads and a chain of two links,
 with reader chunks, staging slots, blocks and layers all on different
-boundaries.  A corrupt chunk in the middle of the pipeline is a failed load
-(a miss), and the staging pool is allocated once, whatever the restores.
+boundaries, and with slots large enough that chunks are read into them and
+checked there (a corrupt one is never uploaded).  A corrupt chunk in the
+middle of the pipeline is a failed load (a miss), and the staging pool is
+allocated once, whatever the restores.
 """
 
 from __future__ import annotations
@@ -133,6 +135,95 @@ def test_staged_restore_writes_exactly_its_blocks(stored: Any, layout: str, kind
     for got, want in zip(blocks(kv, others), poison, strict=True):
         np.testing.assert_array_equal(got, want)
     assert kvp.staging.allocations == 1
+
+
+def counted_sinks(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the chunks landed in a slot's room (``commit``) and copied in (``put``)."""
+    from sparkcache.cuda import staging
+
+    counts = {"commit": 0, "put": 0}
+    commit, put = staging.LayerSink.commit, staging.LayerSink.put
+
+    def counted_commit(sink: Any, at: int, n: int) -> None:
+        counts["commit"] += 1
+        commit(sink, at, n)
+
+    def counted_put(sink: Any, at: int, data: np.ndarray) -> None:
+        counts["put"] += 1
+        put(sink, at, data)
+
+    monkeypatch.setattr(staging.LayerSink, "commit", counted_commit)
+    monkeypatch.setattr(staging.LayerSink, "put", counted_put)
+    return counts
+
+
+#: Slots of 400 pages take every link's chunk of a layer whole; slots of 200
+#: take the parent's chunk, and the child's (972,800 bytes) no longer fits.
+ROOMS = {"every-chunk": (400, {"commit": 2 * LAYERS, "put": 0}),
+         "some-chunks": (200, {"commit": LAYERS, "put": LAYERS})}
+
+
+@pytest.mark.parametrize("rooms", sorted(ROOMS))
+def test_chunks_land_in_the_slots_and_are_checked_there(stored: Any, rooms: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk copied whole is read straight into the slot (no bounce, no copy)
+    where it fits, else copied in: either way the blocks get the published bytes."""
+    from sparkcache.cuda import KVPages
+
+    store, snap, pages, tokens = stored
+    slot_pages, expected = ROOMS[rooms]
+    counts = counted_sinks(monkeypatch)
+    kv = caches("LBNHC", seed=6)
+    kvp = KVPages(kv, use_numpy=False, staging_bytes=2 * slot_pages * PAGE,
+                  chunk_bytes=slot_pages * PAGE)
+    ids = IDS["scattered"]
+    io = WorkerIO(store, ident(), 0, kvp, Counters(), load_threads=2)
+    try:
+        assert io.load_now(job(snap, tokens, ids))
+    finally:
+        io.close()
+    assert counts == expected
+    for got, want in zip(blocks(kv, ids), pages, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_corrupt_chunk_in_a_slot_never_reaches_the_cache(
+        stored: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer 1's child chunk, read straight into the slot, fails its digest: the
+    slot is given back without an upload, so layer 1's blocks keep their old
+    bytes (neither its verified parent chunk nor the corrupt one); layer 0 landed."""
+    import json
+    import struct
+
+    from sparkcache.cuda import KVPages
+
+    _store, _snap, _pages, tokens = stored
+    with SnapshotStore(tmp_path / "s") as store:
+        snap, pages = publish(store, [int(t) for t in tokens])
+        (child,) = [f for f in (tmp_path / "s").rglob("*.safetensors")
+                    if f.stat().st_size > 190 * LAYERS * PAGE]
+        data = bytearray(child.read_bytes())
+        (hlen,) = struct.unpack_from("<Q", data, 0)
+        lo, _hi = json.loads(bytes(data[8:8 + hlen]))["layer.1"]["data_offsets"]
+        data[8 + hlen + lo + 1000] ^= 0xFF
+        child.write_bytes(bytes(data))
+        counts = counted_sinks(monkeypatch)
+        kv = caches("LBNHC", seed=7)
+        ids = IDS["contiguous"]
+        before = blocks(kv, ids)
+        kvp = KVPages(kv, use_numpy=False, staging_bytes=800 * PAGE, chunk_bytes=400 * PAGE)
+        io = WorkerIO(store, ident(), 0, kvp, Counters(), load_threads=1)
+        try:
+            assert not io.load_now(job(snap, tokens, ids))
+            assert io.take_failed_blocks() == set(ids)
+        finally:
+            io.close()
+        assert counts == {"commit": 3, "put": 0}  # layer 0's two chunks, layer 1's parent's
+        assert kvp.staging.free_slots == kvp.staging.n_slots
+        after = blocks(kv, ids)
+        np.testing.assert_array_equal(after[0], pages[0])
+        for layer in (1, 2):
+            np.testing.assert_array_equal(after[layer], before[layer])
 
 
 def test_in_step_staged_restore_lands_layer_by_layer(stored: Any) -> None:

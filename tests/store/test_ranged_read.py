@@ -402,6 +402,64 @@ def test_copy_verified_read_at_checks_what_it_read(
                           bounce=np.empty(10, np.uint8))
 
 
+class _Room:
+    """A :class:`~sparkcache.segment.Landing` like a staging slot: chunks land in
+    its own scratch memory (``room`` bytes at most at a time) and reach ``dest``
+    only when committed, as a slot's upload does."""
+
+    def __init__(self, size: int, room: int) -> None:
+        self.size, self.room = size, room
+        self.dest = np.zeros(size, np.uint8)
+        self.scratch = np.zeros(size, np.uint8)
+        self.calls: list[str] = []
+
+    def put(self, at: int, data: np.ndarray) -> None:
+        self.calls.append("put")
+        self.dest[at:at + data.size] = data
+
+    def reserve(self, at: int, n: int) -> np.ndarray | None:
+        return self.scratch[at:at + n] if n <= self.room else None
+
+    def commit(self, at: int, n: int) -> None:
+        self.calls.append("commit")
+        self.dest[at:at + n] = self.scratch[at:at + n]
+
+
+@pytest.mark.parametrize("skip", [0, 999, 1000, 2048])
+@pytest.mark.parametrize("room", [1000, 999], ids=["chunks-fit", "copied-in"])
+def test_copy_verified_lands_whole_chunks_in_the_sinks_room(
+    one_tensor: tuple[memoryview, seg.SegmentHeader, np.ndarray], skip: int, room: int,
+) -> None:
+    """A chunk copied whole is read into the sink's room and committed once it
+    passed; one that straddles ``skip`` (or finds no room) is copied in."""
+    buf, header, data = one_tensor
+    sink = _Room(4096 - skip, room)
+    assert isinstance(sink, seg.Landing)
+    seg.copy_verified(buf, header, "layer.0", 4096, sink, skip=skip, read_at=_read_at(buf))
+    assert np.array_equal(sink.dest, data[skip:])
+    chunks, straddles = 5 - skip // 1000, int(skip % 1000 > 0)  # chunks of 1000 bytes
+    # Without room for 1000 bytes only the last chunk (96 bytes) lands in it.
+    landed = chunks - straddles if room == 1000 else 1
+    assert (sink.calls.count("commit"), sink.calls.count("put")) == (landed, chunks - landed)
+
+
+def test_copy_verified_commits_only_what_passed(
+    one_tensor: tuple[memoryview, seg.SegmentHeader, np.ndarray],
+) -> None:
+    """A flipped byte in a chunk read into the sink's room: that chunk is never
+    committed, so the destination holds the chunks before it and nothing else."""
+    buf, header, data = one_tensor
+    flipped = bytearray(buf)
+    flipped[header.tensors["layer.0"][0] + 1500] ^= 1
+    sink = _Room(4096, 1000)
+    with pytest.raises(CorruptSnapshot) as exc:
+        seg.copy_verified(buf, header, "layer.0", 4096, sink,
+                          read_at=_read_at(memoryview(flipped)))
+    assert exc.value.reason == "digest"
+    assert sink.calls == ["commit"]
+    assert np.array_equal(sink.dest[:1000], data[:1000]) and not sink.dest[1000:].any()
+
+
 # -- destinations in pieces, layer by layer ---------------------------------------------
 
 
