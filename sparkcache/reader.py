@@ -4,7 +4,8 @@ For each link of the chain (root first) the segment is opened (mmap where the
 backend allows), its header checked against the index digest and the expected
 identity, its token ids compared with the prompt's, and every chunk verified
 *before* it is copied into the destination (read positionally into a per-thread
-chunk buffer where the blob offers ``read_at``, else hashed where it lies).  A
+chunk buffer where the blob offers ``read_at`` - or into a staging slot's own
+room, :class:`~sparkcache.segment.Landing` - else hashed where it lies).  A
 ranged read (``start_tokens``) still checks every link's header, identity and
 token ids, but never reads the payload below its start.  Any failure
 quarantines the link (and so its descendants) and raises
