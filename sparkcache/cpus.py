@@ -17,15 +17,25 @@ read threads may then share one core while the spinner keeps the other;
 each pinned to its own core of the rank's set - as vLLM pins its forward's
 threads - they get both (docs/connector-notes.md).  Cores the forward is not
 bound to are taken first (:func:`read_cpus`).
+
+Work that can wait - writing a save's pages to disk - runs on a thread of the
+lowest scheduling priority (:func:`lower_priority`: nice 19, per thread on
+Linux), so that the forward's threads, the next request's prefill among
+them, take the cores first and the write fills the time they leave.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["pinned_to", "process_cpus", "read_cpus", "widen_affinity"]
+__all__ = ["LOWEST_PRIORITY", "lower_priority", "pinned_to", "process_cpus", "read_cpus",
+           "widen_affinity"]
+
+#: The nice value of a thread that should run only in the time the engine leaves.
+LOWEST_PRIORITY = 19
 
 
 def _thread_masks() -> Iterator[set[int]]:
@@ -104,3 +114,18 @@ def pinned_to(cpu: int | None) -> Iterator[bool]:
             os.sched_setaffinity(0, before)
         except OSError:  # a CPU of the old mask went offline: take what is left
             widen_affinity()
+
+
+def lower_priority(nice: int = LOWEST_PRIORITY) -> bool:
+    """Give the calling thread the scheduling priority ``nice`` (Linux: the
+    thread alone; an unprivileged process may always lower its priority, never
+    raise it back).  Whether it was set; False where the platform has no
+    per-thread priority or refuses (the thread then keeps its priority)."""
+    native = getattr(os, "setpriority", None)
+    if native is None or not os.path.isdir("/proc/self/task"):  # not Linux
+        return False
+    try:
+        native(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        return False
+    return True

@@ -24,7 +24,14 @@ from sparkcache import ModelIdentity, SnapshotStore
 from sparkcache import segment as seg
 from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.connector.worker import WorkerIO
-from sparkcache.cpus import pinned_to, process_cpus, read_cpus, widen_affinity
+from sparkcache.cpus import (
+    LOWEST_PRIORITY,
+    lower_priority,
+    pinned_to,
+    process_cpus,
+    read_cpus,
+    widen_affinity,
+)
 from sparkcache.retention import Retention, RetentionSettings
 
 from .store.helpers import LAYERS, identity, pages_for, tokens
@@ -84,9 +91,9 @@ def test_worker_and_sweeper_threads_run_on_every_cpu(pinned: int, tmp_path: Path
     store.start_sweeper()
     try:
         sweeper = [t for t in threading.enumerate() if t.name == "sparkcache-sweeper"]
-        threads = [*io._threads, *sweeper]
+        threads = [*io._threads, io._publisher._thread, *sweeper]
         masks = {t.name: _wait_for_mask(t, ALL) for t in threads if t is not None}
-        assert len(masks) == 4
+        assert len(masks) == 5
         assert all(mask == ALL for mask in masks.values()), masks
     finally:
         io.close()
@@ -206,3 +213,47 @@ class HostPages:
 
     def block_views(self, block_ids: Sequence[int]) -> list[list[np.ndarray]]:
         return [[self.arr[i, b] for b in block_ids] for i in range(LAYERS)]
+
+
+def _nice(thread: threading.Thread) -> int:
+    assert thread.native_id is not None
+    return os.getpriority(os.PRIO_PROCESS, thread.native_id)
+
+
+def test_lower_priority_lowers_the_calling_thread_alone() -> None:
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    done, stop = threading.Event(), threading.Event()
+    lowered: list[bool] = []
+
+    def run() -> None:
+        lowered.append(lower_priority())
+        done.set()
+        stop.wait(5)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert done.wait(5) and lowered == [True]
+        assert _nice(thread) == LOWEST_PRIORITY
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_workers_saves_run_below_its_other_threads(tmp_path: Path) -> None:
+    """The saver (copy-out) and publish (write) threads run at the lowest
+    priority, behind the next prefill; the loads keep the engine's."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with SnapshotStore(tmp_path / "store") as store:
+        io = WorkerIO(store, identity(), 0, None, Counters())
+        try:
+            deadline = time.monotonic() + 5
+            saver = next(t for t in io._threads if t.name == "sparkcache-save")
+            while (not io._publisher.lowered or _nice(saver) != LOWEST_PRIORITY) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _nice(io._publisher._thread) == _nice(saver) == LOWEST_PRIORITY
+            assert {_nice(t) for t in io._threads if t is not saver} == {before}
+        finally:
+            io.close()

@@ -19,7 +19,9 @@ workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
   forward starts.
 * **saves** (a request finished; vLLM holds its blocks): a saver thread copies
   the blocks out into host memory, reports the id in ``finished_sending`` (vLLM
-  frees the blocks on the next step) and publishes from host memory.  A
+  frees the blocks on the next step) and hands the copy to the publish thread
+  (:mod:`sparkcache.connector.publisher`, in order); both threads run at the
+  lowest scheduling priority, behind the forward's.  A
   breakpoint save of a running request reads blocks the request holds, except
   a sliding window's, which vLLM frees as the request moves on: those are
   copied in ``wait_for_save``, before the step ends (``copy_in_step``).
@@ -44,14 +46,14 @@ from typing import Any
 import numpy as np
 
 from sparkcache.connector.costs import LOAD_KEY
-from sparkcache.connector.faults import FAULT_ENV, die_at_publish, scramble, slow_restore
+from sparkcache.connector.faults import FAULT_ENV, scramble, slow_restore
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.kvlayers import LayerGroups, Pages
+from sparkcache.connector.publisher import Publisher
 from sparkcache.connector.resharded import load_resharded
-from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
-from sparkcache.cpus import read_cpus, widen_affinity
-from sparkcache.errors import NotFound, SparkCacheError
+from sparkcache.cpus import lower_priority, read_cpus, widen_affinity
+from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
 from sparkcache.store import Match, SnapshotStore
 
@@ -132,6 +134,7 @@ class WorkerIO:
             threading.Thread(target=self._save_loop, name="sparkcache-save", daemon=True),
             threading.Thread(target=self._in_step_loop, name="sparkcache-in-step", daemon=True),
         ]
+        self._publisher = Publisher(store, identity, rank, counters, self._published, self.fault)
         for thread in self._threads:
             thread.start()
 
@@ -461,6 +464,7 @@ class WorkerIO:
 
     def _save_loop(self) -> None:
         widen_affinity()
+        lower_priority()  # below the forward's threads, as the publish thread
         while (item := self._saves.get()) is not None:
             job, nbytes, seq, fence, early = item
             pages: list[np.ndarray] | None = None
@@ -485,17 +489,18 @@ class WorkerIO:
                     self._mark_sent(job.req_id)
                 elif not cancelled:
                     self._copied(job.req_id, {seq})
-            try:
-                if pages is not None:
-                    self._publish(job, pages)
-            except Exception as exc:  # never kill the thread
-                logger.exception("sparkcache save for %s crashed: %s", job.req_id, exc)
-                self.counters.add("save_failures")
-            finally:
-                del pages
-                with self._lock:
-                    self._pending_bytes -= nbytes
-                self._saves.task_done()
+            if pages is not None:  # written below the engine's priority (publisher)
+                self._publisher.submit(job, pages, nbytes)
+            else:
+                self._published(nbytes)
+            del pages
+        self._saves.task_done()
+
+    def _published(self, nbytes: int) -> None:
+        """A save's publish ended (or it had nothing to publish): its host bytes
+        are free and its queue entry done (what ``flush`` waits for)."""
+        with self._lock:
+            self._pending_bytes -= nbytes
         self._saves.task_done()
 
     def _gather(self, job: SaveJob, fence: object,
@@ -507,38 +512,6 @@ class WorkerIO:
         copied = [early[g] if g in early else p.gather(ids, after=fence)
                   for g, (p, ids) in enumerate(zip(groups.pages, job.blocks, strict=True))]
         return [copied[g][j] for g, j in groups.where]
-
-    def _publish(self, job: SaveJob, pages: list[np.ndarray]) -> None:
-        die_at_publish(self.fault, self.rank)
-        started = time.perf_counter()
-        try:
-            result = self.store.publish(self.identity, self.rank, job.token_ids, pages,
-                                        parent=job.parent, scope=job.scope,
-                                        breakpoints=job.breakpoints)
-        except NotFound:
-            # The parent was evicted meanwhile: these pages alone cannot stand.
-            self.counters.add("saves_lost_parent")
-            return
-        except (SparkCacheError, OSError) as exc:
-            logger.warning("sparkcache publish for %s failed: %s", job.req_id, exc)
-            self.counters.add("save_failures")
-            return
-        finally:
-            self.counters.add("save_seconds", time.perf_counter() - started)
-        if result.state == "skipped":
-            logger.info("sparkcache did not save %s: %s", job.req_id, result.skipped)
-            self.counters.add("saves_skipped")
-            return
-        self.counters.add("saves")
-        self.counters.add("saved_tokens", len(job.token_ids) - job.start_block * self.bs)
-        self.counters.add("saved_bytes", result.bytes_written)
-        if job.keep and self.rank == 0:
-            try:
-                self.store.acquire_lease(result.snapshot_id, kind=KEEP_LEASE, ttl=job.keep,
-                                         holder=KEEP_HOLDER)
-            except SparkCacheError as exc:  # gone already: nothing to keep
-                logger.warning("sparkcache: could not keep snapshot %d: %s",
-                               result.snapshot_id, exc)
 
     # -- reporting -------------------------------------------------------------------
 
@@ -592,4 +565,5 @@ class WorkerIO:
         self._in_step.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
+        self._publisher.close()
 

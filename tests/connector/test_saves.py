@@ -12,7 +12,7 @@ from sparkcache import SnapshotStore
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.worker import WorkerIO
 
-from .helpers import BS, FakePages, Req, identity, prompt, save
+from .helpers import BS, LAYERS, PAGE_NBYTES, FakePages, Req, identity, prompt, save
 
 
 def test_a_grown_context_publishes_only_its_tail(one_rank: Any) -> None:
@@ -38,4 +38,42 @@ def test_a_save_over_the_memory_bound_is_dropped_and_reported_sent(tmp_path: Pat
         assert io.poll()[0] == {"s"}
         assert counters.take()["saves_dropped"] == 1
         assert io.flush() and store.snapshots() == []
+        io.close()
+
+
+class _FailingStore:
+    """A store whose publishes fail: the first with an OSError, the next with
+    a crash of its own (a bug)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def publish(self, *_args: Any, **_kwargs: Any) -> Any:
+        self.calls += 1
+        raise OSError(28, "No space left on device") if self.calls == 1 else RuntimeError("bug")
+
+
+def test_a_failed_publish_frees_its_memory_and_the_flush(tmp_path: Path) -> None:
+    """The publish thread's failures are counted, never raised: the save's host
+    bytes are freed and ``flush`` returns, so later saves still fit."""
+    with SnapshotStore(tmp_path / "s") as real:
+        counters = Counters()
+        pages = FakePages(8, 1)
+        # One save's bytes at most: a failed publish that kept its bytes would
+        # have the next save dropped.
+        io = WorkerIO(real, identity(), 0, pages, counters,
+                      max_pending_bytes=LAYERS * PAGE_NBYTES)
+        failing = _FailingStore()
+        io._publisher.store = failing
+        for i in range(3):
+            io.submit_save(SaveJob(f"r{i}", np.arange(BS, dtype=np.uint32), ((0,),), None,
+                                   None, ()))
+            assert io.flush(10)
+        io._publisher.store = real
+        io.submit_save(SaveJob("ok", np.arange(BS, dtype=np.uint32), ((0,),), None, None, ()))
+        assert io.flush(10)
+        got = counters.take()
+        assert got.get("save_failures") == 3 and failing.calls == 3, got
+        assert got.get("saves") == 1 and "saves_dropped" not in got, got
+        assert io._pending_bytes == 0 and len(real.snapshots()) == 1
         io.close()

@@ -1,0 +1,124 @@
+"""A worker's publishes: a save's copied-out pages written to the store on a
+thread of the lowest scheduling priority.
+
+A save's blocks are copied out of the KV cache by the worker's saver thread
+(vLLM frees them only then); writing the copy - hashing, the payload file,
+its fsync, the index row - is :class:`Publisher`'s, on a thread of its own,
+so the next save's copy-out need not wait for it.  Both threads run at the
+lowest priority (:func:`sparkcache.cpus.lower_priority`): the engine's
+threads run first, the next request's prefill among them, and the save takes
+the time they leave (when vLLM needs the blocks back, its forward waits and
+leaves that time).  Measured on a 2-core CPU, a chat's turns sent back to
+back (13 turns sharing a 1526-token system prompt, one engine each, medians):
+1.06x plain vLLM's time with only the write lowered, 0.91x with both.
+
+Publishes run one at a time in the order they were submitted (a snapshot's
+parent is published before it).  A publish that fails is logged and counted,
+never raised; ``done`` is called after each, failed or not.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sparkcache.connector.faults import die_at_publish
+from sparkcache.connector.jobs import Counters, SaveJob
+from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
+from sparkcache.cpus import lower_priority, widen_affinity
+from sparkcache.errors import NotFound, SparkCacheError
+from sparkcache.identity import ModelIdentity
+
+__all__ = ["Publisher"]
+
+logger = logging.getLogger("vllm.sparkcache")
+
+
+class Publisher:
+    """The publish thread of one worker (one rank).
+
+    Args:
+        store: the worker's :class:`~sparkcache.store.SnapshotStore`.
+        identity: the rank's model identity.
+        rank: the rank whose segments it publishes.
+        counters: the worker's counters (``saves``, ``saved_tokens``, ...).
+        done: called with a publish's ``tag`` after it ended, failed or not.
+        fault: the test fault (``SPARKCACHE_TEST_FAULT``), if any.
+    """
+
+    def __init__(self, store: Any, identity: ModelIdentity, rank: int, counters: Counters,
+                 done: Callable[[Any], None], fault: str = "") -> None:
+        self.store, self.identity, self.rank = store, identity, rank
+        self.counters, self.fault, self._done = counters, fault, done
+        # Unbounded: the worker bounds what it submits (its pending bytes).
+        self._queue: queue.Queue[tuple[SaveJob, list[np.ndarray], Any] | None] = queue.Queue()
+        self.lowered = False  # whether the thread runs at the lowest priority
+        self._thread = threading.Thread(target=self._run, name="sparkcache-publish",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob, pages: list[np.ndarray], tag: Any) -> None:
+        """Publish ``pages`` (one array per layer) for ``job``, then ``done(tag)``."""
+        self._queue.put((job, pages, tag))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread once what was submitted is published."""
+        self._queue.put(None)
+        self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        widen_affinity()
+        self.lowered = lower_priority()
+        while (item := self._queue.get()) is not None:
+            job, pages, tag = item
+            try:
+                self.publish(job, pages)
+            except Exception as exc:  # never kill the thread
+                logger.exception("sparkcache save for %s crashed: %s", job.req_id, exc)
+                self.counters.add("save_failures")
+            finally:
+                del item, pages
+                self._done(tag)
+
+    def publish(self, job: SaveJob, pages: list[np.ndarray]) -> None:
+        """Write one save to the store; failures are logged and counted."""
+        die_at_publish(self.fault, self.rank)
+        started = time.perf_counter()
+        try:
+            result = self.store.publish(self.identity, self.rank, job.token_ids, pages,
+                                        parent=job.parent, scope=job.scope,
+                                        breakpoints=job.breakpoints)
+        except NotFound:
+            # The parent was evicted meanwhile: these pages alone cannot stand.
+            self.counters.add("saves_lost_parent")
+            return
+        except (SparkCacheError, OSError) as exc:
+            logger.warning("sparkcache publish for %s failed: %s", job.req_id, exc)
+            self.counters.add("save_failures")
+            return
+        finally:
+            self.counters.add("save_seconds", time.perf_counter() - started)
+        if result.state == "skipped":
+            logger.info("sparkcache did not save %s: %s", job.req_id, result.skipped)
+            self.counters.add("saves_skipped")
+            return
+        self.counters.add("saves")
+        self.counters.add("saved_tokens", len(job.token_ids) - job.start_block * self.bs)
+        self.counters.add("saved_bytes", result.bytes_written)
+        if job.keep and self.rank == 0:
+            try:
+                self.store.acquire_lease(result.snapshot_id, kind=KEEP_LEASE, ttl=job.keep,
+                                         holder=KEEP_HOLDER)
+            except SparkCacheError as exc:  # gone already: nothing to keep
+                logger.warning("sparkcache: could not keep snapshot %d: %s",
+                               result.snapshot_id, exc)
+
+    @property
+    def bs(self) -> int:
+        return self.identity.block_size
