@@ -21,10 +21,11 @@ and a later publish of the same snapshot reclaim.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,13 @@ from sparkcache.index import queries as q
 from sparkcache.maintenance import drop_snapshot, insert_boundaries, publish_abandoned
 from sparkcache.reader import read_pages
 
-__all__ = ["PUBLISH_LEASE_SECONDS", "Encoded", "PublishResult", "block_tokens", "publish"]
+__all__ = ["PUBLISH_LEASE_SECONDS", "Encoded", "Offload", "PublishResult", "block_tokens",
+           "publish"]
+
+#: Runs a publish's write step (hashing, the segment file, its fsync) and returns
+#: its result: e.g. on a thread of lower priority, the transactions staying on
+#: the caller's thread (:mod:`sparkcache.connector.publisher`).
+Offload = Callable[[Callable[[], Any]], Any]
 
 #: How long a publish may take before its lease expires and others may clean up.
 PUBLISH_LEASE_SECONDS = 600.0
@@ -140,9 +147,10 @@ def publish(
     core: Core, identity: ModelIdentity, rank: int, token_ids: Sequence[int] | np.ndarray,
     pages: Sequence[Any] | Encoded, *, parent: int | None, scope: RequestScope | None,
     breakpoints: Iterable[int], alias_stride: int, max_chain: int,
-    policy: PublishPolicy | None,
+    policy: PublishPolicy | None, offload: Offload | None = None,
 ) -> PublishResult:
-    """Publish this rank's segment; see :meth:`sparkcache.store.SnapshotStore.publish`."""
+    """Publish this rank's segment; see :meth:`sparkcache.store.SnapshotStore.publish`
+    (``offload`` runs step 3, the write, and returns what it returned)."""
     plan = _plan(core, identity, identity.check_rank(rank), block_tokens(identity, token_ids),
                  parent, scope, breakpoints, max_chain)
     bs = identity.block_size
@@ -166,7 +174,8 @@ def publish(
     reserved = _reserve(core, plan)
     if isinstance(reserved, PublishResult):
         return reserved
-    written, digest = _write(core, plan, reserved, views)
+    write = functools.partial(_write, core, plan, reserved, views)
+    written, digest = write() if offload is None else offload(write)
     with core.write() as conn:
         conn.execute(q.FINISH_SEGMENT, (written, digest, reserved.snapshot_id, plan.rank))
         lost = conn.changes() != 1

@@ -3,17 +3,15 @@
 One store is a root folder holding ``index.sqlite`` (the per-host index) and,
 unless another storage URL is given, the payload objects.  Every process (the
 scheduler and each local worker) opens the same root; the index serialises
-them.  A snapshot is visible only once every rank's bytes are durable, and
-every byte read is verified first: docs/architecture.md ("Publication
-protocol", "Lookup", "Segment format and verification"); the shared tier is
-docs/shared.md.
+them.  A snapshot is visible only once every rank's bytes are durable, every
+byte read is verified first: docs/architecture.md ("Publication protocol",
+"Lookup", "Segment format and verification"); the tier: docs/shared.md.
 
-This class is a facade: it opens the :class:`~sparkcache.core.Core` (index,
-backend, clock, counters) and calls down into the modules that do the work,
-each of which takes the core, never the store.  Its upkeep verbs are its base
-class :class:`~sparkcache.upkeep.StoreUpkeep`, its request log's
-:class:`~sparkcache.storelog.StoreLog`; ``catalog`` reads what it holds for
-people (:class:`~sparkcache.catalog.Catalog`).
+A facade: it opens the :class:`~sparkcache.core.Core` (index, backend, clock,
+counters) and calls down into the modules that do the work, each taking the
+core, never the store.  Its upkeep verbs are :class:`~sparkcache.upkeep.StoreUpkeep`'s,
+its request log :class:`~sparkcache.storelog.StoreLog`'s; ``catalog`` reads it
+for people (:class:`~sparkcache.catalog.Catalog`).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from sparkcache.errors import InvalidArgument, NotFound
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.index import queries as q
 from sparkcache.index.db import Database
-from sparkcache.publish import PublishResult
+from sparkcache.publish import Offload, PublishResult
 from sparkcache.publish import publish as publish_segment
 from sparkcache.recorded import open_shared, recorded_storage
 from sparkcache.retention import Retention, Sweeper
@@ -235,13 +233,13 @@ class SnapshotStore(StoreUpkeep, StoreLog):
         parent: int | None = None,
         scope: RequestScope | None = None,
         breakpoints: Iterable[int] = (),
+        offload: Offload | None = None,
     ) -> PublishResult:
         """Publish this rank's segment of the snapshot of ``token_ids``, durably
         before the index shows it (docs/architecture.md, "Publication protocol").
 
-        The snapshot is restorable once every rank of the topology has published.
-        Chains longer than ``max_chain`` are compacted here (the parent's rows
-        are read verified and a whole segment written).
+        Restorable once every rank has published; a chain longer than ``max_chain``
+        is compacted here (its parent's rows read verified, a whole segment written).
 
         Args:
             identity: the model part; its ``world_size`` ranks publish.
@@ -255,6 +253,8 @@ class SnapshotStore(StoreUpkeep, StoreLog):
             scope: the request scope its hashes are seeded with (a child's is its
                 parent's).
             breakpoints: token counts (rounded down to whole blocks) that get alias rows.
+            offload: runs the write (hashing, the file) for the caller, e.g. on a
+                thread of lower priority; the index transactions stay on this one.
 
         Returns:
             The outcome: ``ready``, ``pending`` (other ranks still to publish) or
@@ -268,7 +268,7 @@ class SnapshotStore(StoreUpkeep, StoreLog):
         result = publish_segment(self._core, identity, rank, token_ids, pages, parent=parent,
                                  scope=scope, breakpoints=breakpoints,
                                  alias_stride=self.alias_stride, max_chain=self.max_chain,
-                                 policy=self.retention)
+                                 policy=self.retention, offload=offload)
         if result.state == "ready" and self._uploader is not None:
             self._uploader.wake()
         return result

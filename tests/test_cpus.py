@@ -91,9 +91,10 @@ def test_worker_and_sweeper_threads_run_on_every_cpu(pinned: int, tmp_path: Path
     store.start_sweeper()
     try:
         sweeper = [t for t in threading.enumerate() if t.name == "sparkcache-sweeper"]
-        threads = [*io._threads, io._publisher._thread, *sweeper]
+        writer = list(io._publisher._writer._threads)
+        threads = [*io._threads, io._publisher._thread, *writer, *sweeper]
         masks = {t.name: _wait_for_mask(t, ALL) for t in threads if t is not None}
-        assert len(masks) == 5
+        assert len(masks) == 6
         assert all(mask == ALL for mask in masks.values()), masks
     finally:
         io.close()
@@ -242,8 +243,9 @@ def test_lower_priority_lowers_the_calling_thread_alone() -> None:
 
 
 def test_a_workers_saves_run_below_its_other_threads(tmp_path: Path) -> None:
-    """The saver (copy-out) and publish (write) threads run at the lowest
-    priority, behind the next prefill; the loads keep the engine's."""
+    """The saver (copy-out) and the write threads run at the lowest priority,
+    behind the next prefill; the publish thread, which holds the index's
+    write lock in its transactions, and the loads keep the engine's."""
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     with SnapshotStore(tmp_path / "store") as store:
         io = WorkerIO(store, identity(), 0, None, Counters())
@@ -253,7 +255,9 @@ def test_a_workers_saves_run_below_its_other_threads(tmp_path: Path) -> None:
             while (not io._publisher.lowered or _nice(saver) != LOWEST_PRIORITY) \
                     and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert _nice(io._publisher._thread) == _nice(saver) == LOWEST_PRIORITY
-            assert {_nice(t) for t in io._threads if t is not saver} == {before}
+            (writer,) = io._publisher._writer._threads
+            assert _nice(writer) == _nice(saver) == LOWEST_PRIORITY
+            others = [io._publisher._thread, *(t for t in io._threads if t is not saver)]
+            assert {_nice(t) for t in others} == {before}
         finally:
             io.close()

@@ -1,16 +1,21 @@
-"""A worker's publishes: a save's copied-out pages written to the store on a
-thread of the lowest scheduling priority.
+"""A worker's publishes: a save's copied-out pages written to the store, the
+heavy part on a thread of the lowest scheduling priority.
 
 A save's blocks are copied out of the KV cache by the worker's saver thread
-(vLLM frees them only then); writing the copy - hashing, the payload file,
-its fsync, the index row - is :class:`Publisher`'s, on a thread of its own,
-so the next save's copy-out need not wait for it.  Both threads run at the
-lowest priority (:func:`sparkcache.cpus.lower_priority`): the engine's
-threads run first, the next request's prefill among them, and the save takes
-the time they leave (when vLLM needs the blocks back, its forward waits and
-leaves that time).  Measured on a 2-core CPU, a chat's turns sent back to
-back (13 turns sharing a 1526-token system prompt, one engine each, medians):
-1.06x plain vLLM's time with only the write lowered, 0.91x with both.
+(vLLM frees them only then), at the lowest priority
+(:func:`sparkcache.cpus.lower_priority`).  Writing the copy is
+:class:`Publisher`'s, on a thread of its own so the next copy-out need not
+wait: the write step (hashing, the payload file, its fsync) runs on a helper
+thread at the lowest priority too, while the publish's two short index
+transactions stay on the publish thread at the engine's priority - a thread
+of the lowest priority holding the index's write lock could keep a
+request-log write waiting for as long as the forward keeps the cores.  The
+engine's threads run first, the next request's prefill among them, and the
+save takes the time they leave (when vLLM needs the blocks back, its forward
+waits and leaves that time).  Measured on a 2-core CPU, a chat's turns sent
+back to back (13 turns sharing a 1526-token system prompt, one engine each,
+medians): 1.06x plain vLLM's time with only the write lowered, 0.91-1.15x
+(three runs) with the copy-out lowered too, against 1.06-1.6x with neither.
 
 Publishes run one at a time in the order they were submitted (a snapshot's
 parent is published before it).  A publish that fails is logged and counted,
@@ -24,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -58,10 +64,21 @@ class Publisher:
         self.counters, self.fault, self._done = counters, fault, done
         # Unbounded: the worker bounds what it submits (its pending bytes).
         self._queue: queue.Queue[tuple[SaveJob, list[np.ndarray], Any] | None] = queue.Queue()
-        self.lowered = False  # whether the thread runs at the lowest priority
+        self.lowered = False  # whether the write thread runs at the lowest priority
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-write",
+                                          initializer=self._lower)
+        self._writer.submit(lambda: None)  # started now, lowered before any write
         self._thread = threading.Thread(target=self._run, name="sparkcache-publish",
                                         daemon=True)
         self._thread.start()
+
+    def _lower(self) -> None:
+        widen_affinity()
+        self.lowered = lower_priority()
+
+    def _offload(self, write: Callable[[], Any]) -> Any:
+        """A publish's write step, run on the write thread (the caller waits)."""
+        return self._writer.submit(write).result()
 
     def submit(self, job: SaveJob, pages: list[np.ndarray], tag: Any) -> None:
         """Publish ``pages`` (one array per layer) for ``job``, then ``done(tag)``."""
@@ -71,10 +88,10 @@ class Publisher:
         """Stop the thread once what was submitted is published."""
         self._queue.put(None)
         self._thread.join(timeout=timeout)
+        self._writer.shutdown(wait=not self._thread.is_alive())
 
     def _run(self) -> None:
         widen_affinity()
-        self.lowered = lower_priority()
         while (item := self._queue.get()) is not None:
             job, pages, tag = item
             try:
@@ -93,7 +110,7 @@ class Publisher:
         try:
             result = self.store.publish(self.identity, self.rank, job.token_ids, pages,
                                         parent=job.parent, scope=job.scope,
-                                        breakpoints=job.breakpoints)
+                                        breakpoints=job.breakpoints, offload=self._offload)
         except NotFound:
             # The parent was evicted meanwhile: these pages alone cannot stand.
             self.counters.add("saves_lost_parent")

@@ -20,8 +20,8 @@ workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
 * **saves** (a request finished; vLLM holds its blocks): a saver thread copies
   the blocks out into host memory, reports the id in ``finished_sending`` (vLLM
   frees the blocks on the next step) and hands the copy to the publish thread
-  (:mod:`sparkcache.connector.publisher`, in order); both threads run at the
-  lowest scheduling priority, behind the forward's.  A
+  (:mod:`sparkcache.connector.publisher`, in order); the copy-out and the
+  publish's write run at the lowest scheduling priority, behind the forward's.  A
   breakpoint save of a running request reads blocks the request holds, except
   a sliding window's, which vLLM frees as the request moves on: those are
   copied in ``wait_for_save``, before the step ends (``copy_in_step``).

@@ -3,14 +3,20 @@ worker's saver thread, reported sent, and published from host memory."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from sparkcache import SnapshotStore
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.worker import WorkerIO
+from sparkcache.cpus import LOWEST_PRIORITY
 
 from .helpers import BS, LAYERS, PAGE_NBYTES, FakePages, Req, identity, prompt, save
 
@@ -77,3 +83,38 @@ def test_a_failed_publish_frees_its_memory_and_the_flush(tmp_path: Path) -> None
         assert got.get("saves") == 1 and "saves_dropped" not in got, got
         assert io._pending_bytes == 0 and len(real.snapshots()) == 1
         io.close()
+
+
+def test_a_publish_writes_below_the_engine_and_commits_at_its_priority(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The segment file is written at the lowest priority; the index's write
+    transactions (its write lock) run at the engine's, never starved."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("per-thread priorities are Linux's")
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: dict[str, set[int]] = {"file": set(), "index": set()}
+    with SnapshotStore(tmp_path / "s") as store:
+        core = store._core
+        put, write = core.backend.put, core.write
+
+        def spy_put(*args: Any, **kwargs: Any) -> Any:
+            seen["file"].add(nice())
+            return put(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def spy_write(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            seen["index"].add(nice())
+            with write(*args, **kwargs) as conn:
+                yield conn
+
+        monkeypatch.setattr(core.backend, "put", spy_put)
+        monkeypatch.setattr(core, "write", spy_write)
+        io = WorkerIO(store, identity(), 0, FakePages(8, 1), Counters())
+        io.submit_save(SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None, ()))
+        assert io.flush(10)
+        io.close()
+        assert len(store.snapshots()) == 1
+    assert seen == {"file": {LOWEST_PRIORITY}, "index": {nice()}}, seen
