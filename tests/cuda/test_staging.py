@@ -81,6 +81,16 @@ def publish(store: SnapshotStore, tokens: list[int]) -> tuple[int, list[np.ndarr
     return child.snapshot_id, pages
 
 
+def published_child(store: SnapshotStore, tokens: Any) -> tuple[int, list[np.ndarray], Path,
+                                                                  bytearray]:
+    """``tokens`` published in ``store`` (:func:`publish`): the snapshot, its
+    pages, the file of its segment and that file's bytes."""
+    snap, pages = publish(store, [int(t) for t in tokens])
+    (child,) = [f for f in store.root.rglob("*.safetensors")
+                if f.stat().st_size > 190 * LAYERS * PAGE]
+    return snap, pages, child, bytearray(child.read_bytes())
+
+
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("staged")
@@ -199,10 +209,7 @@ def test_a_corrupt_chunk_in_a_slot_never_reaches_the_cache(
 
     _store, _snap, _pages, tokens = stored
     with SnapshotStore(tmp_path / "s") as store:
-        snap, pages = publish(store, [int(t) for t in tokens])
-        (child,) = [f for f in (tmp_path / "s").rglob("*.safetensors")
-                    if f.stat().st_size > 190 * LAYERS * PAGE]
-        data = bytearray(child.read_bytes())
+        snap, pages, child, data = published_child(store, tokens)
         (hlen,) = struct.unpack_from("<Q", data, 0)
         lo, _hi = json.loads(bytes(data[8:8 + hlen]))["layer.1"]["data_offsets"]
         data[8 + hlen + lo + 1000] ^= 0xFF
@@ -256,10 +263,7 @@ def test_a_corrupt_chunk_mid_pipeline_is_a_miss(stored: Any, tmp_path: Path,
 
     _store, _snap, pages, tokens = stored
     with SnapshotStore(tmp_path / "s") as store:
-        snap, pages = publish(store, [int(t) for t in tokens])
-        (child,) = [f for f in (tmp_path / "s").rglob("*.safetensors")
-                    if f.stat().st_size > 190 * LAYERS * PAGE]
-        data = bytearray(child.read_bytes())
+        snap, pages, child, data = published_child(store, tokens)
         layer_bytes = (N_BLOCKS - 110) * PAGE
         at = len(data) - N_BLOCKS * BS * 4 - 2 * layer_bytes + CHUNK_BYTES + 100
         data[at] ^= 0xFF
