@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sparkcache.errors import InvalidArgument, SparkCacheError
-from sparkcache.requestlog import log_rows_setting
+from sparkcache.requestlog import RequestRow, log_rows_setting
 from sparkcache.serve import page, warmup
 from sparkcache.serve.access import ApiKeys
 from sparkcache.serve.bodies import (
@@ -112,6 +112,9 @@ USAGE_APIS = ("messages", "chat", "completions", "responses")
 #: facts (they are written while the prompt's last chunk is computed, so
 #: normally before its first token).
 FACTS_WAIT_S = 10.0
+#: A diagnosis waits at most this long for the facts of the answer it compares with
+#: (committed by the connector's log writer just after that answer went out).
+PREVIOUS_WAIT_S = 5.0
 #: The largest API request body, in MB, unless SPARKCACHE_MAX_BODY_MB says otherwise.
 MAX_BODY_MB = 64
 
@@ -228,27 +231,49 @@ class SparkCacheMiddleware:
         except SparkCacheError as exc:
             logger.warning("sparkcache: request log: %s", exc)
 
-    async def _facts(self, request_id: str) -> dict[str, Any] | None:
-        """The connector's row for the request, once it has the prompt's facts."""
-        deadline = time.monotonic() + FACTS_WAIT_S
+    async def _poll(self, work: Callable[[SnapshotStore], T], ready: Callable[[T], bool],
+                    wait_s: float) -> tuple[T, bool]:
+        """Run ``work`` on the index thread until ``ready`` says its result is (pauses
+        doubling from 2 ms to 50 ms), at most ``wait_s`` seconds: (the last result,
+        whether it was ready).  SparkCacheError propagates."""
+        deadline = time.monotonic() + wait_s
         pause = 0.002
         while True:
-            try:
-                row = await self.db(lambda store: store.request(request_id))
-            except SparkCacheError as exc:
-                logger.warning("sparkcache: request log: %s", exc)
-                return None
-            if row is not None and row.prompt_tokens is not None:
-                return {"prompt_tokens": row.prompt_tokens, "live_tokens": row.live_tokens,
-                        "restored_tokens": row.restored_tokens,
-                        "written_tokens": row.written_tokens,
-                        "written_by_ttl": row.written_by_ttl}
-            if time.monotonic() > deadline:
-                logger.warning("sparkcache: no facts from the connector for %s within %.0f s; "
-                               "usage is vLLM's own", request_id, FACTS_WAIT_S)
-                return None
+            got = await self.db(work)
+            if ready(got) or time.monotonic() > deadline:
+                return got, ready(got)
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    async def _facts(self, request_id: str) -> dict[str, Any] | None:
+        """The connector's row for the request, once it has the prompt's facts."""
+        try:
+            row, ready = await self._poll(
+                lambda store: store.request(request_id),
+                lambda r: r is not None and r.prompt_tokens is not None, FACTS_WAIT_S)
+        except SparkCacheError as exc:
+            logger.warning("sparkcache: request log: %s", exc)
+            return None
+        if not ready or row is None:
+            logger.warning("sparkcache: no facts from the connector for %s within %.0f s; "
+                           "usage is vLLM's own", request_id, FACTS_WAIT_S)
+            return None
+        return {"prompt_tokens": row.prompt_tokens, "live_tokens": row.live_tokens,
+                "restored_tokens": row.restored_tokens, "written_tokens": row.written_tokens,
+                "written_by_ttl": row.written_by_ttl}
+
+    async def _previous(self, answer_id: str) -> RequestRow | None:
+        """The log row of the answer a request compares with, once the connector's
+        facts are in it.  An answer reaches its client before the connector's
+        log writer has committed its prompt's facts (or, still running, before
+        its prefill's end): a row with a fingerprint waits for them at most
+        PREVIOUS_WAIT_S, unless its request was answered with an error."""
+        def ready(row: RequestRow | None) -> bool:
+            return row is None or row.fingerprint is None or row.prompt_tokens is not None \
+                or (row.status is not None and row.status != 200)
+        row, _ = await self._poll(lambda store: store.request_by_answer(answer_id), ready,
+                                  PREVIOUS_WAIT_S)
+        return row
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -316,7 +341,7 @@ class SparkCacheMiddleware:
                         request_id: str, tenant: str | None) -> None:
         """Compare the request with the one it names; record its fingerprint
         (before the answer, so that the client's next request finds it)."""
-        await resolve(diag, body, lambda answer: self.db(lambda s: s.request_by_answer(answer)),
+        await resolve(diag, body, self._previous,
                       lambda b: self._renderer.render(scope, b, diag.api),
                       log_on=self.settings.log_rows > 0, tenant=tenant)
         if self.settings.log_rows > 0:
