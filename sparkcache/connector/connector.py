@@ -90,6 +90,13 @@ logger = logging.getLogger("vllm.sparkcache")
 IDLE_WAIT_SECONDS = 0.02
 
 
+def computes_prompt(scheduler_output: Any) -> bool:
+    """Whether a step computes prompt tokens: more than one token for some
+    request (a prompt or a chunk of one; a decode step computes one each)."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    return any(int(n) > 1 for n in scheduled.values())
+
+
 class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Persistent, verified prefix snapshots for vLLM (see the module docstring).
 
@@ -255,7 +262,8 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             self.sched.wait_fetches(IDLE_WAIT_SECONDS)
         loads, saves = self.sched.take_jobs()
         self.events.planned(saves)
-        return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted, idle=idle)
+        return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted, idle=idle,
+                                  prefill=computes_prompt(scheduler_output))
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Once, at scheduler start: breakpoint saves read running requests' blocks from it."""
@@ -389,6 +397,14 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                         ", ".join(f"{g.kind} x{len(g.layers)}" for g in self.kv_groups),
                         first.page_nbytes, self.identity.page_shape, first.where)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Each step, before its forward: the step's metadata.  Whether the step
+        computes prompt tokens is noted for the publishes, which wait while it
+        does (``publisher.Prefills``; the step's end is :meth:`get_finished`)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.io is not None:
+            self.io.prefills.started(bool(getattr(connector_metadata, "prefill", False)))
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Each step, with the step's metadata bound: before the forward when the
         step has an in-step (synchronous) load, else after vLLM launched it.
@@ -492,6 +508,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         """
         if self.io is None:  # mode off: nothing is ever planned
             return None, None
+        self.io.prefills.ended()
         self._finish_step_loads()  # before wait_for_save when vLLM defers it
         if self._connector_metadata is not None and self._connector_metadata.idle:
             self.io.wait_for_loads(IDLE_WAIT_SECONDS)

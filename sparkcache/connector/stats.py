@@ -47,6 +47,8 @@ class SparkCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     preempted: list[str] = field(default_factory=list)
     #: The step computes no token: workers may wait for a load to land.
     idle: bool = False
+    #: The step computes prompt tokens: publishes wait (``publisher.Prefills``).
+    prefill: bool = False
 
 
 # -- stats (workers and scheduler -> the logger process) ---------------------------------
@@ -68,8 +70,8 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
     events_unannounced (:mod:`sparkcache.connector.events`).
     Workers: loads, loaded_tokens, loaded_bytes, load_seconds, loads_direct,
     loads_in_step, load_failures, loads_dropped, loads_unwaited, saves,
-    saved_tokens, saved_bytes, save_seconds, save_copy_seconds, saves_dropped,
-    saves_skipped, save_failures, saves_lost_parent, saves_cancelled; each
+    saved_tokens, saved_bytes, save_seconds, save_copy_seconds, save_yield_seconds,
+    saves_dropped, saves_skipped, save_failures, saves_lost_parent, saves_cancelled; each
     restore's own time for the cost model (``LOAD_KEY`` + request id, not logged).
     """
 
@@ -123,6 +125,7 @@ PROM_COUNTERS = {
     "saved_bytes": "Bytes written to sparkcache.",
     "saves_dropped": "Saves dropped because a queue or the memory bound was full.",
     "save_seconds": "Seconds spent publishing snapshots.",
+    "save_yield_seconds": "Seconds publishes waited for a step without prompt tokens.",
     "events_stored_blocks": "Blocks announced as stored (KV events, medium STORAGE).",
     "events_removed_blocks": "Blocks announced as removed (KV events, medium STORAGE).",
     "events_dropped": "KV events dropped: more were waiting for a step than the bound.",

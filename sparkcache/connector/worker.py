@@ -50,7 +50,7 @@ from sparkcache.connector.faults import FAULT_ENV, scramble, slow_restore
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.kvlayers import LayerGroups, Pages
-from sparkcache.connector.publisher import Publisher
+from sparkcache.connector.publisher import Prefills, Publisher
 from sparkcache.connector.resharded import load_resharded
 from sparkcache.cpus import lower_priority, read_cpus, widen_affinity
 from sparkcache.errors import SparkCacheError
@@ -134,7 +134,10 @@ class WorkerIO:
             threading.Thread(target=self._save_loop, name="sparkcache-save", daemon=True),
             threading.Thread(target=self._in_step_loop, name="sparkcache-in-step", daemon=True),
         ]
-        self._publisher = Publisher(store, identity, rank, counters, self._published, self.fault)
+        #: Whether the forward computes prompt tokens now: publishes wait for it.
+        self.prefills = Prefills()
+        self._publisher = Publisher(store, identity, rank, counters, self._published, self.fault,
+                                    self.prefills)
         for thread in self._threads:
             thread.start()
 
@@ -558,6 +561,7 @@ class WorkerIO:
         return True
 
     def close(self, timeout: float = 60.0) -> None:
+        self.prefills.close()  # what is queued is published at once
         if not self.flush(timeout):
             logger.warning("sparkcache: shutting down with loads or saves still queued")
         self._loads.put(None)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 
 from sparkcache import SnapshotStore
 from sparkcache.connector.jobs import Counters, SaveJob
+from sparkcache.connector.publisher import Prefills
 from sparkcache.connector.worker import WorkerIO
 from sparkcache.cpus import LOWEST_PRIORITY
 
@@ -118,3 +121,75 @@ def test_a_publish_writes_below_the_engine_and_commits_at_its_priority(
         io.close()
         assert len(store.snapshots()) == 1
     assert seen == {"file": {LOWEST_PRIORITY}, "index": {nice()}}, seen
+
+
+def _waited(prefills: Prefills, since: float) -> tuple[threading.Thread, list[float]]:
+    out: list[float] = []
+    thread = threading.Thread(target=lambda: out.append(prefills.wait_quiet(since)))
+    thread.start()
+    return thread, out
+
+
+def test_a_publish_waits_the_settle_time_then_for_the_prefill_to_end() -> None:
+    prefills = Prefills(settle_s=0.05, max_wait_s=5.0)
+    started = time.monotonic()
+    assert prefills.wait_quiet(started) >= 0.049  # no step: the settle time only
+    prefills.started(True)
+    thread, out = _waited(prefills, time.monotonic())
+    time.sleep(0.3)
+    assert thread.is_alive()  # a prefill step runs
+    prefills.ended()
+    thread.join(2)
+    assert not thread.is_alive() and 0.29 <= out[0] < 2
+    prefills.started(False)  # a decode step: no wait beyond the settle time
+    assert prefills.wait_quiet(time.monotonic() - 1) < 0.05
+
+
+def test_a_publish_waits_no_longer_than_the_bound_after_its_save_was_queued() -> None:
+    prefills = Prefills(settle_s=0.01, max_wait_s=0.3)
+    prefills.started(True)  # never ends
+    queued = time.monotonic()
+    assert 0.29 <= prefills.wait_quiet(queued) < 1.0
+    assert prefills.wait_quiet(queued) < 0.01  # queued long enough ago: at once
+    thread, out = _waited(prefills, time.monotonic())
+    prefills.close()  # the worker closes: what is queued is published at once
+    thread.join(1)
+    assert not thread.is_alive() and out[0] < 0.2
+
+
+def test_a_save_queued_under_a_prefill_is_published_after_it(tmp_path: Path) -> None:
+    with SnapshotStore(tmp_path / "s") as store:
+        counters = Counters()
+        io = WorkerIO(store, identity(), 0, FakePages(8, 1), counters)
+        io.prefills.started(True)
+        io.submit_save(SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None, ()))
+        time.sleep(0.5)
+        assert io.poll()[0] == {"a"}  # copied out: vLLM has its blocks back
+        assert store.snapshots() == []  # not written while the prefill runs
+        io.prefills.ended()
+        assert io.flush(10) and len(store.snapshots()) == 1
+        assert counters.take()["save_yield_seconds"] >= 0.5
+        io.close()
+
+
+def test_the_connector_marks_each_step_that_computes_prompt_tokens() -> None:
+    pytest.importorskip("vllm")
+    from sparkcache.connector.connector import SparkCacheConnector, computes_prompt
+    from sparkcache.connector.stats import SparkCacheMetadata
+
+    assert computes_prompt(SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 200}))
+    assert not computes_prompt(SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1}))
+    assert not computes_prompt(SimpleNamespace(num_scheduled_tokens={}))
+    prefills = Prefills(settle_s=0.0, max_wait_s=5.0)
+    connector = object.__new__(SparkCacheConnector)  # only its per-step hooks run
+    connector.io = SimpleNamespace(prefills=prefills, poll=lambda: (set(), set()))
+    connector._step_loading = False
+    connector.bind_connector_metadata(SparkCacheMetadata(prefill=True))
+    thread, out = _waited(prefills, time.monotonic())
+    time.sleep(0.2)
+    assert thread.is_alive()  # the step's forward runs
+    assert connector.get_finished(set()) == (None, None)  # the step ended
+    thread.join(2)
+    assert not thread.is_alive() and 0.19 <= out[0] < 2
+    connector.bind_connector_metadata(SparkCacheMetadata(prefill=False))
+    assert prefills.wait_quiet(time.monotonic()) < 0.05
