@@ -20,8 +20,8 @@ from sparkcache import SnapshotStore
 from .test_page_access import Server, server, stored
 
 pytest.importorskip("vllm", reason="needs vLLM (bash scripts/install-vllm.sh)")
-from sparkcache.serve import middleware  # noqa: E402
-from sparkcache.serve.diagnostics import BETA  # noqa: E402
+from sparkcache.serve import middleware
+from sparkcache.serve.diagnostics import BETA
 
 pytestmark = pytest.mark.vllm
 __all__ = ["server", "stored"]  # the fixtures this module uses
