@@ -129,6 +129,11 @@ class WorkerIO:
         self._step_layers: dict[str, int] = {}
         # Ended in-step loads awaiting finish_step_loads, with whether each landed.
         self._step_jobs: list[tuple[LoadJob, bool]] = []
+        self._start()
+
+    def _start(self) -> None:
+        """The I/O threads: the loader, the saver, the in-step reader and the
+        publisher (the publishes' ``prefills``)."""
         self._threads = [
             threading.Thread(target=self._load_loop, name="sparkcache-load", daemon=True),
             threading.Thread(target=self._save_loop, name="sparkcache-save", daemon=True),
@@ -136,8 +141,8 @@ class WorkerIO:
         ]
         #: Whether the forward computes prompt tokens now: publishes wait for it.
         self.prefills = Prefills()
-        self._publisher = Publisher(store, identity, rank, counters, self._published, self.fault,
-                                    self.prefills)
+        self._publisher = Publisher(self.store, self.identity, self.rank, self.counters,
+                                    self._published, self.fault, self.prefills)
         for thread in self._threads:
             thread.start()
 
