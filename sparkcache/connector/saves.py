@@ -225,10 +225,14 @@ class Saves:
             logger.info("sparkcache: not saving %s: blocks of its window below token %d "
                         "are gone", request.request_id, n)
             return None, known
+        # A breakpoint save (while the request runs) of an asked breakpoint beyond
+        # the longest stored prefix: an explicit write.
+        asked, stored = set(state.params.breakpoints), known.n_tokens if known else 0
         return SaveJob(
             req_id=request.request_id, token_ids=token_ids, blocks=blocks, parent=parent_id,
             scope=state.scope, breakpoints=marks, report=not mid_request, keep=keep,
             start_block=start, copy_in_step=kinds.copy_in_step(mid_request=mid_request),
+            explicit=mid_request and any(m > stored and m in asked for m in marks),
         ), known
 
     def _stored_to(self, known: Match, token_ids: np.ndarray) -> Match:

@@ -45,6 +45,7 @@ def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
     assert step(sched, req, 64, blocks) == []  # 64 computed: no breakpoint reached
     (job,) = step(sched, req, 64, blocks)  # 128 computed: past 100's block
     assert (len(job.token_ids), job.blocks, job.report) == (112, (tuple(blocks[:7]),), False)
+    assert job.explicit  # it stores an asked breakpoint: published without waiting
     io.submit_save(job)
     assert io.flush()
     assert io.poll() == (set(), set())  # vLLM is never told of a breakpoint save
@@ -55,6 +56,7 @@ def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
     assert sched.matched_tokens(Req("b", p[:100] + prompt(50, 12)), 0) == (100, True)
     (job2,) = step(sched, req, 128, blocks)  # 256 computed: past 200's block
     assert job2.parent == snap.id and job2.blocks == (tuple(blocks[7:13]),)  # the tail only
+    assert job2.explicit
     io.submit_save(job2)
     assert io.flush()
     assert step(sched, req, 44, blocks) == []  # no breakpoint left
@@ -65,6 +67,7 @@ def test_breakpoints_publish_while_the_request_runs(one_rank: Any) -> None:
     assert held
     _, (final,) = sched.take_jobs()
     assert final.report and final.parent == store.snapshots()[-1].id
+    assert not final.explicit  # its breakpoints are stored already: it may wait
     io.submit_save(final)
     assert io.flush()
     assert io.poll()[0] == {"a"}
@@ -164,3 +167,4 @@ def test_a_save_builds_on_the_breakpoint_snapshot_not_a_longer_one(one_rank: Any
                  kv_transfer_params={"sparkcache": {"breakpoints": [64]}})
     job = save(sched, io, second)
     assert job.parent == base.id and len(job.blocks[0]) == (len(job.token_ids) - 64) // BS
+    assert mid.explicit and not job.explicit  # the breakpoint was stored by the first

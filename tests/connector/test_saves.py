@@ -118,9 +118,15 @@ def test_a_publish_writes_below_the_engine_and_commits_at_its_priority(
         io = WorkerIO(store, identity(), 0, FakePages(8, 1), Counters())
         io.submit_save(SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None, ()))
         assert io.flush(10)
+        assert seen == {"file": {LOWEST_PRIORITY}, "index": {nice()}}, seen
+        # An explicit save (an asked breakpoint) is written at the engine's priority.
+        seen["file"].clear()
+        io.submit_save(SaveJob("b", np.arange(BS, 2 * BS, dtype=np.uint32), ((1,),), None,
+                               None, (BS,), explicit=True))
+        assert io.flush(10)
         io.close()
-        assert len(store.snapshots()) == 1
-    assert seen == {"file": {LOWEST_PRIORITY}, "index": {nice()}}, seen
+        assert len(store.snapshots()) == 2
+    assert seen == {"file": {nice()}, "index": {nice()}}, seen
 
 
 def _waited(prefills: Prefills, since: float) -> tuple[threading.Thread, list[float]]:
@@ -193,3 +199,22 @@ def test_the_connector_marks_each_step_that_computes_prompt_tokens() -> None:
     assert not thread.is_alive() and 0.19 <= out[0] < 2
     connector.bind_connector_metadata(SparkCacheMetadata(prefill=False))
     assert prefills.wait_quiet(time.monotonic()) < 0.05
+
+
+def test_an_explicit_save_is_published_under_a_prefill(tmp_path: Path) -> None:
+    """A save that stores an asked breakpoint (an API's cache write) does not
+    wait, nor does a save queued before it (publishes run in order)."""
+    with SnapshotStore(tmp_path / "s") as store:
+        io = WorkerIO(store, identity(), 0, FakePages(8, 1), Counters())
+        io.prefills.started(True)  # never ends
+        io.submit_save(SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None,
+                               (BS,), explicit=True))
+        assert io.flush(0.5) and len(store.snapshots()) == 1
+        io.submit_save(SaveJob("b", np.arange(BS, 2 * BS, dtype=np.uint32), ((1,),), None,
+                               None, ()))
+        time.sleep(0.1)
+        assert len(store.snapshots()) == 1  # the implicit one waits
+        io.submit_save(SaveJob("c", np.arange(2 * BS, 3 * BS, dtype=np.uint32), ((2,),), None,
+                               None, (BS,), explicit=True))
+        assert io.flush(0.5) and len(store.snapshots()) == 3
+        io.close()
