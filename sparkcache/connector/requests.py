@@ -29,6 +29,7 @@ from sparkcache.store import Match
 
 __all__ = [
     "MAX_KEEP_SECONDS",
+    "MAX_PREFIX_TOKENS",
     "MAX_TENANT",
     "TENANT_KEY",
     "TENANT_LABELS",
@@ -59,6 +60,8 @@ TENANT_KEY = "tenant\x00"
 #: The longest ``ttl`` a breakpoint may ask for (a day: OpenAI's ``prompt_cache_retention``
 #: ``24h``; Anthropic's longest is an hour, OpenAI's ``prompt_cache_options.ttl`` 12 hours).
 MAX_KEEP_SECONDS = 86400.0
+#: The most token ids a breakpoint's ``prefix`` may hold (above any model's context).
+MAX_PREFIX_TOKENS = 1 << 21
 
 
 def scope_of(request: Any) -> RequestScope | None:
@@ -125,7 +128,10 @@ class RequestParams:
     names the request in the request log (default vLLM's request id);
     each breakpoint is a token position, or ``{"at": position, "ttl": seconds}``
     to keep the prefix's snapshot at least that long after its last write or
-    read (a lease retention respects; at most :data:`MAX_KEEP_SECONDS`).
+    read (a lease retention respects; at most :data:`MAX_KEEP_SECONDS`), or
+    ``{"prefix": [token ids], "ttl": seconds}``: the position where those
+    tokens stop agreeing with the prompt (at most :data:`MAX_PREFIX_TOKENS`;
+    ``sparkcache serve`` sends the render of the prompt up to a mark).
     ``"cache": false``: the request neither restores from the store nor saves
     to it (OpenAI's explicit mode without a breakpoint).
     """
@@ -136,9 +142,23 @@ class RequestParams:
     cache: bool = True
 
 
-def _position(mark: Any) -> tuple[int, float | None] | None:
+def _agreeing(prefix: Any, prompt: Any) -> int | None:
+    """How many leading tokens ``prefix`` (a list of token ids) shares with
+    ``prompt``; None when it is no such list."""
+    if not isinstance(prefix, list) or len(prefix) > MAX_PREFIX_TOKENS or \
+            not all(type(t) is int and 0 <= t < 2**32 for t in prefix):
+        return None
+    ours = np.asarray(prefix, dtype=np.int64)
+    theirs = np.asarray(list(prompt or ())[:len(ours)], dtype=np.int64)
+    differ = np.flatnonzero(ours[:len(theirs)] != theirs)
+    return int(differ[0]) if differ.size else len(theirs)
+
+
+def _position(mark: Any, prompt: Any = ()) -> tuple[int, float | None] | None:
     if isinstance(mark, dict):
         at, ttl = mark.get("at"), mark.get("ttl")
+        if "prefix" in mark:
+            at = None if "at" in mark else _agreeing(mark["prefix"], prompt)
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
                                 or not 0 < ttl <= MAX_KEEP_SECONDS):
             return None
@@ -162,10 +182,13 @@ def params_of(request: Any) -> RequestParams:
                        getattr(request, "request_id", "?"))
         log_id = None
     marks = ours.get("breakpoints") or ()
-    parsed = [_position(m) for m in marks] if isinstance(marks, (list, tuple)) else [None]
+    prompt = getattr(request, "prompt_token_ids", None)
+    parsed = [_position(m, prompt) for m in marks] if isinstance(marks, (list, tuple)) \
+        else [None]
     if any(p is None for p in parsed):
-        logger.warning("sparkcache: ignoring breakpoints %r of %s (want a list of token "
-                       "positions or {\"at\": position, \"ttl\": seconds})", marks,
+        logger.warning("sparkcache: ignoring breakpoints %s of %s (want a list of token "
+                       "positions, {\"at\": position, \"ttl\": seconds} or {\"prefix\": "
+                       "[token ids], \"ttl\": seconds})", printable(repr(marks)[:200]),
                        getattr(request, "request_id", "?"))
         parsed = []
     keep: dict[int, float] = {}

@@ -1,11 +1,13 @@
 """Breakpoints' token positions, from vLLM's own renderer.
 
 A mark's position is where the prompt rendered up to its block stops agreeing
-with the whole prompt (:func:`~sparkcache.serve.cache_control.common_prefix`):
-whatever the chat template does with the blocks, it is a prefix of the real
-prompt.  :class:`Renderer` renders through the server's ``serving_render`` (the
-same code ``/v1/messages`` prefills with) and remembers renders by content, so
-that a shared system prompt is rendered once.  Anthropic requests render
+with the whole prompt: whatever the chat template does with the blocks, it is
+a prefix of the real prompt.  The connector finds that position in the
+prompt vLLM computes (a breakpoint's ``prefix``), so the whole prompt is
+rendered here only for an implicit mark (its length) and for diagnostics.
+:class:`Renderer` renders through the server's ``serving_render`` (the same
+code ``/v1/messages`` prefills with) and remembers renders by content, so that
+a shared system prompt is rendered once.  Anthropic requests render
 through ``render_messages_request``, OpenAI chat completions and Responses
 requests through ``render_chat_request`` and ``render_responses_request``
 (their cuts: :mod:`sparkcache.serve.openai_cache`).
@@ -20,7 +22,7 @@ from collections import OrderedDict
 from typing import Any
 
 from sparkcache.serve.bodies import Scope, dumps
-from sparkcache.serve.cache_control import Cut, common_prefix, strip
+from sparkcache.serve.cache_control import Cut, strip
 from sparkcache.serve.openai_cache import IMPLICIT
 
 __all__ = ["RENDER_CACHE", "Renderer"]
@@ -39,22 +41,30 @@ class Renderer:
 
     async def positions(self, scope: Scope, body: dict[str, Any], marks: list[Cut],
                         api: str = "messages") -> list[dict[str, Any]]:
-        """Each mark's token position and ttl (the implicit mark's: the prompt's
-        length).  A mark whose render fails is left out (logged); when the whole
-        prompt does not render, none is set (vLLM then answers the request with
-        its own error)."""
-        full = await self.render(scope, strip(body), api)
-        if full is None:
-            return []
+        """Each mark's breakpoint for the connector, with its ttl: the render of
+        the prompt cut at the mark (``prefix``; the connector places the
+        breakpoint where those tokens stop agreeing with the prompt vLLM
+        computes, which is this renderer's render of the whole request), so the
+        whole prompt is not rendered here once more; the implicit mark's is the
+        prompt's length (``at``: the whole prompt rendered).  A mark whose
+        render fails is left out (logged); when the whole prompt does not
+        render, the implicit mark is not set (vLLM then answers the request
+        with its own error)."""
+        full: list[int] | None = None
+        if any(mark.where == IMPLICIT for mark in marks):
+            full = await self.render(scope, strip(body), api)
         positions: list[dict[str, Any]] = []
         for mark in marks:
-            tokens = full if mark.where == IMPLICIT else \
-                await self.render(scope, mark.body, api)
+            if mark.where == IMPLICIT:
+                if full is not None:
+                    positions.append({"at": len(full), "ttl": mark.ttl})
+                continue
+            tokens = await self.render(scope, mark.body, api)
             if tokens is None:
                 logger.warning("sparkcache: the prompt up to %s does not render; "
                                "no breakpoint there", mark.where)
                 continue
-            positions.append({"at": common_prefix(tokens, full), "ttl": mark.ttl})
+            positions.append({"prefix": tokens, "ttl": mark.ttl})
         return positions
 
     async def render(self, scope: Scope, body: dict[str, Any],

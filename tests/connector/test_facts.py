@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from sparkcache import SnapshotStore, admin
+from sparkcache.connector import requests as requests_module
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.scheduler import SchedulerSide, params_of
@@ -41,6 +44,27 @@ def test_params_accept_positions_and_ttls_and_ignore_garbage() -> None:
     day = params_of(Req("h", [1], kv_transfer_params={"sparkcache": {"breakpoints": [
         {"at": 70, "ttl": 86400}]}}))
     assert dict(day.keep) == {70: 86400.0}  # OpenAI's 24h retention
+
+
+def test_a_prefix_breakpoint_is_where_its_tokens_stop_agreeing_with_the_prompt() -> None:
+    tokens = prompt(100, 3)
+    render = [*tokens[:70], 9, 9]  # the template closes the cut prompt its own way
+    params = params_of(Req("a", tokens, kv_transfer_params={"sparkcache": {"breakpoints": [
+        {"prefix": render, "ttl": 300}, {"prefix": tokens[:40]}, {"prefix": [*tokens, 1]},
+        {"prefix": []}]}}))
+    assert params.breakpoints == (70, 40, 100, 0) and dict(params.keep) == {70: 300.0}
+    for bad in ({"prefix": "x"}, {"prefix": [1, -2]}, {"prefix": [1.5]}, {"prefix": [True]},
+                {"prefix": [2**32]}, {"prefix": tokens, "at": 5}, {"prefix": [1], "ttl": 0}):
+        assert params_of(Req("b", tokens, kv_transfer_params={
+            "sparkcache": {"breakpoints": [bad]}})).breakpoints == (), bad
+
+
+def test_a_prefix_breakpoint_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(requests_module, "MAX_PREFIX_TOKENS", 5)
+    tokens = prompt(10, 4)
+    for n, want in ((5, (5,)), (6, ())):
+        assert params_of(Req("a", tokens, kv_transfer_params={"sparkcache": {
+            "breakpoints": [{"prefix": tokens[:n]}]}})).breakpoints == want
 
 
 def run(sched: SchedulerSide, req: Req, blocks: list[int], local: int = 0) -> list[SaveJob]:

@@ -28,6 +28,7 @@ from ..store.helpers import identity, pages_for, tokens
 
 # The middleware imports vLLM's Anthropic request model.
 pytest.importorskip("vllm", reason="needs vLLM (bash scripts/install-vllm.sh)")
+from sparkcache.connector.requests import params_of
 from sparkcache.serve.middleware import ServeSettings, SparkCacheMiddleware
 from sparkcache.serve.tenants import tenant_salt
 
@@ -590,15 +591,29 @@ def breakpoints_seen(server: Server, renderer: Renderer) -> list[dict[str, Any]]
     return list(ours.get("breakpoints", []))
 
 
+#: The whole prompt of :func:`breakpoints_seen`'s request as :class:`Renderer`
+#: renders it (the prompt vLLM computes).
+PROMPT = [ord(c) for c in "a" * 40 + "b" * 30 + "|question"]
+
+
+def placed(marks: list[dict[str, Any]]) -> tuple[tuple[int, ...], dict[int, float]]:
+    """The breakpoints the connector sets in PROMPT from ``marks``, and their ttls."""
+    params = params_of(SimpleNamespace(request_id="r", prompt_token_ids=PROMPT,
+                                       kv_transfer_params={"sparkcache": {"breakpoints":
+                                                                          marks}}))
+    return params.breakpoints, dict(params.keep)
+
+
 def test_breakpoints_are_where_the_cut_renders_stop_agreeing(server: Server) -> None:
     renderer = Renderer()
     marks = breakpoints_seen(server, renderer)
+    assert [set(m) for m in marks] == [{"prefix", "ttl"}] * 2
     # system (70 chars) + "|" then the placeholder differs; the whole prompt for the last.
-    assert marks == [{"at": 71, "ttl": 3600.0}, {"at": 71 + len("question"), "ttl": 300.0}]
-    assert renderer.calls == 2  # the last cut is the whole prompt: rendered once
+    assert placed(marks) == ((71, 71 + len("question")), {71: 3600.0, 71 + 8: 300.0})
+    assert renderer.calls == 2  # the cuts only: the whole prompt is vLLM's to render
 
 
 def test_a_cut_that_fails_to_render_sets_no_breakpoint_and_the_request_goes_on(
         server: Server) -> None:
     marks = breakpoints_seen(server, Renderer(fail="\u2400"))  # the placeholder's cut
-    assert marks == [{"at": 71 + len("question"), "ttl": 300.0}]
+    assert placed(marks) == ((71 + len("question"),), {71 + 8: 300.0})
