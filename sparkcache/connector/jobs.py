@@ -91,10 +91,10 @@ class SaveJob:
     #: Groups (indices into ``blocks``) copied out before the step ends, in
     #: ``wait_for_save`` (:meth:`KVGroups.copy_in_step`).
     copy_in_step: tuple[int, ...] = ()
-    #: A breakpoint save that stores a breakpoint the request asked for beyond
-    #: what was stored (an explicit cache write, which the next request may read
-    #: at once): its publish does not wait for a moment without a prefill
-    #: (``publisher.Prefills``).  A save at a request's finish always may.
+    #: It stores a breakpoint the request asked for that was not stored (an
+    #: explicit cache write, which the next request may read at once; at the
+    #: finish, one in the prompt's last block): its publish does not wait for a
+    #: moment without a prefill (``publisher.Prefills``).
     explicit: bool = False
 
 

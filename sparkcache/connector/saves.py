@@ -225,15 +225,37 @@ class Saves:
             logger.info("sparkcache: not saving %s: blocks of its window below token %d "
                         "are gone", request.request_id, n)
             return None, known
-        # A breakpoint save (while the request runs) of an asked breakpoint beyond
-        # the longest stored prefix: an explicit write.
-        asked, stored = set(state.params.breakpoints), known.n_tokens if known else 0
         return SaveJob(
             req_id=request.request_id, token_ids=token_ids, blocks=blocks, parent=parent_id,
             scope=state.scope, breakpoints=marks, report=not mid_request, keep=keep,
             start_block=start, copy_in_step=kinds.copy_in_step(mid_request=mid_request),
-            explicit=mid_request and any(m > stored and m in asked for m in marks),
+            explicit=self._explicit(state, token_ids, marks, known, mid_request),
         ), known
+
+    def _explicit(self, state: RequestState, token_ids: np.ndarray, marks: tuple[int, ...],
+                  known: Match | None, mid_request: bool) -> bool:
+        """Whether a save stores an asked breakpoint not stored yet (an explicit
+        cache write, published without waiting): beyond the longest stored
+        prefix and, at the finish, inside the saved tokens and not stored
+        elsewhere (a lookup of the prompt to that breakpoint)."""
+        stored = known.n_tokens if known is not None else 0
+        for m in marks:
+            if m not in state.params.breakpoints or m <= stored:
+                continue
+            if mid_request:
+                return True
+            if m > len(token_ids):
+                continue
+            try:
+                found = self.store.lookup(self.rules.identity, token_ids[:m], scope=state.scope,
+                                          ends_only=self.rules.groups.ends_only)
+                if found is not None and found.n_tokens < m:
+                    found = self._stored_to(found, token_ids[:m])  # inside a stored block
+            except SparkCacheError:
+                return True
+            if found is None or found.n_tokens < m:
+                return True
+        return False
 
     def _stored_to(self, known: Match, token_ids: np.ndarray) -> Match:
         """``known`` grown by its stored block when that block holds the rest

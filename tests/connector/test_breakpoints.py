@@ -168,3 +168,18 @@ def test_a_save_builds_on_the_breakpoint_snapshot_not_a_longer_one(one_rank: Any
     job = save(sched, io, second)
     assert job.parent == base.id and len(job.blocks[0]) == (len(job.token_ids) - 64) // BS
     assert mid.explicit and not job.explicit  # the breakpoint was stored by the first
+
+
+def test_a_finish_save_that_stores_an_asked_breakpoint_is_explicit(one_rank: Any) -> None:
+    """A breakpoint in the prompt's last block is stored by the save at the
+    finish (the answer fills that block): an explicit write, the first time
+    only; a later request's finish save with the same breakpoint is not."""
+    _store, sched, io, _counters = one_rank
+    system = prompt(4 * BS + 5, 41)  # the breakpoint inside the fifth block
+    mark = {"sparkcache": {"breakpoints": [len(system)]}}
+    first = Req("a", system + prompt(3, 42), kv_transfer_params=mark)
+    sched.matched_tokens(first, 0)
+    assert save(sched, io, first).explicit
+    second = Req("b", system + prompt(3, 43), kv_transfer_params=mark)
+    sched.matched_tokens(second, 0)
+    assert not save(sched, io, second).explicit  # stored by the first already
