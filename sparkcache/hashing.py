@@ -3,7 +3,8 @@
 ``h0 = seed(model part + request scope)`` and ``h(i+1) = xxh3_128(h(i) || block i+1)``
 where a block is ``block_size`` token ids as little-endian uint32.  One pass over
 the prompt yields the hash of every block boundary.  Hashes only *find*
-candidates; the stored token ids are compared before any restore.
+candidates; the stored token ids are compared before any restore
+(:func:`common_prefix`: how many leading tokens two sequences share).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import xxhash
 from sparkcache.errors import InvalidArgument
 from sparkcache.identity import ModelIdentity, RequestScope
 
-__all__ = ["as_token_array", "prefix_hashes", "prefix_seed"]
+__all__ = ["as_token_array", "common_prefix", "prefix_hashes", "prefix_seed"]
 
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -40,6 +41,13 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID:
         raise InvalidArgument("token ids must lie in [0, 2**32)")
     return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """How many leading tokens two token sequences share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differ[0]) if differ.size else n
 
 
 def prefix_hashes(

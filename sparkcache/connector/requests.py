@@ -22,7 +22,7 @@ import numpy as np
 from sparkcache.connector.facts import Facts
 from sparkcache.connector.fetcher import Fetch
 from sparkcache.connector.groups import KVGroups
-from sparkcache.hashing import prefix_hashes, prefix_seed
+from sparkcache.hashing import common_prefix, prefix_hashes, prefix_seed
 from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.requestlog import printable
 from sparkcache.store import Match
@@ -148,10 +148,7 @@ def _agreeing(prefix: Any, prompt: Any) -> int | None:
     if not isinstance(prefix, list) or len(prefix) > MAX_PREFIX_TOKENS or \
             not all(type(t) is int and 0 <= t < 2**32 for t in prefix):
         return None
-    ours = np.asarray(prefix, dtype=np.int64)
-    theirs = np.asarray(list(prompt or ())[:len(ours)], dtype=np.int64)
-    differ = np.flatnonzero(ours[:len(theirs)] != theirs)
-    return int(differ[0]) if differ.size else len(theirs)
+    return common_prefix(prefix, prompt or ())
 
 
 def _position(mark: Any, prompt: Any = ()) -> tuple[int, float | None] | None:

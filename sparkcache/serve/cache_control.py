@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sparkcache.errors import InvalidArgument
+from sparkcache.hashing import common_prefix
 
 __all__ = ["MAX_BREAKPOINTS", "TTLS", "CacheControlError", "Cut", "common_prefix", "cuts",
            "strip"]
@@ -215,11 +216,3 @@ def strip(body: dict[str, Any]) -> dict[str, Any]:
     """The request without its ``cache_control`` fields (for a render of the whole prompt)."""
     return {k: v for k, v in body.items() if k not in ("cache_control", "stream")}
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two token sequences share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
