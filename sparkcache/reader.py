@@ -66,7 +66,7 @@ def read_into(
     core: Core, match: Match, rank: int, out: Sequence[Any], *,
     n_tokens: int | None = None, start_tokens: int | Sequence[int] = 0,
     on_layer: Callable[[int], None] | None = None, threads: int = 1,
-    cpus: Sequence[int] = (), hit: bool = True,
+    cpus: Sequence[int] = (), hit: bool = True, in_place: bool = False,
 ) -> int:
     """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
@@ -82,13 +82,22 @@ def read_into(
     then receives its own start's block first.  Returns the number of blocks
     copied (from the lowest start).  ``hit`` False: the restored amounts are
     counted but not a hit (one restore read in two parts).  A failure may
-    leave ``out`` partly written with *verified* bytes only; treat it as a miss."""
+    leave ``out`` partly written with *verified* bytes only; treat it as a miss.
+    ``in_place`` (buffers and lists of buffers only, memory nothing reads until
+    this returns): where the store reads positionally, each chunk copied whole
+    is read straight into ``out`` and verified there (:class:`~sparkcache.
+    segment.InPlace`), so a failure may leave unverified bytes in ``out``: it
+    must then be treated as never written."""
     dests: list[np.ndarray | seg.Sink] = [
         seg.Pieces(o) if isinstance(o, (list, tuple))
         else o if not isinstance(o, np.ndarray) and isinstance(o, seg.Sink)
         else as_byte_view(o, writable=True)
         for o in out
     ]
+    if in_place:
+        if not all(isinstance(d, (np.ndarray, seg.Pieces)) for d in dests):
+            raise InvalidArgument("in_place needs buffers or lists of buffers, not sinks")
+        dests = [seg.InPlace(d) for d in dests]
     page = match.identity.page_nbytes
     bs = match.identity.block_size
     starts = [start_tokens] * len(dests) if isinstance(start_tokens, int) else list(start_tokens)

@@ -14,7 +14,9 @@ chunk of every tensor.
 The index records the xxh3_128 of the whole header (the *segment digest*).  A
 read checks the header against that digest, then each chunk against its
 digest *before* copying it out, so no unverified byte reaches the caller and
-the data is touched once from memory while it is still in cache.  A prefix
+the data is touched once from memory while it is still in cache (a caller
+whose destination nothing reads until the read returns may let each chunk land
+there first and be verified in place: :class:`InPlace`).  A prefix
 or ranged read verifies only the chunks it copies from (a chunk straddling the
 start of the range is verified whole) and never reads the chunks below it.
 Nothing here unpickles anything: the header is JSON and the payload raw bytes.
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHUNK_BYTES",
     "FORMAT",
+    "InPlace",
     "Landing",
     "Pieces",
     "ReadAt",
@@ -327,17 +330,55 @@ class Pieces:
 
     def put(self, at: int, data: np.ndarray) -> None:
         """Write ``data`` at byte ``at`` of the concatenated pieces."""
-        if at < 0 or at + data.size > self.size:
-            raise InvalidArgument(f"{data.size} bytes at {at} exceed {self.size} bytes")
-        i = bisect.bisect_right(self._ends, at)
         done = 0
-        while done < data.size:
+        for span in self.spans(at, data.size):
+            span[:] = data[done:done + span.size]
+            done += span.size
+
+    def spans(self, at: int, n: int) -> list[np.ndarray]:
+        """Views of bytes ``[at, at + n)`` of the concatenated pieces, in order
+        (one per piece they touch)."""
+        if at < 0 or n < 0 or at + n > self.size:
+            raise InvalidArgument(f"{n} bytes at {at} exceed {self.size} bytes")
+        i = bisect.bisect_right(self._ends, at)
+        out: list[np.ndarray] = []
+        done = 0
+        while done < n:
             piece = self._pieces[i]
             offset = at + done - (self._ends[i] - piece.size)
-            count = min(data.size - done, piece.size - offset)
-            piece[offset:offset + count] = data[done:done + count]
+            count = min(n - done, piece.size - offset)
+            out.append(piece[offset:offset + count])
             done += count
             i += 1
+        return out
+
+
+class InPlace:
+    """A destination a positional read fills *before* verifying each chunk there.
+
+    Only for memory nothing reads until the read returns: an asynchronous
+    restore's own KV blocks, which vLLM leaves alone while the request waits
+    for the load (WAITING_FOR_REMOTE_KVS).  A chunk copied whole is read
+    straight into its place (no bounce buffer, one copy instead of two) and
+    hashed there while still in cache; a chunk that fails its digest stays
+    there, so after a failure the whole destination counts as unwritten: the
+    connector reports every block of the load failed and vLLM recomputes them
+    (docs/architecture.md, "Segment format and verification").  A chunk only
+    partly copied goes through the bounce buffer as for any destination.
+    """
+
+    __slots__ = ("_pieces", "size")
+
+    def __init__(self, dest: Any) -> None:
+        self._pieces = dest if isinstance(dest, Pieces) else Pieces([dest])
+        self.size = self._pieces.size
+
+    def put(self, at: int, data: np.ndarray) -> None:
+        self._pieces.put(at, data)
+
+    def spans(self, at: int, n: int) -> list[np.ndarray]:
+        """Views of the destination's bytes ``[at, at + n)``, in order."""
+        return self._pieces.spans(at, n)
 
 
 @runtime_checkable
@@ -350,8 +391,9 @@ class Landing(Sink, Protocol):
     (or None when it cannot lend them: then ``put``); bytes reserved and not
     committed never reach the destination.  A positional read lands a chunk
     there and verifies it in place: no bounce buffer, no copy
-    (:func:`copy_verified`).  The KV cache itself is only ever a plain
-    :class:`Sink`: no unverified byte is written into it (invariant 3).
+    (:func:`copy_verified`).  The KV cache itself is never a Landing: it is a
+    plain :class:`Sink`, or an :class:`InPlace` for blocks no forward reads
+    before the restore reports (an asynchronous load's own).
     """
 
     def reserve(self, at: int, n: int) -> np.ndarray | None: ...
@@ -404,6 +446,20 @@ def _chunk_source(buf: memoryview, header: SegmentHeader, name: str, read_at: Re
     return read_chunk, land
 
 
+def _land_in_place(land: LandAt, start: int, spans: Sequence[np.ndarray], digest: str,
+                   what: str) -> None:
+    """Read one chunk from tensor byte ``start`` into ``spans`` (its place in an
+    :class:`InPlace` destination) and check it there, span by span while each
+    is in cache."""
+    hasher = xxhash.xxh3_128()
+    for span in spans:
+        land(start, span)
+        hasher.update(cast("Buffer", span))
+        start += span.size
+    if hasher.hexdigest() != digest:
+        raise _fail(f"{what} digest mismatch (payload corrupted)", "digest")
+
+
 def copy_verified(
     buf: memoryview, header: SegmentHeader, name: str, nbytes: int, dest: np.ndarray | Sink,
     *, skip: int = 0, at: int = 0, read_at: ReadAt | None = None,
@@ -415,19 +471,23 @@ def copy_verified(
     skip`` bytes.  Chunks are verified whole, each just before it is copied,
     while it is still in cache: a chunk lying wholly below ``skip`` is neither
     read nor verified, one straddling ``skip`` is verified in full and only its
-    part at or after ``skip`` copied.  No unverified byte ever reaches ``dest``.
+    part at or after ``skip`` copied.  No unverified byte ever reaches ``dest``,
+    unless it is an :class:`InPlace` (memory nothing reads before the read
+    returns): with ``read_at``, a chunk copied whole is read into its place
+    there and verified in place, and a failure leaves ``dest`` unusable.
 
     Without ``read_at`` each chunk is hashed where it lies in ``buf``.  With it
     (the backend's positional read), each chunk is read into ``bounce`` (a
     scratch array of at least ``CHUNK_BYTES``, one per thread) and verified
     there, or, when ``dest`` is a :class:`Landing` that has room for a chunk
     copied whole, into that room and verified there (committed once it
-    passed: no copy at all).  A short read (the file shrank) is then a
-    ``truncated`` CorruptSnapshot and an I/O error the backend's error, where
-    touching a mapping past the end of its file, or over a failing disk,
-    raises SIGBUS.  The bounce costs one more copy: ~10% slower for one thread
-    on a warm page cache, faster with two threads (no page faults, no
-    unmapping) and on a cold one (docs/benchmarks.md).
+    passed: no copy at all), or straight into an :class:`InPlace`.  A short
+    read (the file shrank) is then a ``truncated`` CorruptSnapshot and an I/O
+    error the backend's error, where touching a mapping past the end of its
+    file, or over a failing disk, raises SIGBUS.  The bounce costs one more
+    copy: ~10% slower for one thread on a warm page cache, faster with two
+    threads (no page faults, no unmapping) and on a cold one
+    (docs/benchmarks.md); an :class:`InPlace` saves that copy.
     """
     total = header.tensors[name][1]
     if nbytes > total:
@@ -439,12 +499,17 @@ def copy_verified(
             f"the destination holds {dest.size} bytes; {nbytes - skip} are copied at {at}")
     chunk_at, land = _chunk_source(buf, header, name, read_at, bounce)
     landing = dest if land is not None and isinstance(dest, Landing) else None
+    in_place = dest if land is not None and isinstance(dest, InPlace) else None
     first = skip // CHUNK_BYTES
     for index, start in enumerate(range(first * CHUNK_BYTES, nbytes, CHUNK_BYTES), first):
         size = min(CHUNK_BYTES, total - start)
         lo, stop = max(start, skip), min(start + CHUNK_BYTES, nbytes)
         where = at + lo - skip
         whole = lo == start and stop - start == size  # the chunk is copied whole
+        if in_place is not None and land is not None and whole:
+            _land_in_place(land, start, in_place.spans(where, size),
+                           header.chunk_digest(name, index), f"{name} chunk {index}")
+            continue
         room = landing.reserve(where, size) if landing is not None and whole else None
         chunk = chunk_at(start, size) if room is None or land is None else land(start, room)
         if _hexdigest(chunk) != header.chunk_digest(name, index):

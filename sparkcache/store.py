@@ -382,11 +382,10 @@ class SnapshotStore(StoreUpkeep, StoreLog):
     def read_into(
         self, match: Match, rank: int, out: Sequence[Any], *, n_tokens: int | None = None,
         start_tokens: int | Sequence[int] = 0, on_layer: Callable[[int], None] | None = None,
-        threads: int = 1, cpus: Sequence[int] = (), hit: bool = True,
+        threads: int = 1, cpus: Sequence[int] = (), hit: bool = True, in_place: bool = False,
     ) -> int:
-        """Verify and copy tokens ``[start_tokens, n_tokens)`` of a match into
-        ``out``; no unverified byte is copied (docs/architecture.md, "Segment
-        format and verification").
+        """Verify and copy tokens ``[start_tokens, n_tokens)`` of a match into ``out``;
+        no unverified byte is copied, unless ``in_place`` (docs/architecture.md).
 
         Args:
             match: what :meth:`lookup` returned.
@@ -402,19 +401,20 @@ class SnapshotStore(StoreUpkeep, StoreLog):
             threads: threads sharing the layers (still reported in order).
             cpus: the CPUs the threads copy on (thread ``k`` on ``cpus[k % len]``).
             hit: False: the restored amounts count, not a hit (a restore's first part).
+            in_place: nothing reads ``out`` before this returns: chunks land there first.
 
         Returns:
             The number of blocks copied (``restored_*`` count only those).
 
         Raises:
             InvalidArgument: bad arguments or buffer sizes.
-            CorruptSnapshot: a check failed (quarantined): a miss; ``out`` may hold
-                verified bytes.
+            CorruptSnapshot: a check failed (quarantined): a miss; ``out`` holds
+                verified bytes (``in_place``: unverified ones, never written).
             NotFound: the snapshot vanished: a miss.
         """
         return reader.read_into(self._core, match, rank, out, n_tokens=n_tokens,
                                 start_tokens=start_tokens, on_layer=on_layer, threads=threads,
-                                cpus=cpus, hit=hit)
+                                cpus=cpus, hit=hit, in_place=in_place)
 
     # -- the shared tier (sparkcache.shared) ---------------------------------------------
 

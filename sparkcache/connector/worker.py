@@ -4,7 +4,8 @@ Pure Python over numpy (no vLLM import), so it is tested with simulated
 workers.  One :class:`WorkerIO` per vLLM worker process (one per rank):
 
 * **loads** (scheduler planned a restore): a verified ``read_into`` straight
-  into the request's blocks (CPU), or through the worker's reused staging
+  into the request's blocks (CPU; an asynchronous load's chunks land there
+  and are verified in place, ``in_place``), or through the worker's reused staging
   slots, each chunk uploaded while the next is read (GPU:
   :mod:`sparkcache.cuda.staging`).  An asynchronous load runs on the loader
   thread while the request waits in WAITING_FOR_REMOTE_KVS; its id is
@@ -316,12 +317,16 @@ class WorkerIO:
         notify = None if self.fault == "flip-restored" else on_layer
         views = [p.block_views(ids) for p, ids in zip(groups.pages, job.blocks, strict=True)]
         if all(v is not None for v in views):
-            # A failure may leave verified bytes in these blocks: they are the
-            # request's own, reported failed and recomputed.
+            # These blocks are the request's own; an asynchronous load's are read
+            # by no forward before it reports (vLLM holds the request), so each
+            # chunk lands there and is verified in place.  A failure leaves
+            # bytes in them (unverified ones, in place): reported failed and
+            # recomputed, every block of the load.
             out: list[Any] = [views[g][j] for g, j in groups.where]  # type: ignore[index]
             self.store.read_into(match, self.rank, out, n_tokens=job.n_tokens,
                                  start_tokens=starts, on_layer=notify,
-                                 threads=self.load_threads, cpus=read_cpus(), hit=hit)
+                                 threads=self.load_threads, cpus=read_cpus(), hit=hit,
+                                 in_place=not job.in_step)
             self.counters.add("loads_direct")
         else:
             # Leaving the block waits for every queued upload of every group.

@@ -7,6 +7,7 @@ In-step loads are in test_in_step.py, tensor parallelism in test_ranks.py.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -147,6 +148,44 @@ def test_a_corrupt_snapshot_reports_its_blocks(one_rank: Any, tmp_path: Path) ->
     assert sched.matched_tokens(Req("c", p), 0) == (None, False)  # b's load in flight
     sched.on_output({"b"}, ())
     assert sched.matched_tokens(Req("c", p), 0) == (0, False)  # quarantined: a miss
+
+
+@pytest.mark.parametrize("in_step", [False, True], ids=["async", "in-step"])
+def test_an_asynchronous_load_lands_in_place(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch, in_step: bool,
+) -> None:
+    """An asynchronous load's blocks are read by no forward before it reports,
+    so its chunks land in them and are verified there (``in_place``); a load
+    read under the forward (in-step) goes through the bounce buffer.  Either
+    way the request's blocks receive the stored pages and nothing else."""
+    store, sched, io, _counters = one_rank
+    p = prompt(100, 12)
+    save(sched, io, Req("a", p))
+    req = Req("b", p)
+    assert sched.matched_tokens(req, 32) == (67, True)
+    sched.after_alloc(req, [20, 21, 22, 23, 24, 25, 26], 67)
+    (load,), _ = sched.take_jobs()
+    seen: list[bool] = []
+    real = store.read_into
+
+    def spy(*args: Any, **kwargs: Any) -> int:
+        seen.append(kwargs["in_place"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "read_into", spy)
+    fresh = FakePages(64, seed=9)
+    untouched = fresh.arr.copy()
+    restorer = WorkerIO(store, identity(), 0, fresh, Counters())
+    try:
+        restorer.submit_load(dataclasses.replace(load, in_step=in_step))
+        assert restorer.flush()
+        assert restorer.poll()[1] == {"b"} and not restorer.take_failed_blocks()
+    finally:
+        restorer.close()
+    assert seen and set(seen) == {not in_step}  # (in-step: its last block read first)
+    np.testing.assert_array_equal(fresh.arr[:, 22:27], io.pages.arr[:, 2:7])  # a's blocks
+    np.testing.assert_array_equal(np.delete(fresh.arr, range(22, 27), axis=1),
+                                  np.delete(untouched, range(22, 27), axis=1))
 
 
 def test_stored_ids_unlike_the_index_are_offered_once(one_rank: Any) -> None:
