@@ -64,6 +64,10 @@ __all__ = [
 FORMAT = "sparkcache-segment-1"
 #: Verification granularity: small enough to stay in L2 between hash and copy.
 CHUNK_BYTES = 1 << 20
+#: An :class:`InPlace` chunk is read and hashed in parts of this size: a part
+#: just read is still in L2 when it is hashed (on a 2-core Xeon 256 KiB parts
+#: halved the hashing's cost against whole 1 MiB chunks).
+LAND_BYTES = 256 << 10
 #: Refuse headers larger than this (safetensors itself caps at 100 MB).
 MAX_HEADER_BYTES = 64 << 20
 _DIGEST_HEX = 32
@@ -449,12 +453,14 @@ def _chunk_source(buf: memoryview, header: SegmentHeader, name: str, read_at: Re
 def _land_in_place(land: LandAt, start: int, spans: Sequence[np.ndarray], digest: str,
                    what: str) -> None:
     """Read one chunk from tensor byte ``start`` into ``spans`` (its place in an
-    :class:`InPlace` destination) and check it there, span by span while each
-    is in cache."""
+    :class:`InPlace` destination) and check it there, :data:`LAND_BYTES` at a
+    time, each part hashed right after it was read."""
     hasher = xxhash.xxh3_128()
     for span in spans:
-        land(start, span)
-        hasher.update(cast("Buffer", span))
+        for at in range(0, span.size, LAND_BYTES):  # each part hashed while in L2
+            part = span[at : at + LAND_BYTES]
+            land(start + at, part)
+            hasher.update(cast("Buffer", part))
         start += span.size
     if hasher.hexdigest() != digest:
         raise _fail(f"{what} digest mismatch (payload corrupted)", "digest")

@@ -59,12 +59,17 @@ def _split(size: int, cuts: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
 
 @pytest.mark.parametrize("cuts", [[], [1000], [1], [999, 1001, 2500], [3000, 4095]])
 @pytest.mark.parametrize("skip", [0, 1000, 1500])
+@pytest.mark.parametrize("part", [None, 300], ids=["chunk-parts", "300-byte-parts"])
 def test_chunks_land_in_place_across_pieces(
-    small_chunks: int, cuts: list[int], skip: int,
+    small_chunks: int, cuts: list[int], skip: int, part: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every whole chunk is read into the destination's own memory (never the
-    bounce buffer), split where the pieces split it; a chunk straddling
-    ``skip`` goes through the bounce.  The bytes are the stored ones."""
+    bounce buffer), split where the pieces split it (and in parts of
+    ``LAND_BYTES``); a chunk straddling ``skip`` goes through the bounce.  The
+    bytes are the stored ones."""
+    if part is not None:
+        monkeypatch.setattr(seg, "LAND_BYTES", part)
     buf, header, data = _tensor()
     backing, pieces = _split(4096 - skip, [c for c in cuts if c < 4096 - skip])
     bounce = np.zeros(seg.CHUNK_BYTES, np.uint8)
