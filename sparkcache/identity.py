@@ -224,6 +224,11 @@ class ModelIdentity:
 
     def digest(self) -> str:
         """32 hex characters naming this model part everywhere (folder, index row)."""
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:
+        # Computed once: every restore checks each segment's identity against it.
         return xxhash.xxh3_128_hexdigest(b"sparkcache-model\x00" + self.canonical().encode())
 
     def sharding(self, total_kv_heads: int) -> Sharding:

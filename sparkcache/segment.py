@@ -491,9 +491,8 @@ def copy_verified(
     read (the file shrank) is then a ``truncated`` CorruptSnapshot and an I/O
     error the backend's error, where touching a mapping past the end of its
     file, or over a failing disk, raises SIGBUS.  The bounce costs one more
-    copy: ~10% slower for one thread on a warm page cache, faster with two
-    threads (no page faults, no unmapping) and on a cold one
-    (docs/benchmarks.md); an :class:`InPlace` saves that copy.
+    copy (an :class:`InPlace` saves it), yet beats a mapping with two threads
+    and on a cold page cache (no page faults, no unmapping).
     """
     total = header.tensors[name][1]
     if nbytes > total:
@@ -504,7 +503,8 @@ def copy_verified(
         raise InvalidArgument(
             f"the destination holds {dest.size} bytes; {nbytes - skip} are copied at {at}")
     chunk_at, land = _chunk_source(buf, header, name, read_at, bounce)
-    landing = dest if land is not None and isinstance(dest, Landing) else None
+    plain = isinstance(dest, (np.ndarray, Pieces, InPlace))  # (a Protocol check is slow)
+    landing = dest if land is not None and not plain and isinstance(dest, Landing) else None
     in_place = dest if land is not None and isinstance(dest, InPlace) else None
     first = skip // CHUNK_BYTES
     for index, start in enumerate(range(first * CHUNK_BYTES, nbytes, CHUNK_BYTES), first):
