@@ -167,11 +167,11 @@ class ConnectorSettings:
     ``shared_deadline_seconds``: how long such a request waits for the tier
     before it goes on with what is local (default 2; a slow or unreachable
     tier is then a miss, recomputed).
-    ``cost_model``: ``true`` restores a match only when its measured
+    ``cost_model``: ``true`` (default) restores a match only when its measured
     restore time (per source: local disk, the shared tier) is below the
     engine's measured time to recompute it, and asks the tier only when
     fetching is expected to pay; the rates are kept in the index
-    (docs/connector.md, "Restore or recompute").  ``false`` (default)
+    (docs/connector.md, "Restore or recompute").  ``false``
     restores every match and asks the tier whenever it may hold more.
     """
 
@@ -195,7 +195,7 @@ class ConnectorSettings:
     shared_sweep: bool = False
     shared_fetch: bool = True
     shared_deadline_seconds: float = DEFAULT_SHARED_DEADLINE_SECONDS
-    cost_model: bool = False
+    cost_model: bool = True
 
     @property
     def restore(self) -> bool:
@@ -252,7 +252,7 @@ class ConnectorSettings:
             shared_deadline_seconds=_as_seconds(
                 "shared_deadline_seconds",
                 extra.get("shared_deadline_seconds", DEFAULT_SHARED_DEADLINE_SECONDS)),
-            cost_model=_as_bool("cost_model", extra.get("cost_model", False)),
+            cost_model=_as_bool("cost_model", extra.get("cost_model", True)),
         )
 
 

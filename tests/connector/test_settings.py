@@ -102,8 +102,8 @@ def test_shared_tier_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cost_model_setting() -> None:
-    assert ConnectorSettings.from_extra_config({"folder": "/x"}).cost_model is False
-    on = ConnectorSettings.from_extra_config({"folder": "/x", "cost_model": "true"})
-    assert on.cost_model is True
+    assert ConnectorSettings.from_extra_config({"folder": "/x"}).cost_model is True
+    off = ConnectorSettings.from_extra_config({"folder": "/x", "cost_model": "false"})
+    assert off.cost_model is False
     with pytest.raises(InvalidArgument, match="cost_model"):
         ConnectorSettings.from_extra_config({"folder": "/x", "cost_model": "sometimes"})
