@@ -51,7 +51,7 @@ from sparkcache.shared import (
     SharedTier,
     Uploader,
     UploadReport,
-    fetch_prefix,
+    fetch_any_sharding,
     upload_pending,
 )
 from sparkcache.storelog import StoreLog
@@ -483,14 +483,9 @@ class SnapshotStore(StoreUpkeep, StoreLog):
         return upload_pending(self._core, self._tier(), limit=limit)
 
     def fetch(
-        self,
-        identity: ModelIdentity,
-        token_ids: Sequence[int] | np.ndarray,
-        *,
-        scope: RequestScope | None = None,
-        breakpoints: Sequence[int] = (),
-        hashes: Sequence[bytes] | None = None,
-        min_tokens: int = 1,
+        self, identity: ModelIdentity, token_ids: Sequence[int] | np.ndarray, *,
+        scope: RequestScope | None = None, breakpoints: Sequence[int] = (),
+        hashes: Sequence[bytes] | None = None, min_tokens: int = 1, total_kv_heads: int = 0,
     ) -> FetchResult:
         """Make the longest prefix of ``token_ids`` that the shared tier holds local,
         verified and published through :meth:`publish`'s path (docs/shared.md,
@@ -503,6 +498,8 @@ class SnapshotStore(StoreUpkeep, StoreLog):
             breakpoints: the request's breakpoint positions, probed too.
             hashes: precomputed :func:`~sparkcache.hashing.prefix_hashes`.
             min_tokens: a shorter prefix is a miss.
+            total_kv_heads: the model's KV heads in all: on a miss, the tier's
+                snapshots of other TP sizes are asked too (``shared.siblings``).
 
         Returns:
             A miss, a prefix fetched or already local, or ``refused`` (an object
@@ -512,10 +509,11 @@ class SnapshotStore(StoreUpkeep, StoreLog):
             InvalidArgument: the store has no shared tier.
             SparkCacheError: the tier is unreachable or refuses access.
         """
-        return fetch_prefix(self._core, self._tier(), identity, token_ids, scope=scope,
-                            breakpoints=breakpoints, hashes=hashes,
-                            alias_stride=self.alias_stride, max_chain=self.max_chain,
-                            policy=self.retention, min_tokens=min_tokens)
+        return fetch_any_sharding(self._core, self._tier(), identity, token_ids,
+                                  total_kv_heads=total_kv_heads, scope=scope,
+                                  breakpoints=breakpoints, hashes=hashes,
+                                  alias_stride=self.alias_stride, max_chain=self.max_chain,
+                                  policy=self.retention, min_tokens=min_tokens)
 
     def start_uploader(self, *, wait_seconds: float = DEFAULT_UPLOAD_WAIT_SECONDS,
                        poll_seconds: float | None = None) -> Uploader:

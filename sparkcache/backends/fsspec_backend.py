@@ -431,20 +431,22 @@ class FsspecBackend(ObjectStore):
 
     @guarded_by("listing")
     def folders(self, prefix: str) -> Iterator[str]:
-        """Keys of the folders directly inside ``prefix`` (``fs.ls``)."""
-        base = validate_key(prefix.removesuffix("/"))
+        """Keys of the folders directly inside ``prefix`` (``fs.ls``); ``""``:
+        those at the root (a shared tier's model folders)."""
+        base = validate_key(prefix.removesuffix("/")) if prefix else ""
         try:
-            entries = self.fs.ls(f"{self._root}/{base}", detail=True, **self._kw())
+            entries = self.fs.ls(f"{self._root}/{base}" if base else self._root, detail=True,
+                                 **self._kw())
         except (FileNotFoundError, NotADirectoryError):
             return iter(())
         except OSError as exc:
-            raise self._os_error(exc, "listing", base, self.url) from exc
+            raise self._os_error(exc, "listing", base or "/", self.url) from exc
         found = []
         for entry in entries:
             if entry.get("type") == "directory":
                 name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
                 with suppress(UnsafeName):
-                    found.append(validate_key(f"{base}/{name}"))
+                    found.append(validate_key(f"{base}/{name}" if base else name))
         return iter(found)
 
     @guarded_by("removing")

@@ -73,7 +73,7 @@ class Fetcher:
 
     def __init__(self, store: SnapshotStore, identity: ModelIdentity, counters: Counters, *,
                  deadline: float = DEFAULT_DEADLINE_SECONDS, threads: int = 2,
-                 min_tokens: int = 1) -> None:
+                 min_tokens: int = 1, total_kv_heads: int = 0) -> None:
         if store.shared is None:
             raise ValueError("the fetcher's store needs a shared tier")
         self.store = store
@@ -81,6 +81,8 @@ class Fetcher:
         self.counters = counters
         self.deadline = deadline
         self.min_tokens = min_tokens
+        #: The model's KV heads in all: a miss asks the tier's other TP sizes too.
+        self.total_kv_heads = total_kv_heads
         self._pool = ThreadPoolExecutor(max_workers=threads,
                                         thread_name_prefix="sparkcache-fetch")
         self._running: set[Future[FetchResult]] = set()
@@ -118,7 +120,8 @@ class Fetcher:
         try:
             result = self.store.fetch(self.identity, tokens, scope=scope,
                                       breakpoints=breakpoints, hashes=hashes,
-                                      min_tokens=self.min_tokens)
+                                      min_tokens=self.min_tokens,
+                                      total_kv_heads=self.total_kv_heads)
         except Exception as exc:  # a miss, whatever failed: never the request's error
             self.counters.add("remote_errors")
             self.failed()

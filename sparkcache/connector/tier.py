@@ -43,7 +43,8 @@ class TierServices:
             # request can restore one: shared.probe.probe_ends.)
             self.fetcher = Fetcher(self.store, identity, counters,
                                    deadline=settings.shared_deadline_seconds,
-                                   min_tokens=sched.min_tokens)
+                                   min_tokens=sched.min_tokens,
+                                   total_kv_heads=sched.restores.total_kv_heads)
             sched.use_tier(self.fetcher, shared, settings.shared_options.get("endpoint_url"))
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ a second level behind it.  :mod:`~sparkcache.shared.layout` names every object
 (docs/shared.md), :mod:`~sparkcache.shared.tier` opens and checks a tier, and
 :mod:`~sparkcache.shared.uploader` copies each locally ready snapshot there,
 :mod:`~sparkcache.shared.probe` finds a prompt's prefix there and
-:mod:`~sparkcache.shared.fetch` makes it local, and :mod:`~sparkcache.shared.sweep`
+:mod:`~sparkcache.shared.fetch` makes it local (:mod:`~sparkcache.shared.siblings`:
+also one that an engine of another TP size stored), and :mod:`~sparkcache.shared.sweep`
 applies the tier's own limits
 (budget, age), one host at a time (:mod:`~sparkcache.shared.lease`).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from sparkcache.shared.fetch import FetchResult, fetch_prefix
 from sparkcache.shared.layout import Manifest, parse_manifest
 from sparkcache.shared.lease import SweepLease
+from sparkcache.shared.siblings import fetch_any_sharding, tier_siblings
 from sparkcache.shared.sweep import (
     SharedSweeper,
     TierLimits,
@@ -48,6 +50,7 @@ __all__ = [
     "UploadResult",
     "Uploader",
     "check_options",
+    "fetch_any_sharding",
     "fetch_prefix",
     "mark_used",
     "parse_manifest",
@@ -55,6 +58,7 @@ __all__ = [
     "resolve_shared",
     "shared_url",
     "sweep_tier",
+    "tier_siblings",
     "upload_pending",
     "upload_snapshot",
 ]

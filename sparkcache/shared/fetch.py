@@ -545,11 +545,12 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
           token_ids: Sequence[int] | np.ndarray, *, scope: RequestScope | None,
           breakpoints: Sequence[int] = (), hashes: Sequence[bytes] | None = None,
           alias_stride: int, max_chain: int, policy: PublishPolicy | None,
-          min_tokens: int = 1) -> FetchResult:
+          min_tokens: int = 1, count_miss: bool = True) -> FetchResult:
     """Find the longest prefix of ``token_ids`` the tier holds and make it local
     (see the module doc); then :func:`sparkcache.lookup.lookup` finds it.
 
-    ``min_tokens``: an alias for fewer tokens is not worth a fetch (a miss).
+    ``min_tokens``: an alias for fewer tokens is not worth a fetch (a miss);
+    ``count_miss`` False: a miss is not counted (the caller asks elsewhere).
     For a windowed identity only a snapshot ending inside the prompt is
     fetched: at its last whole block, at the end its best stride alias names,
     or at one of ``breakpoints`` (:func:`probe_ends`, :func:`marked_end`).
@@ -584,7 +585,7 @@ def fetch_prefix(core: Core, tier: SharedTier, identity: ModelIdentity,
             if result.outcome == "fetched":
                 _mark_used(tier, model, remote.snap_key, result)
             return result
-        if result.outcome == "miss":
+        if result.outcome == "miss" and count_miss:
             core.count(0, "fetch_misses")
         return result
     finally:

@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar, cast
 
 from sparkcache.backends import BufferLike, FsspecBackend, ObjectStore, canonical_url, deadline
 from sparkcache.backends.s3 import REQUEST_SECONDS
 from sparkcache.errors import BackendError, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.shared.layout import MAX_JSON_BYTES, TIER_FILE, TierInfo, parse_tier, tier_bytes
+
+T = TypeVar("T")
 
 __all__ = [
     "CREDENTIAL_OPTIONS",
@@ -138,6 +141,7 @@ class SharedTier:
         self.backend: ObjectStore = FsspecBackend(text, request_seconds=request_seconds, **opts)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, object]] = {}
         try:
             with deadline(open_seconds):
                 self.backend.check_root(f"the shared tier {self.url}")
@@ -221,6 +225,20 @@ class SharedTier:
     def _count(self, name: str, value: int = 1) -> None:
         with self._lock:
             self.counts[name] += value
+
+    def cached(self, name: str, seconds: float, make: Callable[[], T]) -> T:
+        """``make()``'s value, made again once it is ``seconds`` old (what this
+        process learned of the tier, e.g. its models: ``shared.siblings``).  A
+        failing ``make`` raises and keeps nothing."""
+        now = time.monotonic()
+        with self._lock:
+            kept = self._cache.get(name)
+        if kept is not None and now - kept[0] < seconds:
+            return cast(T, kept[1])
+        value = make()
+        with self._lock:
+            self._cache[name] = (now, value)
+        return value
 
     def close(self) -> None:
         """Release the filesystem (fsspec's shared instance: nothing to do)."""

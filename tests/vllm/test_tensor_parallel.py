@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from tiny_model import (
 )
 
 from sparkcache.connector.faults import DIE_AT_PUBLISH, FAULT_ENV
+from tests.s3server import s3_server, stop_s3_servers
 
 pytestmark = NEEDS_VLLM
 
@@ -312,6 +314,43 @@ def test_a_tp1_snapshot_restores_in_a_tp2_engine(
     # other may find it quarantined already).
     assert _delta(tp2x["one"], tp2x["other"], "quarantined.digest") in (1, 2), \
         tp2x["one"]["stats"]
+
+
+@pytest.fixture(scope="module")
+def tier_hosts(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+               ) -> Iterator[dict[str, Any]]:
+    """A TP=1 engine on host 1 answers OTHER and uploads it to a shared tier
+    (moto's S3 server) as it exits; a TP=2 engine on host 2, an empty store and
+    the same tier, answers OTHER: its own sharding is not in the tier, the TP=1
+    snapshot is (``shared.siblings``)."""
+    server = s3_server()  # its environment (credentials) reaches the engines
+    extra = {"shared": f"s3://{server.bucket()}/kv",
+             "shared_options": {"endpoint_url": server.endpoint},
+             "upload_wait_seconds": 60, "shared_deadline_seconds": 60}
+    tmp = tmp_path_factory.mktemp("tp-tier")
+    one = run_scenario(tiny_model_dir, tmp, [
+        {"op": "gen", "name": "other", "prompts": [OTHER], "ready": 1},
+    ], folder=tmp / "host1", env=TP1_ENV, engine=CHUNK, extra=extra)
+    two = run_scenario(tiny_model_dir, tmp, [
+        {"op": "gen", "name": "other", "prompts": [OTHER], "logprobs": True},
+    ], folder=tmp / "host2", env=TP_ENV, engine=TP2, extra=extra)
+    yield {"one": one, "two": two}
+    stop_s3_servers()
+
+
+def test_a_tp2_engine_restores_a_tp1_engines_snapshot_from_the_tier(
+    tier_hosts: dict[str, Any], plain: dict[str, Any]
+) -> None:
+    two = tier_hosts["two"]
+    (out,) = two["other"]["outs"]
+    assert out["cached"] >= 0.9 * len(OTHER), two["_log"]
+    assert same_answer(out, plain["other"]["outs"][0]) == "", two["_log"]
+    metrics = two["other"]["metrics"]
+    assert metrics.get("vllm:sparkcache_remote_hits") == 1, sorted(metrics)
+    assert metrics.get("vllm:sparkcache_remote_hit_tokens") == out["cached"]
+    # The TP=1 snapshot is local on host 2 now, under its own (TP=1) identity.
+    assert [s[1] for s in two["other"]["snapshots"]].count(_stored(OTHER)) == 1, \
+        two["other"]["snapshots"]
 
 
 @pytest.fixture(scope="module")
