@@ -26,7 +26,7 @@ import numpy as np
 
 from sparkcache.connector.costs import CostPlanner
 from sparkcache.connector.fetcher import Fetcher
-from sparkcache.connector.jobs import Counters, LoadJob
+from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.requests import Offer, RequestState, Rules, TenantLabels
 from sparkcache.connector.resharded import sibling_match
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
@@ -53,6 +53,11 @@ def _shared_blocks(a: list[bytes], b: list[bytes]) -> int:
     return lo
 
 
+#: How long a request waits at most for an explicit cache write in flight (an
+#: asked breakpoint of another request, being published) that holds more of it.
+WRITE_WAIT_SECONDS = 1.0
+
+
 class Restores:
     """Offers, planned loads, the loads in flight and their leases.
 
@@ -77,9 +82,35 @@ class Restores:
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
         self._loads: list[LoadJob] = []
+        #: Explicit cache writes planned: (token ids, what a lookup reaches, since).
+        self._writes: list[tuple[np.ndarray, tuple[int, ...], float]] = []
         #: The model's KV heads in all, set by the connector (0: unknown, no
         #: lookups of snapshots stored by engines of another TP size).
         self.total_kv_heads = 0
+
+    def writing(self, job: SaveJob) -> None:
+        """An explicit cache write (``SaveJob.explicit``) went to the workers: until
+        it is published, at most :data:`WRITE_WAIT_SECONDS`, a request sharing
+        its tokens past one of its boundaries waits for it (vLLM asks again)
+        instead of computing what it is about to store."""
+        n, bs = job.token_ids.size, self.rules.bs
+        # What a lookup reaches once it is published: a windowed model only the
+        # snapshot's end; else each boundary (into its block with the tail block).
+        reach = (n,) if self.rules.groups.ends_only else tuple(sorted(
+            {m if self.tail_block else m // bs * bs for m in job.breakpoints if 0 < m <= n}))
+        if reach:
+            self._writes.append((job.token_ids, reach, time.monotonic()))
+
+    def _waits_for_write(self, tokens: Any, want: int, have: int) -> bool:
+        """Whether a write in flight holds more of the prompt (up to ``want``)
+        than the ``have`` tokens found now; writes past their wait are forgotten."""
+        now = time.monotonic()
+        self._writes = [w for w in self._writes if now - w[2] < WRITE_WAIT_SECONDS]
+        for ids, marks, _since in self._writes:
+            for m in marks:
+                if have < m <= want and np.array_equal(ids[:m], np.asarray(tokens[:m], np.uint32)):
+                    return True
+        return False
 
     def asked(self, req_id: str) -> None:
         """vLLM asked about the request: it is live until :meth:`finished`."""
@@ -110,6 +141,8 @@ class Restores:
         if found is None:
             return 0, False
         match, claim = found
+        if self._writes and self._waits_for_write(tokens, want, max(claim, num_computed)):
+            return None, False  # another request's cache write brings more: ask again
         part = state.restore
         if self._ask_tier(request, state, limit, max(claim, num_computed), hashes):
             return None, False  # ask again once the tier answered

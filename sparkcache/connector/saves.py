@@ -47,6 +47,7 @@ class Saves:
         self.store, self.rules, self.counters = store, rules, counters
         self.enabled = enabled
         self._saves: list[SaveJob] = []
+        self._writes: list[SaveJob] = []  # the explicit ones, until take_writes
         self._saving: set[str] = set()  # blocks held until the workers copied them
         self._kept: dict[int, float] = {}  # snapshot -> when our keep lease on it ends
         #: The model's KV heads in all, set by the connector (0: unknown, no
@@ -94,7 +95,7 @@ class Saves:
                 logger.warning("sparkcache: no breakpoint save for %s: %s", req_id, exc)
                 continue
             if job is not None:
-                self._saves.append(job)
+                self._add(job)
                 state.save.mid_saves += 1
                 if not here:  # the prompt's end alone: no breakpoint wrote it
                     self.counters.add("prompt_saves_planned")
@@ -174,7 +175,7 @@ class Saves:
         job, _known = self._save_job(state, n // bs * bs, groups, marks)
         if job is None:
             return False
-        self._saves.append(job)
+        self._add(job)
         self._saving.add(request.request_id)
         self.counters.add("saves_planned")
         return True
@@ -273,6 +274,17 @@ class Saves:
         found = sibling_match(self.store, self.rules.identity, self.total_kv_heads,
                               token_ids, state.scope)
         return found is not None and found.n_tokens >= prompt > 0
+
+    def _add(self, job: SaveJob) -> None:
+        self._saves.append(job)
+        if job.explicit:
+            self._writes.append(job)
+
+    def take_writes(self) -> list[SaveJob]:
+        """The explicit cache writes (``SaveJob.explicit``) planned since the last
+        call, each handed out once (the restores wait for them: ``Restores.writing``)."""
+        writes, self._writes = self._writes, []
+        return writes
 
     def take_saves(self) -> list[SaveJob]:
         """The saves planned since the last call, each handed out once."""

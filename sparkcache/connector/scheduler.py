@@ -168,6 +168,7 @@ class SchedulerSide:
         self.restores.asked(request.request_id)
         if request.prompt_token_ids is None:
             return 0, False
+        self._note_writes()  # (one planned at a finish in this very step too)
         return self.restores.matched(request, self._state(request), num_computed)
 
     def wait_fetches(self, timeout: float) -> None:
@@ -231,7 +232,14 @@ class SchedulerSide:
         loads = self.restores.take_loads()
         step, self._planned_step = self._planned_step, None
         self.clock.planned(step, in_step_loads=any(job.in_step for job in loads))
+        self._note_writes()
         return loads, self.saves.take_saves()
+
+    def _note_writes(self) -> None:
+        """Cache writes planned since the last look: a request reading past one of
+        their boundaries waits for them (the next request may read one at once)."""
+        for job in self.saves.take_writes():
+            self.restores.writing(job)
 
     def on_output(self, finished_recving: Iterable[str], finished_sending: Iterable[str],
                   stats: Any = None) -> None:

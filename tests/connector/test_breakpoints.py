@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from sparkcache import SnapshotStore
+from sparkcache.connector import restores
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.scheduler import SchedulerSide, breakpoints_of
 from sparkcache.connector.worker import WorkerIO
 
-from .helpers import BS, GatedPages, Req, identity, prompt, save, step
+from .helpers import BS, GatedPages, Req, blocks_of, finished, identity, prompt, save, step
 
 
 def test_breakpoints_from_kv_transfer_params(one_rank: Any) -> None:
@@ -183,3 +185,39 @@ def test_a_finish_save_that_stores_an_asked_breakpoint_is_explicit(one_rank: Any
     second = Req("b", system + prompt(3, 43), kv_transfer_params=mark)
     sched.matched_tokens(second, 0)
     assert not save(sched, io, second).explicit  # stored by the first already
+
+
+def test_the_next_request_waits_for_a_cache_write_in_flight(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finish save storing an asked breakpoint (an explicit write) planned,
+    not yet published: a request sharing the prompt to that breakpoint is told
+    to ask again until it is, then reads to the breakpoint; a request sharing
+    less does not wait; a write never published holds nobody past
+    WRITE_WAIT_SECONDS."""
+    _store, sched, io, _counters = one_rank
+    system = prompt(4 * BS + 5, 51)  # the breakpoint inside the fifth block
+    mark = {"sparkcache": {"breakpoints": [len(system)]}}
+    first = Req("a", system + prompt(3, 52), kv_transfer_params=mark)
+    sched.matched_tokens(first, 0)
+    held, _ = sched.finished(finished(first), blocks_of(first))
+    assert held
+    second = Req("b", system + prompt(3, 53), kv_transfer_params=mark)
+    # vLLM holds the four whole blocks live; the write brings the fifth's 5 tokens.
+    assert sched.matched_tokens(second, 4 * BS) == (None, False)
+    assert sched.matched_tokens(Req("c", prompt(200, 54)), 0) == (0, False)  # shares nothing
+    _, (job,) = sched.take_jobs()
+    assert job.explicit
+    io.submit_save(job)
+    assert io.flush()
+    assert sched.matched_tokens(second, 4 * BS) == (5, False)  # read in the step
+    # A write that never lands: after the wait, the request goes on without it.
+    other = prompt(4 * BS + 7, 55)
+    third = Req("d", other + prompt(3, 56), kv_transfer_params={
+        "sparkcache": {"breakpoints": [len(other)]}})
+    sched.matched_tokens(third, 0)
+    sched.finished(finished(third), blocks_of(third))
+    fourth = Req("e", other + prompt(3, 57))
+    assert sched.matched_tokens(fourth, 4 * BS) == (None, False)
+    monkeypatch.setattr(restores, "WRITE_WAIT_SECONDS", 0.0)
+    assert sched.matched_tokens(fourth, 4 * BS) == (0, False)

@@ -14,7 +14,14 @@ from typing import Any
 
 import pytest
 from conftest import CHUNK
-from tiny_model import LONG_PROMPT, NEEDS_VLLM, OTHER_PROMPT, run_scenario, same_answer
+from tiny_model import (
+    LONG_PROMPT,
+    NEEDS_VLLM,
+    OTHER_PROMPT,
+    assert_from_tier,
+    run_scenario,
+    same_answer,
+)
 
 from sparkcache import SnapshotStore
 from sparkcache.shared import SharedTier, parse_manifest
@@ -67,12 +74,7 @@ def test_host2_restores_host1s_prompt_from_the_tier(
     two_hosts: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
     two = two_hosts["two"]
-    (out,) = two["long"]["outs"]
-    assert out["cached"] >= 0.9 * len(LONG_PROMPT), two["_log"]
-    assert same_answer(out, baseline["long"][0]) == "", two["_log"]
-    metrics = two["long"]["metrics"]
-    assert metrics.get("vllm:sparkcache_remote_hits") == 1, sorted(metrics)
-    assert metrics.get("vllm:sparkcache_remote_hit_tokens") == out["cached"]
+    assert_from_tier(two["long"], LONG_PROMPT, baseline["long"][0], two["_log"])
     assert two["long"]["stats"]["fetches"] >= 1
 
 

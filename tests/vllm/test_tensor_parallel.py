@@ -27,6 +27,7 @@ from tiny_model import (
     MAX_TOKENS,
     NEEDS_VLLM,
     OTHER_PROMPT,
+    assert_from_tier,
     run_engine_script,
     run_scenario,
     same_answer,
@@ -342,12 +343,7 @@ def test_a_tp2_engine_restores_a_tp1_engines_snapshot_from_the_tier(
     tier_hosts: dict[str, Any], plain: dict[str, Any]
 ) -> None:
     two = tier_hosts["two"]
-    (out,) = two["other"]["outs"]
-    assert out["cached"] >= 0.9 * len(OTHER), two["_log"]
-    assert same_answer(out, plain["other"]["outs"][0]) == "", two["_log"]
-    metrics = two["other"]["metrics"]
-    assert metrics.get("vllm:sparkcache_remote_hits") == 1, sorted(metrics)
-    assert metrics.get("vllm:sparkcache_remote_hit_tokens") == out["cached"]
+    assert_from_tier(two["other"], OTHER, plain["other"]["outs"][0], two["_log"])
     # The TP=1 snapshot is local on host 2 now, under its own (TP=1) identity.
     assert [s[1] for s in two["other"]["snapshots"]].count(_stored(OTHER)) == 1, \
         two["other"]["snapshots"]

@@ -263,6 +263,20 @@ def same_answer(out: dict[str, Any], ref: dict[str, Any], tol: float = LOGPROB_T
     return ""
 
 
+def assert_from_tier(rec: dict[str, Any], prompt: list[int], ref: dict[str, Any],
+                     log: str) -> dict[str, Any]:
+    """A scenario op's record of one ``prompt``: at least 90% of it restored,
+    all of that from the shared tier (one remote hit), and ``ref``'s answer;
+    returns the output (``log``: shown when it fails)."""
+    (out,) = rec["outs"]
+    assert out["cached"] >= 0.9 * len(prompt), log
+    assert same_answer(out, ref) == "", log
+    metrics = rec["metrics"]
+    assert metrics.get("vllm:sparkcache_remote_hits") == 1, sorted(metrics)
+    assert metrics.get("vllm:sparkcache_remote_hit_tokens") == out["cached"]
+    return out
+
+
 #: An engine script (see run_engine_script) that runs ``args["ops"]`` in order on
 #: one engine and reports what each did.  Ops:
 #:   {"op": "gen", "name", "prompts", "logprobs"?}: one generate call (prompts
