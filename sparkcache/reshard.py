@@ -14,7 +14,7 @@ snapshot of a sharding that cannot serve the engine is refused with
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,20 +27,21 @@ from sparkcache.maintenance import live_identities
 from sparkcache.reader import read_into
 from sparkcache.sharding import HeadRead, ShardingRefused, plan_reads
 
-__all__ = ["HeadSink", "read_resharded", "siblings"]
+__all__ = ["HeadSink", "read_resharded", "same_kv", "siblings"]
 
-def siblings(core: Core, identity: ModelIdentity, total_kv_heads: int) -> list[ModelIdentity]:
-    """The identities in the index that hold ``identity``'s KV sharded otherwise
-    (the same kv digest, another digest), oldest first; none when the
-    identity's pages cannot be re-sharded (``kv_digest`` is None)."""
+def same_kv(identity: ModelIdentity, total_kv_heads: int,
+            candidates: Callable[[], Iterable[ModelIdentity]]) -> list[ModelIdentity]:
+    """Those of ``candidates()`` that hold ``identity``'s KV sharded otherwise
+    (the same kv digest, another digest), in their order; none, and
+    ``candidates`` not called, when the identity's pages cannot be re-sharded
+    (``kv_digest`` is None).  The index's (:func:`siblings`) and a shared
+    tier's (:func:`sparkcache.shared.siblings.tier_siblings`)."""
     kv = identity.kv_digest(total_kv_heads)
     if kv is None:
         return []
     own = identity.digest()
-    with core.read() as conn:
-        rows = live_identities(conn)
     out: list[ModelIdentity] = []
-    for _id, other in rows:
+    for other in candidates():
         if other.digest() == own:
             continue
         try:
@@ -49,6 +50,15 @@ def siblings(core: Core, identity: ModelIdentity, total_kv_heads: int) -> list[M
         except InvalidArgument:  # not a split of these heads
             continue
     return out
+
+
+def siblings(core: Core, identity: ModelIdentity, total_kv_heads: int) -> list[ModelIdentity]:
+    """The identities in the index that hold ``identity``'s KV sharded otherwise
+    (:func:`same_kv`), oldest first."""
+    def rows() -> list[ModelIdentity]:
+        with core.read() as conn:
+            return [other for _id, other in live_identities(conn)]
+    return same_kv(identity, total_kv_heads, rows)
 
 
 class HeadSink:

@@ -89,8 +89,8 @@ class Restores:
         self.total_kv_heads = 0
 
     def writing(self, job: SaveJob) -> None:
-        """An explicit cache write (``SaveJob.explicit``) went to the workers: until
-        it is published, at most :data:`WRITE_WAIT_SECONDS`, a request sharing
+        """An explicit cache write (``SaveJob.explicit``) was planned: until it is
+        published, at most :data:`WRITE_WAIT_SECONDS`, a request sharing
         its tokens past one of its boundaries waits for it (vLLM asks again)
         instead of computing what it is about to store."""
         n, bs = job.token_ids.size, self.rules.bs

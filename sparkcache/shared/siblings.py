@@ -29,7 +29,8 @@ import numpy as np
 from sparkcache.core import Core
 from sparkcache.errors import InvalidArgument, SparkCacheError
 from sparkcache.identity import ModelIdentity
-from sparkcache.sharding import ShardingRefused, plan_reads
+from sparkcache.reshard import same_kv
+from sparkcache.sharding import plan_reads
 from sparkcache.shared.fetch import FetchResult, fetch_prefix
 from sparkcache.shared.layout import model_key, model_prefix
 from sparkcache.shared.tier import SharedTier
@@ -79,19 +80,15 @@ def tier_siblings(tier: SharedTier, identity: ModelIdentity,
     if total_kv_heads <= 0 or identity.window_blocks:
         return []
     try:
-        kv = identity.kv_digest(total_kv_heads)
-    except InvalidArgument:
+        kin = same_kv(identity, total_kv_heads,
+                      lambda: tier.cached("models", SIBLINGS_SECONDS, lambda: _list_models(tier)))
+    except InvalidArgument:  # this engine's heads are no split of total_kv_heads
         return []
-    if kv is None:
-        return []
-    models = tier.cached("models", SIBLINGS_SECONDS, lambda: _list_models(tier))
-    own, out = identity.digest(), []
-    for other in models:
-        try:
-            if other.digest() == own or other.kv_digest(total_kv_heads) != kv:
-                continue
+    out = []
+    for other in kin:
+        try:  # (ShardingRefused is an InvalidArgument)
             plan_reads(other.sharding(total_kv_heads), identity.sharding(total_kv_heads), 0)
-        except (InvalidArgument, ShardingRefused):
+        except InvalidArgument:
             continue
         out.append(other)
     return out
