@@ -1,16 +1,17 @@
 """The cost model on real vLLM: a shared tier behind a slow proxy on 127.0.0.1.
 
 Host 1 answers four 1800-token prompts and uploads their snapshots to the tier
-(moto's S3 server).  In one script, engine after engine: plain vLLM times the
+(moto's S3 server). In one script, engine after engine: plain vLLM times the
 prompts; host 2 reaches the tier through a proxy that holds every request
 1.5 s (past its 3 s deadline, a probe of a few requests): its first request
 waits out the deadline once, after which the tier is known to be slower than
-recomputing and a prompt the tier holds is answered within ~1.5x plain vLLM's
-time, not after the deadline; host 2 restarted keeps what it learned (its
-first requests do not wait for the tier either); host 2 with the cost model
-off waits for the slow tier again (the negative control: without the model
-the timing checks fail); host 3 reaches the same tier directly and restores
-from it.
+recomputing and a prompt the tier holds is answered within 1.5x plain vLLM's
+slowest time, not after the deadline (each request timed alone, as on an idle
+host: the save of the one before it awaited first); host 2 restarted keeps
+what it learned (its first requests do not wait for the tier either); host 2
+with the cost model off waits for the slow tier again (the negative control:
+without the model the timing checks fail); host 3 reaches the same tier
+directly and restores from it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ DELAY = 1.5
 SCRIPT = """
 import time
 from vllm import SamplingParams
-from tiny_model import connector_config, in_process_engine, settle
+from tiny_model import connector_config, in_process_engine, ready_snapshots, settle
 from sparkcache import SnapshotStore
 
 P = args["prompts"]
@@ -45,6 +46,14 @@ def timed(llm, prompt):
     (o,) = llm.generate([{"prompt_token_ids": prompt}], sp)
     return {"s": time.perf_counter() - started, "cached": o.num_cached_tokens,
             "tokens": list(o.outputs[0].token_ids)}
+
+def saved(llm, prompt, folder):
+    # timed, then the request's save awaited: the next request is timed alone
+    with SnapshotStore(folder) as store:
+        n = len(ready_snapshots(store))
+        out = timed(llm, prompt)
+        settle(llm, store, n + 1, timeout=20)
+    return out
 
 def engine(folder=None, cost_model=True, **extra):
     kw = dict(args["engine"])
@@ -70,13 +79,13 @@ with engine() as llm:
 slow = {"shared": args["url"], "shared_options": {"endpoint_url": args["proxy"]},
         "shared_deadline_seconds": args["deadline"], "upload_wait_seconds": 0}
 with engine(args["host2"], **slow) as llm:
-    rec["first"] = timed(llm, P[4])  # the tier never measured: tried, the deadline
+    rec["first"] = saved(llm, P[4], args["host2"])  # the tier never measured: tried, the deadline
     rec["seen"] = timed(llm, P[0])  # known slow now: not asked
 rec["host2_log"] = reasons(args["host2"])
 with SnapshotStore(args["host2"]) as store:
     rec["kept"] = [[c.source, c.unit_s, c.samples] for c in store.costs()]
 with engine(args["host2"], **slow) as llm:  # restarted
-    rec["restarted"] = [timed(llm, P[1]), timed(llm, P[2])]
+    rec["restarted"] = [saved(llm, P[1], args["host2"]), timed(llm, P[2])]
 with engine(args["host2"], cost_model=False, **slow) as llm:  # the negative control
     rec["off"] = timed(llm, P[3])
 fast = {"shared": args["url"], "shared_options": {"endpoint_url": args["direct"]},
@@ -115,13 +124,20 @@ def _times(run: dict[str, Any]) -> dict[str, Any]:
             "logs": (run["host2_log"], run["host3_log"])}
 
 
+def _slowest(plain: list[dict[str, Any]]) -> float:
+    """Plain vLLM's slowest time for the three prompts (one alone moves 3x
+    between runs on 2 cores), the bound's base: waiting for the tier costs
+    ``DELAY`` more."""
+    return max(r["s"] for r in plain)
+
+
 def test_a_tier_seen_slow_is_not_waited_for(run: dict[str, Any]) -> None:
     assert run["uploaded"] >= 4
     plain = run["plain"]
     # tried once: it waited for the tier (at least one slow request), at most the deadline
     assert DELAY * 0.9 <= run["first"]["s"] <= DEADLINE + 1.0, _times(run)
     seen = run["seen"]
-    assert seen["s"] <= 1.5 * plain[0]["s"] + 0.05, _times(run)
+    assert seen["s"] <= 1.5 * _slowest(plain) + 0.05, _times(run)
     assert seen["tokens"] == plain[0]["tokens"] and seen["cached"] == 0
     assert run["host2_log"][-1] == "too_slow", run["host2_log"]
     sources = {source for source, _unit, _n in run["kept"]}
@@ -133,7 +149,7 @@ def test_a_restarted_engine_keeps_what_it_learned(run: dict[str, Any]) -> None:
     plain = run["plain"]
     first, second = run["restarted"]
     assert first["s"] < DELAY * 0.9, _times(run)  # its first request: not waiting for the tier
-    assert second["s"] <= 1.5 * plain[2]["s"] + 0.05, _times(run)
+    assert second["s"] <= 1.5 * _slowest(plain) + 0.05, _times(run)
     assert (first["tokens"], second["tokens"]) == (plain[1]["tokens"], plain[2]["tokens"])
 
 
@@ -149,4 +165,4 @@ def test_negative_control_with_the_model_off_the_slow_tier_is_waited_for(
     waits for the slow tier again, so the timing checks above would fail."""
     off, plain = run["off"], run["plain"]
     assert off["s"] >= DELAY * 0.9, _times(run)
-    assert off["s"] > 1.5 * max(r["s"] for r in plain) + 0.05, _times(run)
+    assert off["s"] > 1.5 * _slowest(plain) + 0.05, _times(run)
