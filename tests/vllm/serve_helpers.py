@@ -32,6 +32,7 @@ from typing import Any
 
 from tiny_model import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_CACHE_BLOCKS, TEST_SETTINGS, apply_cpu_env
 
+from sparkcache.connector.publisher import MAX_WAIT_S
 from sparkcache.serve.warmup import REQUEST_PREFIX as WARM_UP_PREFIX
 from sparkcache.store import SnapshotStore
 
@@ -188,6 +189,25 @@ def wait_for(what: Any, timeout: float = 30.0) -> Any:
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
     return found
+
+
+def settled_snapshots(folder: Path, quiet_s: float = MAX_WAIT_S + 1.0,
+                      limit_s: float = 60.0) -> set[int]:
+    """The store's snapshot ids once none has been added for ``quiet_s``
+    (longer than a save may wait to publish, ``MAX_WAIT_S``, and its write): a
+    server writes an answer's snapshot after the answer went out, so the
+    previous request's may still be arriving (on a loaded machine, seconds
+    later), and a save still to come would have landed."""
+    deadline = time.monotonic() + limit_s
+    with SnapshotStore(folder) as store:
+        seen, since = {s.id for s in store.snapshots()}, time.monotonic()
+        while time.monotonic() - since < quiet_s:
+            assert time.monotonic() < deadline, "the store kept changing"
+            time.sleep(0.2)
+            now = {s.id for s in store.snapshots()}
+            if now != seen:
+                seen, since = now, time.monotonic()
+    return seen
 
 
 def requests(store: SnapshotStore, warm_up: bool = False, **query: Any) -> list[Any]:

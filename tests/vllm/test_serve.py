@@ -17,7 +17,6 @@ under test (:data:`serve_helpers.SYSTEM_FRAME`).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from serve_helpers import (
     ask,
     block_end,
     log_rows,
+    settled_snapshots,
     system_prompt,
     usage,
     whole,
@@ -223,7 +223,7 @@ def test_a_restarted_server_restores_a_breakpoint_and_answers_the_same(
     user = "delta: after a restart?"
     prompt = len(system) + SYSTEM_FRAME + len(user) + USER_FRAME
     log = tmp_path_factory.mktemp("serve-log") / "server-b.log"
-    stored = settled_count(store_dir)
+    stored = len(settled_snapshots(store_dir))
     with Server(tiny_model_dir, store_dir, log) as fresh:
         after = ask(clients(fresh)[0], system, user, max_tokens=12)
     # Stopped right after answering: the answer's snapshot, written after the
@@ -242,22 +242,6 @@ def test_a_restarted_server_restores_a_breakpoint_and_answers_the_same(
         messages=[{"role": "user", "content": user}])
     assert computed.usage.cache_read_input_tokens == 0
     assert after.content[0].text == computed.content[0].text
-
-
-def settled_count(folder: Path, quiet_s: float = 2.0, limit_s: float = 60.0) -> int:
-    """The store's snapshot count once it has not changed for ``quiet_s``: a
-    server writes an answer's snapshot after the answer went out, so the
-    previous test's may still be arriving (on a loaded machine, seconds later)."""
-    deadline = time.monotonic() + limit_s
-    with SnapshotStore(folder) as store:
-        count, since = len(store.snapshots()), time.monotonic()
-        while time.monotonic() - since < quiet_s:
-            assert time.monotonic() < deadline, "the store kept changing"
-            time.sleep(0.2)
-            now = len(store.snapshots())
-            if now != count:
-                count, since = now, time.monotonic()
-    return count
 
 
 def test_the_restart_comparison_catches_a_corrupted_restore(

@@ -30,12 +30,12 @@ from serve_helpers import (
     Server,
     block_end,
     log_rows,
+    settled_snapshots,
     system_prompt,
     whole,
 )
 from tiny_model import NEEDS_VLLM
 
-from sparkcache.connector.publisher import MAX_WAIT_S
 from sparkcache.store import SnapshotStore
 
 pytestmark = NEEDS_VLLM
@@ -72,20 +72,6 @@ def chat(server: Server, system: str, user: str, **extra: Any) -> Any:
 def snapshots(server: Server) -> set[int]:
     with SnapshotStore(server.folder) as store:
         return {s.id for s in store.snapshots()}
-
-
-def settled(server: Server) -> set[int]:
-    """:func:`snapshots` once no snapshot has been added for longer than a save
-    may wait to publish (``MAX_WAIT_S``, then its write): the saves of the
-    requests before have landed, and a save still to come would have too."""
-    quiet, deadline = MAX_WAIT_S + 1.0, time.monotonic() + 30
-    seen, since = snapshots(server), time.monotonic()
-    while time.monotonic() - since < quiet and time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = snapshots(server)
-        if now != seen:
-            seen, since = now, time.monotonic()
-    return seen
 
 
 def keep_leases(server: Server, until: Callable[[dict[int, float]], bool]) -> dict[int, float]:
@@ -226,7 +212,7 @@ def test_a_streamed_response_reports_the_write_in_response_completed(served: Ser
 
 def test_explicit_mode_without_a_breakpoint_writes_nothing(served: Server) -> None:
     text = system_prompt(34, 400)
-    before = settled(served)  # the earlier tests' writes landed
+    before = settled_snapshots(served.folder)  # the earlier tests' writes landed
     answer = client(served).chat.completions.create(
         model=MODEL_NAME, max_tokens=4, temperature=0,
         messages=[{"role": "user", "content": text}],
@@ -234,7 +220,7 @@ def test_explicit_mode_without_a_breakpoint_writes_nothing(served: Server) -> No
     assert answer.usage.prompt_tokens_details.cache_write_tokens == 0
     rows = log_rows(served.folder, lambda rows: rows[0].output_tokens is not None)
     assert (rows[0].restored_tokens, rows[0].written_tokens) == (0, 0)
-    assert settled(served) == before  # not even at the finish
+    assert settled_snapshots(served.folder) == before  # not even at the finish
     # The same kind of request without the option is saved when it finishes.
     client(served).chat.completions.create(
         model=MODEL_NAME, max_tokens=4, temperature=0,
