@@ -104,8 +104,6 @@ class Restores:
         self._writes: list[_Write] = []
         #: Requests whose saves a request waits for: published at once (``take_hurry``).
         self._hurry: set[str] = set()
-        #: Publishes reported so far (ranks' reports) of requests with saves in flight.
-        self._reported: dict[str, float] = {}
         #: The model's KV heads in all, set by the connector (0: unknown, no
         #: lookups of snapshots stored by engines of another TP size).
         self.total_kv_heads = 0
@@ -133,18 +131,10 @@ class Restores:
 
     def published(self, data: dict[str, Any] | None) -> None:
         """The saves the workers' stats (``PUBLISHED_KEY``) say were published, or
-        failed, by every rank: nobody waits for them any more (a lookup finds
-        what they stored)."""
-        for key, count in (data or {}).items():
-            if key.startswith(PUBLISHED_KEY):
-                req_id = key[len(PUBLISHED_KEY):]
-                self._reported[req_id] = self._reported.get(req_id, 0) + count
-        if not self._reported:
-            return
-        ranks = self.rules.identity.world_size
-        self._writes = [w for w in self._writes if self._reported.get(w.req_id, 0) < ranks]
-        pending = {w.req_id for w in self._writes}
-        self._reported = {r: n for r, n in self._reported.items() if r in pending}
+        failed: nobody waits for them any more (a lookup finds what they stored)."""
+        done = {key[len(PUBLISHED_KEY):] for key in data or () if key.startswith(PUBLISHED_KEY)}
+        if done and self._writes:
+            self._writes = [w for w in self._writes if w.req_id not in done]
 
     def take_hurry(self) -> list[str]:
         """The requests whose saves a request waits for, since the last call:

@@ -19,9 +19,8 @@ import pytest
 
 from sparkcache import SnapshotStore
 from sparkcache.connector import restores
-from sparkcache.connector.jobs import PUBLISHED_KEY, Counters
+from sparkcache.connector.jobs import Counters
 from sparkcache.connector.scheduler import SchedulerSide
-from sparkcache.connector.stats import SparkCacheStats
 from sparkcache.connector.worker import WorkerIO
 
 from .helpers import BS, LAYERS, PAGE_NBYTES, FakePages, Req, blocks_of, finished, identity, prompt
@@ -43,18 +42,15 @@ def test_two_ranks_publish_restore_and_availability(tmp_path: Path,
         workers[0].submit_save(save)
         assert workers[0].flush()
         assert workers[0].poll()[0] == {"a"}
-        sched.on_output((), (), SparkCacheStats(data=workers[0].counters.take(PUBLISHED_KEY)))
         # Rank 1 has not published: the snapshot is not offered to anyone; a
         # request sharing it waits for the save in flight (and hurries it) ...
         assert sched.matched_tokens(Req("b", p), 0) == (None, False)
         assert sched.take_hurry() == ["a"]
         # ... for WRITE_WAIT_SECONDS at most, then computes.
-        with monkeypatch.context() as patch:
-            patch.setattr(restores, "WRITE_WAIT_SECONDS", 0.0)
-            assert sched.matched_tokens(Req("b", p), 0) == (0, False)
+        monkeypatch.setattr(restores, "WRITE_WAIT_SECONDS", 0.0)
+        assert sched.matched_tokens(Req("b", p), 0) == (0, False)
         workers[1].submit_save(save)
         assert workers[1].flush()
-        sched.on_output((), (), SparkCacheStats(data=workers[1].counters.take(PUBLISHED_KEY)))
         # Every rank ready: all but the prompt's last token are offered, async: the
         # prompt-end alias (96 tokens) and the stored block holding tokens 96..99.
         req = Req("c", p)
