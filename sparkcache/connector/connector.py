@@ -263,8 +263,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         loads, saves = self.sched.take_jobs()
         self.events.planned(saves)
         return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted, idle=idle,
-                                  prefill=computes_prompt(scheduler_output),
-                                  hurry=self.sched.take_hurry())
+                                  prefill=computes_prompt(scheduler_output))
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Once, at scheduler start: breakpoint saves read running requests' blocks from it."""
@@ -401,12 +400,10 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Each step, before its forward: the step's metadata.  Whether the step
         computes prompt tokens is noted for the publishes, which wait while it
-        does (``publisher.Prefills``; the step's end is :meth:`get_finished`),
-        unless a request waits for one (``hurry``)."""
+        does (``publisher.Prefills``; the step's end is :meth:`get_finished`)."""
         super().bind_connector_metadata(connector_metadata)
         if self.io is not None:
             self.io.prefills.started(bool(getattr(connector_metadata, "prefill", False)))
-            self.io.prefills.want(getattr(connector_metadata, "hurry", ()))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Each step, with the step's metadata bound: before the forward when the

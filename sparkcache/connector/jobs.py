@@ -98,11 +98,6 @@ class SaveJob:
     explicit: bool = False
 
 
-#: A worker's stats name for a save it published (or failed to): this prefix and
-#: the request id (``Restores.published``: nobody waits for it any more).
-PUBLISHED_KEY = "\x01published\x00"
-
-
 class Counters:
     """Thread-safe named counters, taken (and reset) by the stats report."""
 
@@ -114,14 +109,8 @@ class Counters:
         with self._lock:
             self._data[name] = self._data.get(name, 0) + value
 
-    def take(self, prefix: str | None = None) -> dict[str, float]:
-        """The counts since the last take (name -> value); the counters restart at
-        zero (with ``prefix``: only the names that start with it)."""
+    def take(self) -> dict[str, float]:
+        """The counts since the last take (name -> value); the counters restart at zero."""
         with self._lock:
-            if prefix is None:
-                data, self._data = self._data, {}
-            else:
-                data = {k: v for k, v in self._data.items() if k.startswith(prefix)}
-                for k in data:
-                    del self._data[k]
+            data, self._data = self._data, {}
         return data

@@ -43,14 +43,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from sparkcache.connector.faults import die_at_publish
-from sparkcache.connector.jobs import PUBLISHED_KEY, Counters, SaveJob
+from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.cpus import lower_priority, widen_affinity
 from sparkcache.errors import NotFound, SparkCacheError
@@ -64,9 +64,6 @@ logger = logging.getLogger("vllm.sparkcache")
 SETTLE_S = 0.03
 #: ... and no later than this (waiting while prompt tokens are computed).
 MAX_WAIT_S = 1.0
-#: How long publishes hurry for a save a request waits for, at most (as
-#: long as it waits, ``restores.WRITE_WAIT_SECONDS``, and then some).
-WANT_S = 2.0
 
 
 class Prefills:
@@ -79,17 +76,14 @@ class Prefills:
     Args:
         settle_s: a publish starts no sooner than this after its save was queued.
         max_wait_s: nor later than this.
-        want_s: how long a save another request waits for hurries the publishes (:meth:`want`).
     """
 
-    def __init__(self, settle_s: float = SETTLE_S, max_wait_s: float = MAX_WAIT_S,
-                 want_s: float = WANT_S) -> None:
-        self.settle_s, self.max_wait_s, self.want_s = settle_s, max_wait_s, want_s
+    def __init__(self, settle_s: float = SETTLE_S, max_wait_s: float = MAX_WAIT_S) -> None:
+        self.settle_s, self.max_wait_s = settle_s, max_wait_s
         self._cond = threading.Condition()
         self._running = False
         self._closed = False
         self._urgent = 0  # explicit saves queued: the publishes before them wait no more
-        self._wanted: dict[str, float] = {}  # request -> since when a request waits for its save
 
     def started(self, prefill: bool) -> None:
         """A step begins; ``prefill``: it computes prompt tokens."""
@@ -109,40 +103,10 @@ class Prefills:
             self._urgent += delta
             self._cond.notify_all()
 
-    def want(self, req_ids: Iterable[str]) -> None:
-        """Another request waits for these requests' saves (``SparkCacheMetadata.hurry``):
-        until they are published (:meth:`published`), at most ``want_s``, no
-        publish waits (what is queued before them hurries too)."""
-        if not req_ids:
-            return
-        with self._cond:
-            now = time.monotonic()
-            for req_id in req_ids:
-                self._wanted.setdefault(req_id, now)
-            self._cond.notify_all()
-
-    def wanted(self, req_id: str) -> bool:
-        """Whether a request waits for ``req_id``'s save."""
-        with self._cond:
-            return req_id in self._wanted
-
-    def published(self, req_id: str) -> None:
-        """``req_id``'s save was published (or failed): nobody waits for it now."""
-        with self._cond:
-            self._wanted.pop(req_id, None)
-
-    def _hurrying(self) -> bool:
-        """(Under the lock.)  Whether an explicit or a wanted save is queued; a
-        want whose save never came (dropped, skipped) lapses after ``want_s``."""
-        if self._wanted:
-            lapsed = time.monotonic() - self.want_s
-            self._wanted = {r: t for r, t in self._wanted.items() if t > lapsed}
-        return self._urgent > 0 or bool(self._wanted)
-
     def hurried(self) -> bool:
-        """Whether an explicit or a wanted save is queued (what is before it hurries too)."""
+        """Whether an explicit save is queued (what is before it hurries too)."""
         with self._cond:
-            return self._hurrying()
+            return self._urgent > 0
 
     def close(self) -> None:
         """Wait no more (the worker is closing)."""
@@ -158,9 +122,9 @@ class Prefills:
         deadline = since + self.max_wait_s
         with self._cond:
             settle = min(since + self.settle_s, deadline)
-            while not (self._closed or self._hurrying()) and time.monotonic() < settle:
+            while not (self._closed or self._urgent) and time.monotonic() < settle:
                 self._cond.wait(settle - time.monotonic())
-            while self._running and not (self._closed or self._hurrying()):
+            while self._running and not (self._closed or self._urgent):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -222,8 +186,8 @@ class Publisher:
         self._writer.shutdown(wait=not self._thread.is_alive())
 
     def _hurry(self, job: SaveJob) -> bool:
-        """An explicit or a wanted save, or one before it in the queue: written
-        at the engine's priority (on this thread), not below it."""
+        """An explicit save, or one before it in the queue: written at the
+        engine's priority (on this thread), not below it."""
         return job.explicit or (self.prefills is not None and self.prefills.hurried())
 
     def _run(self) -> None:
@@ -238,11 +202,8 @@ class Publisher:
                 logger.exception("sparkcache save for %s crashed: %s", job.req_id, exc)
                 self.counters.add("save_failures")
             finally:
-                if self.prefills is not None:
-                    if job.explicit:
-                        self.prefills.urgent(-1)
-                    self.prefills.published(job.req_id)
-                self.counters.add(PUBLISHED_KEY + job.req_id)  # for the scheduler's waits
+                if self.prefills is not None and job.explicit:
+                    self.prefills.urgent(-1)
                 del item, pages
                 self._done(tag)
 

@@ -20,18 +20,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sparkcache.connector.costs import CostPlanner
 from sparkcache.connector.fetcher import Fetcher
-from sparkcache.connector.jobs import PUBLISHED_KEY, Counters, LoadJob, SaveJob
+from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
 from sparkcache.connector.requests import Offer, RequestState, Rules, TenantLabels
 from sparkcache.connector.resharded import sibling_match
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
-from sparkcache.hashing import common_prefix
 from sparkcache.store import Match, SnapshotStore
 
 __all__ = ["LOAD_LEASE_SECONDS", "Restores"]
@@ -55,25 +53,9 @@ def _shared_blocks(a: list[bytes], b: list[bytes]) -> int:
     return lo
 
 
-#: How long a request waits at most for another request's save in flight (an
-#: asked breakpoint, or a finished request's prompt and answer, being
-#: published) that holds more of it.
+#: How long a request waits at most for an explicit cache write in flight (an
+#: asked breakpoint of another request, being published) that holds more of it.
 WRITE_WAIT_SECONDS = 1.0
-
-
-@dataclass(frozen=True)
-class _Write:
-    """A save planned, perhaps not published yet (:meth:`Restores.writing`)."""
-
-    req_id: str
-    token_ids: np.ndarray
-    #: An explicit cache write's boundaries, which a lookup reaches exactly
-    #: (into their block with the tail block; a windowed model: its end).
-    marks: tuple[int, ...]
-    #: Any save's whole-block boundaries a lookup starts from, growing block by
-    #: block (none for a windowed model, which restores only ends).
-    aliases: tuple[int, ...]
-    since: float
 
 
 class Restores:
@@ -100,63 +82,34 @@ class Restores:
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
         self._loads: list[LoadJob] = []
-        #: Saves planned, until published or past their wait (``WRITE_WAIT_SECONDS``).
-        self._writes: list[_Write] = []
-        #: Requests whose saves a request waits for: published at once (``take_hurry``).
-        self._hurry: set[str] = set()
+        #: Explicit cache writes planned: (token ids, what a lookup reaches, since).
+        self._writes: list[tuple[np.ndarray, tuple[int, ...], float]] = []
         #: The model's KV heads in all, set by the connector (0: unknown, no
         #: lookups of snapshots stored by engines of another TP size).
         self.total_kv_heads = 0
 
     def writing(self, job: SaveJob) -> None:
-        """A save was planned: until it is published, at most
-        :data:`WRITE_WAIT_SECONDS`, a request sharing more of its tokens than
-        is stored or live waits for it (vLLM asks again) instead of computing
-        what it is about to store, and the save is published at once
-        (:meth:`take_hurry`): an asked breakpoint's, or a finished request's
-        whose blocks vLLM has evicted since (the client's next turn)."""
+        """An explicit cache write (``SaveJob.explicit``) was planned: until it is
+        published, at most :data:`WRITE_WAIT_SECONDS`, a request sharing
+        its tokens past one of its boundaries waits for it (vLLM asks again)
+        instead of computing what it is about to store."""
         n, bs = job.token_ids.size, self.rules.bs
         # What a lookup reaches once it is published: a windowed model only the
-        # snapshot's end; else each boundary (into its block with the tail
-        # block), and from an alias (a stride, a boundary, the end) block by block.
-        ends = self.rules.groups.ends_only
-        marks = (n,) if ends else tuple(sorted(
+        # snapshot's end; else each boundary (into its block with the tail block).
+        reach = (n,) if self.rules.groups.ends_only else tuple(sorted(
             {m if self.tail_block else m // bs * bs for m in job.breakpoints if 0 < m <= n}))
-        stride = max(bs, self.store.alias_stride // bs * bs)
-        aliases = () if ends else tuple(sorted(
-            {*range(stride, n + 1, stride), n, *(m // bs * bs for m in marks)}))
-        if not job.explicit:  # only a whole block more is worth waiting for
-            marks = (n,) if ends else ()
-        self._writes.append(_Write(job.req_id, job.token_ids, marks, aliases, time.monotonic()))
-
-    def published(self, data: dict[str, Any] | None) -> None:
-        """The saves the workers' stats (``PUBLISHED_KEY``) say were published, or
-        failed: nobody waits for them any more (a lookup finds what they stored)."""
-        done = {key[len(PUBLISHED_KEY):] for key in data or () if key.startswith(PUBLISHED_KEY)}
-        if done and self._writes:
-            self._writes = [w for w in self._writes if w.req_id not in done]
-
-    def take_hurry(self) -> list[str]:
-        """The requests whose saves a request waits for, since the last call:
-        their publishes wait for no quiet moment (``publisher.Prefills.want``)."""
-        hurry, self._hurry = sorted(self._hurry), set()
-        return hurry
+        if reach:
+            self._writes.append((job.token_ids, reach, time.monotonic()))
 
     def _waits_for_write(self, tokens: Any, want: int, have: int) -> bool:
-        """Whether a save in flight holds more of the prompt (up to ``want``)
-        than the ``have`` tokens found now (its request is then hurried);
-        saves past their wait are forgotten."""
-        now, bs = time.monotonic(), self.rules.bs
-        self._writes = [w for w in self._writes if now - w.since < WRITE_WAIT_SECONDS]
-        prompt = np.asarray(tokens[:want], np.uint32)
-        for w in self._writes:
-            shared = common_prefix(w.token_ids, prompt)
-            reach = max((m for m in w.marks if m <= shared), default=0)
-            if any(a <= shared for a in w.aliases):
-                reach = max(reach, shared // bs * bs)
-            if have < min(reach, want):
-                self._hurry.add(w.req_id)
-                return True
+        """Whether a write in flight holds more of the prompt (up to ``want``)
+        than the ``have`` tokens found now; writes past their wait are forgotten."""
+        now = time.monotonic()
+        self._writes = [w for w in self._writes if now - w[2] < WRITE_WAIT_SECONDS]
+        for ids, marks, _since in self._writes:
+            for m in marks:
+                if have < m <= want and np.array_equal(ids[:m], np.asarray(tokens[:m], np.uint32)):
+                    return True
         return False
 
     def asked(self, req_id: str) -> None:

@@ -235,13 +235,9 @@ class SchedulerSide:
         self._note_writes()
         return loads, self.saves.take_saves()
 
-    def take_hurry(self) -> list[str]:
-        """Requests whose saves another request waits for (``Restores.take_hurry``)."""
-        return self.restores.take_hurry()
-
     def _note_writes(self) -> None:
-        """Saves planned since the last look: a request reading more of one than
-        is stored or live waits for it (the next request may read one at once)."""
+        """Cache writes planned since the last look: a request reading past one of
+        their boundaries waits for them (the next request may read one at once)."""
         for job in self.saves.take_writes():
             self.restores.writing(job)
 
@@ -251,10 +247,8 @@ class SchedulerSide:
         are answered again), saves copied (their blocks are no longer held);
         the step's time and the workers' ``stats`` measure the cost model."""
         self.clock.ended()
-        data = getattr(stats, "data", None)
-        if self.restores.costs is not None and data:
-            self.restores.costs.loads_measured(data)
-        self.restores.published(data)
+        if self.restores.costs is not None and stats is not None:
+            self.restores.costs.loads_measured(getattr(stats, "data", None))
         landed = list(finished_recving)
         self.restores.landed(landed)
         for req_id in landed:

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from sparkcache.connector.costs import LOAD_KEY
-from sparkcache.connector.jobs import PUBLISHED_KEY, LoadJob, SaveJob
+from sparkcache.connector.jobs import LoadJob, SaveJob
 from sparkcache.connector.requests import TENANT_KEY
 from sparkcache.connector.settings import ConnectorSettings
 from sparkcache.errors import SparkCacheError
@@ -49,8 +49,6 @@ class SparkCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     idle: bool = False
     #: The step computes prompt tokens: publishes wait (``publisher.Prefills``).
     prefill: bool = False
-    #: Requests whose saves a request waits for: published at once (``Prefills.want``).
-    hurry: list[str] = field(default_factory=list)
 
 
 # -- stats (workers and scheduler -> the logger process) ---------------------------------
@@ -74,8 +72,7 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
     loads_in_step, load_failures, loads_dropped, loads_unwaited, saves,
     saved_tokens, saved_bytes, save_seconds, save_copy_seconds, save_yield_seconds,
     saves_dropped, saves_skipped, save_failures, saves_lost_parent, saves_cancelled; each
-    restore's own time for the cost model (``LOAD_KEY`` + request id, not logged);
-    each publish, for the scheduler's waits (``PUBLISHED_KEY`` + request id, not logged).
+    restore's own time for the cost model (``LOAD_KEY`` + request id, not logged).
     """
 
     data: dict[str, Any] = field(default_factory=dict)
@@ -92,7 +89,7 @@ class SparkCacheStats(KVConnectorStats):  # type: ignore[misc]
         """The totals vLLM logs (the per-tenant ones are left to Prometheus)."""
         out = {key: round(value, 4) if isinstance(value, float) else value
                for key, value in sorted(self.data.items())
-               if not key.startswith((TENANT_KEY, LOAD_KEY, PUBLISHED_KEY))}
+               if not key.startswith((TENANT_KEY, LOAD_KEY))}
         lookups = self.data.get("lookups", 0)
         if lookups:
             out["hit_rate"] = round(self.data.get("hits", 0) / lookups, 4)

@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from sparkcache import ModelIdentity, SnapshotInfo, SnapshotStore
-from sparkcache.connector.jobs import PUBLISHED_KEY, SaveJob
+from sparkcache.connector.jobs import SaveJob
 from sparkcache.connector.scheduler import SchedulerSide
-from sparkcache.connector.stats import SparkCacheStats
 from sparkcache.connector.worker import WorkerIO
 
 BS = 16
@@ -112,8 +111,7 @@ def blocks_of(req: Req) -> list[int]:
 
 
 def save(sched: SchedulerSide, io: WorkerIO, req: Req) -> SaveJob:
-    """Finish ``req``, run its save on ``io`` and report it back (copied, and
-    published in the worker's stats), as vLLM would."""
+    """Finish ``req``, run its save on ``io`` and report it back, as vLLM would."""
     held, _ = sched.finished(finished(req), blocks_of(req))
     assert held
     _, (job,) = sched.take_jobs()
@@ -122,7 +120,7 @@ def save(sched: SchedulerSide, io: WorkerIO, req: Req) -> SaveJob:
     sent, _ = io.poll()
     assert req.request_id in sent
     assert io.poll() == (set(), set())  # reported exactly once (vLLM asserts otherwise)
-    sched.on_output((), sent, SparkCacheStats(data=io.counters.take(PUBLISHED_KEY)))
+    sched.on_output((), sent)
     return job
 
 

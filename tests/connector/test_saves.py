@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sparkcache import SnapshotStore
-from sparkcache.connector.jobs import PUBLISHED_KEY, Counters, SaveJob
+from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.publisher import Prefills
 from sparkcache.connector.worker import WorkerIO
 from sparkcache.cpus import LOWEST_PRIORITY
@@ -218,36 +218,3 @@ def test_an_explicit_save_is_published_under_a_prefill(tmp_path: Path) -> None:
                                None, (BS,), explicit=True))
         assert io.flush(0.5) and len(store.snapshots()) == 3
         io.close()
-
-
-def test_a_save_another_request_waits_for_is_published_under_a_prefill(tmp_path: Path) -> None:
-    """The scheduler names the requests whose saves a request waits for
-    (``SparkCacheMetadata.hurry``): such a save is published at once, with
-    the ones queued before it; it reports its publish in the worker's stats;
-    a want whose save never comes lapses (``WANT_S``)."""
-    pytest.importorskip("vllm")
-    from sparkcache.connector.connector import SparkCacheConnector
-    from sparkcache.connector.stats import SparkCacheMetadata
-
-    with SnapshotStore(tmp_path / "s") as store:
-        counters = Counters()
-        io = WorkerIO(store, identity(), 0, FakePages(8, 1), counters)
-        connector = object.__new__(SparkCacheConnector)  # only its per-step hooks run
-        connector.io = io
-        connector.bind_connector_metadata(SparkCacheMetadata(prefill=True))  # never ends
-        io.submit_save(SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None, ()))
-        io.submit_save(SaveJob("b", np.arange(BS, 2 * BS, dtype=np.uint32), ((1,),), None,
-                               None, ()))
-        time.sleep(0.2)
-        assert store.snapshots() == []  # both wait for the prefill to end
-        connector.bind_connector_metadata(SparkCacheMetadata(prefill=True, hurry=["b"]))
-        assert io.flush(0.5) and len(store.snapshots()) == 2  # b, and a before it
-        assert set(counters.take(PUBLISHED_KEY)) == {PUBLISHED_KEY + "a", PUBLISHED_KEY + "b"}
-        assert not io.prefills.wanted("b")  # published: nobody waits for it
-        io.close()
-    prefills = Prefills(settle_s=0.01, max_wait_s=5.0, want_s=0.2)
-    prefills.started(True)
-    prefills.want(["never-saved"])
-    assert prefills.hurried() and prefills.wait_quiet(time.monotonic()) < 0.05
-    time.sleep(0.25)
-    assert not prefills.hurried()  # lapsed
