@@ -199,6 +199,9 @@ def test_a_conversation_pushed_out_of_the_live_cache_is_restored(served: Server)
     first_user = system_prompt(4, 1200)
     a = client.messages.create(model=MODEL_NAME, max_tokens=8, extra_body={"temperature": 0},
                                messages=[{"role": "user", "content": first_user}])
+    # Its save landed (a finish save waits for a quiet moment, up to
+    # MAX_WAIT_S): the next turn, sent once vLLM evicted it, reads it from the store.
+    settled_snapshots(served.folder)
     # 1860 tokens of another conversation take 59 of the 64 blocks.
     client.messages.create(model=MODEL_NAME, max_tokens=4, extra_body={"temperature": 0},
                            messages=[{"role": "user", "content": system_prompt(5, 1860)}])
