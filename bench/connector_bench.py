@@ -46,14 +46,19 @@ block.  For sparkcache's default engine the "live" answer therefore also
 loads that one block from disk.
 
 Every engine is warmed up first (two short requests with logprobs: the first
-one compiles a helper).  TTFT is the wall time of ``generate`` with
+one compiles a helper), then ``os.sync()`` writes back what earlier phases left
+unsynced (ExampleConnector does not fsync its files): the kernel's writeback
+running under a restore made a fresh engine's first restore 1.4-1.8x its
+later ones.  A fresh engine's first restore against the median of its later
+ones is reported per engine.  TTFT is the wall time of ``generate`` with
 ``max_tokens=1``; the table shows the median and min and the ratio to
 recompute measured in the same run (STYLE habit 10).  The first token and
 its logprob are compared with recompute's.  Targets: sparkcache <= 0.2x
 recompute and faster than ExampleConnector, both warm (the cold rows are
 reported beside them); the whole-block restore (no tail block, warm) over
 live <= 1.2x the memcpy of its bytes, and its TTFT <= 0.8x
-ExampleConnector's; exit status 1 if one is missed.
+ExampleConnector's; a fresh engine's first restore <= 1.2x its later ones in
+every sparkcache engine; exit status 1 if one is missed.
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ llm = make_llm(args["model"], **args["engine"])
 sp = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
 for seed in (1, 2):
     llm.generate([{"prompt_token_ids": [seed] * 40 + list(range(100, 140))}], sp)
+import os
+os.sync()  # earlier phases' unsynced files written back now, not under a timed restore
 
 def evict(folder):  # every file under folder out of the page cache (written back first)
     import os
@@ -182,6 +189,8 @@ AUTO = "sparkcache restore, load_async auto"
 MEMCPY = "memcpy of the whole-block restore's bytes"
 #: Targets of the whole-block restore (sparkcache with ``tail_block: false``).
 WHOLE_OVER_MEMCPY, WHOLE_VS_EXAMPLE = 1.2, 0.8
+#: Target of a fresh engine's first restore against the median of its later ones.
+FIRST_VS_LATER = 1.2
 
 
 def memcpy_seconds(nbytes: int, reps: int = 7) -> list[float]:
@@ -250,7 +259,11 @@ def run_all(opts: argparse.Namespace, work: Path) -> tuple[dict[str, dict[str, A
             result = phase(name, model, work, prompt, opts.reps, engine, store=folder,
                            live=True, evict=evict)
             pooled = runs.setdefault(name, {"times": [], "firsts": [], "rounds": [],
-                                            "over_live": [], "wall": 0.0, "connector": {}})
+                                            "first_vs_later": [], "over_live": [],
+                                            "wall": 0.0, "connector": {}})
+            if len(result["times"]) > 1:
+                pooled["first_vs_later"].append(
+                    result["times"][0] / statistics.median(result["times"][1:]))
             pooled["times"] += result["times"]
             pooled["over_live"] += [t - lv for t, lv in zip(result["times"],
                                                              result["live"], strict=True)]
@@ -303,10 +316,14 @@ def targets(runs: dict[str, dict[str, Any]], copies: list[float]) -> dict[str, A
     }
     if WHOLE_COLD in med:
         found["whole_cold_vs_example"] = med[WHOLE_COLD] / med[EXAMPLE_COLD]
+    firsts = {name: runs[name]["first_vs_later"] for name in (SPARK, WHOLE, EXAMPLE)}
+    found["first_vs_later"] = firsts
+    ours = firsts[SPARK] + firsts[WHOLE]
     found["met"] = {
         "default": found["default_vs_recompute"] <= 0.2 and found["default_vs_example"] < 1,
         "whole_over_live": found["whole_over_live_vs_memcpy"] <= WHOLE_OVER_MEMCPY,
         "whole_vs_example": found["whole_vs_example"] <= WHOLE_VS_EXAMPLE,
+        "first_restore": bool(ours) and max(ours) <= FIRST_VS_LATER,
     }
     return found
 
@@ -338,6 +355,10 @@ def print_table(opts: argparse.Namespace, runs: dict[str, dict[str, Any]],
           f"(target <= {WHOLE_OVER_MEMCPY}x): {word[met['whole_over_live']]}")
     print(f"whole-block restore / ExampleConnector, warm TTFT: {found['whole_vs_example']:.2f}x "
           f"(target <= {WHOLE_VS_EXAMPLE}x): {word[met['whole_vs_example']]}")
+    first = ", ".join(f"{name} {[round(r, 2) for r in ratios]}"
+                      for name, ratios in found["first_vs_later"].items())
+    print(f"a fresh engine's first restore / its later ones (each engine): {first} "
+          f"(target <= {FIRST_VS_LATER}x for sparkcache's): {word[met['first_restore']]}")
     cold = f"cold page cache vs ExampleConnector: sparkcache {found['cold_vs_example']:.2f}x"
     if "whole_cold_vs_example" in found:
         cold += f", no tail block {found['whole_cold_vs_example']:.2f}x"
