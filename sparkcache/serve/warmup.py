@@ -1,15 +1,17 @@
 """The engine's warm-up: one tiny request before ``sparkcache serve`` answers any.
 
 A new vLLM engine's first request pays one-time costs of its own (the
-engine's first step: thread pools, allocator and kernel set-up; ~0.03 s on
-a 2-core CPU, measured in plain vLLM as in sparkcache), so a fresh
-server's first restore, the one a restart exists for, would be slower than
-every later one.  The middleware (:mod:`sparkcache.serve.middleware`) runs
-:func:`warm_up` while the server starts (ASGI ``lifespan.startup``, before
-uvicorn accepts the first request): it sends the engine, in process,
-:data:`PROMPT_TOKENS` tokens to answer with one token, marked ``"cache":
-false`` so the connector neither restores nor saves for it; the request log
-shows it under the id :data:`REQUEST_PREFIX` + a random suffix.
+engine's first step: thread pools, allocator and kernel set-up; and the first
+request asking for logprobs compiles vLLM's logprob helper with
+``torch.compile``), in plain vLLM as in sparkcache, so a fresh server's
+first restore, the one a restart exists for, would be slower than every
+later one (docs/benchmarks.md has the figures).  The middleware
+(:mod:`sparkcache.serve.middleware`) runs :func:`warm_up` while the server
+starts (ASGI ``lifespan.startup``, before uvicorn accepts the first
+request): it sends the engine, in process, :data:`PROMPT_TOKENS` tokens to
+answer with one token and its logprob, marked ``"cache": false`` so the
+connector neither restores nor saves for it; the request log shows it under
+the id :data:`REQUEST_PREFIX` + a random suffix.
 
 A warm-up that fails or takes longer than :data:`TIMEOUT_S` is logged and
 given up: the server starts all the same.  ``SPARKCACHE_WARM_UP=0`` turns
@@ -47,10 +49,11 @@ def wanted(env: Mapping[str, str]) -> bool:
 
 
 async def _answer(engine: Any) -> int:
-    """One greedy token for the warm-up prompt; the tokens generated."""
+    """One greedy token for the warm-up prompt, with its logprob (what compiles
+    vLLM's logprob helper); the tokens generated."""
     vllm: Any = importlib.import_module("vllm")
     params = vllm.SamplingParams(
-        max_tokens=1, temperature=0.0,
+        max_tokens=1, temperature=0.0, logprobs=1,
         extra_args={"kv_transfer_params": {"sparkcache": {"cache": False}}})
     prompt = {"prompt_token_ids": [0] * PROMPT_TOKENS}
     generated = 0

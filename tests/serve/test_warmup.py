@@ -43,6 +43,7 @@ def test_a_failed_or_silent_warm_up_is_logged_and_given_up(
     ((prompt, params, request_id),) = engine.asked
     assert prompt == {"prompt_token_ids": [0] * warmup.PROMPT_TOKENS}
     assert params.max_tokens == 1
+    assert params.logprobs == 1  # compiles vLLM's logprob helper before the first request
     assert params.extra_args == {"kv_transfer_params": {"sparkcache": {"cache": False}}}
     assert request_id.startswith(warmup.REQUEST_PREFIX)
     assert "warm-up failed" in caplog.text
