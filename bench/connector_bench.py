@@ -102,7 +102,6 @@ import os
 os.sync()  # earlier phases' unsynced files written back now, not under a timed restore
 
 def evict(folder):  # every file under folder out of the page cache (written back first)
-    import os
     for root, _dirs, names in os.walk(folder):
         for name in names:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
