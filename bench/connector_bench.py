@@ -47,10 +47,10 @@ loads that one block from disk.
 
 Every engine is warmed up first (two short requests with logprobs: the first
 one compiles a helper), then ``os.sync()`` writes back what earlier phases left
-unsynced (ExampleConnector does not fsync its files): the kernel's writeback
-running under a restore made a fresh engine's first restore 1.4-1.8x its
-later ones.  A fresh engine's first restore against the median of its later
-ones is reported per engine.  TTFT is the wall time of ``generate`` with
+unsynced (ExampleConnector does not fsync its files), so that the kernel's
+writeback of them does not run under a timed restore (docs/benchmarks.md, "A
+fresh engine's first restore").  A fresh engine's first restore against the
+median of its later ones is reported per engine.  TTFT is the wall time of ``generate`` with
 ``max_tokens=1``; the table shows the median and min and the ratio to
 recompute measured in the same run (STYLE habit 10).  The first token and
 its logprob are compared with recompute's.  Targets: sparkcache <= 0.2x
