@@ -296,6 +296,16 @@ class Catalog:
                       np.empty(0, np.uint32))
         return stored_tokens(self._core, match, 0, info.n_tokens)
 
+    def publish_ended(self, identity: ModelIdentity, snap_key: str) -> bool:
+        """Whether a publish of snapshot ``snap_key`` (the hex of the last prefix
+        hash of its tokens in its scope) has ended: a row of it, none pending
+        (ready, or quarantined since).  False: not published yet, or deleted."""
+        with self._core.read() as conn:
+            model_id = self._core.model_id(conn, identity)
+            states = [] if model_id is None else [
+                str(row[0]) for row in conn.execute(q.SNAPSHOT_STATES_BY_KEY, (model_id, snap_key))]
+        return bool(states) and "pending" not in states
+
     def counters(self, model_id: int | None = None) -> dict[str, int]:
         """Every counter, summed over models unless ``model_id`` is given, unsaved
         counts included."""

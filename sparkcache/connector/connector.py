@@ -61,7 +61,13 @@ from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.registration import attention_layers, layer_groups
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
-from sparkcache.connector.stats import SparkCacheMetadata, SparkCachePromMetrics, SparkCacheStats
+from sparkcache.connector.stats import (
+    SparkCacheMetadata,
+    SparkCachePromMetrics,
+    SparkCacheStats,
+    SparkCacheWorkerMeta,
+    computes_prompt,
+)
 from sparkcache.connector.tier import TierServices
 from sparkcache.connector.worker import PAGES_ENV, WorkerIO
 from sparkcache.cuda import KVPages
@@ -88,13 +94,6 @@ logger = logging.getLogger("vllm.sparkcache")
 #: On a step that computes nothing while a restore is in flight, the worker
 #: waits this long for it to land instead of letting the engine spin.
 IDLE_WAIT_SECONDS = 0.02
-
-
-def computes_prompt(scheduler_output: Any) -> bool:
-    """Whether a step computes prompt tokens: more than one token for some
-    request (a prompt or a chunk of one; a decode step computes one each)."""
-    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-    return any(int(n) > 1 for n in scheduled.values())
 
 
 class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -263,7 +262,8 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         loads, saves = self.sched.take_jobs()
         self.events.planned(saves)
         return SparkCacheMetadata(loads=loads, saves=saves, preempted=preempted, idle=idle,
-                                  prefill=computes_prompt(scheduler_output))
+                                  prefill=computes_prompt(scheduler_output),
+                                  hurry=self.sched.take_hurry())
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Once, at scheduler start: breakpoint saves read running requests' blocks from it."""
@@ -279,16 +279,15 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         return manager.get_block_ids(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """After each step: what the workers reported in :meth:`get_finished`.
-
-        An id in ``finished_recving`` ends its asynchronous load: its lease goes,
-        requests waiting for that prefix are answered again; one in
-        ``finished_sending`` holds no blocks now.  The step measures the costs.
-        """
+        """After each step, what the workers reported: asynchronous loads ended
+        (``finished_recving``: leases go, requests waiting are answered again),
+        blocks copied out (``finished_sending``), publishes ended (nobody waits
+        for them: :meth:`build_connector_worker_meta`); the stats measure costs."""
         if self.sched is not None:
             self.sched.on_output(connector_output.finished_recving or (),
                                  connector_output.finished_sending or (),
-                                 connector_output.kv_connector_stats)
+                                 connector_output.kv_connector_stats,
+                                 getattr(connector_output.kv_connector_worker_meta, "ended", None))
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -398,12 +397,13 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                         first.page_nbytes, self.identity.page_shape, first.where)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        """Each step, before its forward: the step's metadata.  Whether the step
-        computes prompt tokens is noted for the publishes, which wait while it
-        does (``publisher.Prefills``; the step's end is :meth:`get_finished`)."""
+        """Each step, before its forward: the step's metadata.  The publishes wait
+        while the step computes prompt tokens, unless a request waits for one
+        (``publisher.Prefills``; the step's end is :meth:`get_finished`)."""
         super().bind_connector_metadata(connector_metadata)
         if self.io is not None:
-            self.io.prefills.started(bool(getattr(connector_metadata, "prefill", False)))
+            self.io.prefills.started(bool(getattr(connector_metadata, "prefill", False)),
+                                     getattr(connector_metadata, "hurry", ()))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Each step, with the step's metadata bound: before the forward when the
@@ -515,6 +515,11 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         sent, recved = self.io.poll()
         return (sent or None), (recved or None)
 
+    def build_connector_worker_meta(self) -> SparkCacheWorkerMeta | None:
+        """After each step: saves whose publish ended here (vLLM sends it without stats too)."""
+        ended = self.io.take_ended() if self.io is not None else {}
+        return SparkCacheWorkerMeta(ended=ended) if ended else None
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """:meth:`get_finished`, plus (with several KV cache groups) the requests
         whose restore failed in ``failed_recving``: vLLM's block ids are per
@@ -541,8 +546,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     # ==============================================================================
 
     def get_kv_connector_stats(self) -> SparkCacheStats | None:
-        """The counters since the last call (they restart at zero); None when nothing
-        was counted."""
+        """The counters since the last call (they restart at zero); None: nothing counted."""
         data = self.counters.take()
         return SparkCacheStats(data=data) if data else None
 

@@ -10,7 +10,8 @@ import time
 
 import numpy as np
 
-__all__ = ["DIE_AT_PUBLISH", "FAULT_ENV", "die_at_publish", "scramble", "slow_restore"]
+__all__ = ["DIE_AT_PUBLISH", "FAULT_ENV", "HOLD_PUBLISHES_S", "die_at_publish",
+           "holds_publishes", "scramble", "slow_restore"]
 
 #: ``flip-restored`` scrambles restored pages *after* verification (every layer
 #: gets another layer's pages): a wrong restore must change the tokens or
@@ -19,8 +20,14 @@ __all__ = ["DIE_AT_PUBLISH", "FAULT_ENV", "die_at_publish", "scramble", "slow_re
 #: ``<file>.go`` (the test creates it once the other ranks' segments are
 #: written) and is killed: a rank that dies mid-publish.  ``slow-restore``:
 #: each restore waits half a second before it reads, so the forward an
-#: in-step restore feeds reaches its layers first.
+#: in-step restore feeds reaches its layers first.  ``hold-publishes``: a save's
+#: publish waits as if every step computed prompt tokens, for
+#: :data:`HOLD_PUBLISHES_S` at most, unless a request waits for it (a busy
+#: engine, where a finished request's save lands late).
 FAULT_ENV = "SPARKCACHE_TEST_FAULT"
+
+#: How long the ``hold-publishes`` fault holds a publish at most.
+HOLD_PUBLISHES_S = 30.0
 
 #: The prefix of the ``die-publish`` fault.
 DIE_AT_PUBLISH = "die-publish:"
@@ -48,6 +55,11 @@ def die_at_publish(fault: str, rank: int, wait: float = 60.0) -> None:
     while not os.path.exists(trigger + ".go") and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def holds_publishes(fault: str) -> bool:
+    """Whether the ``hold-publishes`` fault is set."""
+    return fault == "hold-publishes"
 
 
 def slow_restore(fault: str, seconds: float = 0.5) -> None:

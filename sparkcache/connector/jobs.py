@@ -98,6 +98,13 @@ class SaveJob:
     explicit: bool = False
 
 
+def save_tag(job: SaveJob) -> str:
+    """A save's name in the workers' reports that its publish ended
+    (``SparkCacheWorkerMeta``): its request and its length, so a request's
+    breakpoint save and its finish save are told apart."""
+    return f"{job.req_id}\x00{job.token_ids.size}"
+
+
 class Counters:
     """Thread-safe named counters, taken (and reset) by the stats report."""
 

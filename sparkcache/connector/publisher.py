@@ -43,13 +43,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from sparkcache.connector.faults import die_at_publish
+from sparkcache.connector.faults import HOLD_PUBLISHES_S, die_at_publish, holds_publishes
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.cpus import lower_priority, widen_affinity
@@ -64,6 +64,9 @@ logger = logging.getLogger("vllm.sparkcache")
 SETTLE_S = 0.03
 #: ... and no later than this (waiting while prompt tokens are computed).
 MAX_WAIT_S = 1.0
+#: How long publishes hurry for a save a request waits for, at most (as
+#: long as it waits, ``restores.WRITE_WAIT_SECONDS``, and then some).
+WANT_S = 2.0
 
 
 class Prefills:
@@ -76,19 +79,33 @@ class Prefills:
     Args:
         settle_s: a publish starts no sooner than this after its save was queued.
         max_wait_s: nor later than this.
+        want_s: how long a save another request waits for hurries the publishes (:meth:`want`).
+        busy: wait as if every step computed prompt tokens (the ``hold-publishes``
+            test fault, ``faults.holds_publishes``).
     """
 
-    def __init__(self, settle_s: float = SETTLE_S, max_wait_s: float = MAX_WAIT_S) -> None:
-        self.settle_s, self.max_wait_s = settle_s, max_wait_s
+    def __init__(self, settle_s: float = SETTLE_S, max_wait_s: float = MAX_WAIT_S,
+                 want_s: float = WANT_S, *, busy: bool = False) -> None:
+        self.settle_s, self.max_wait_s, self.want_s = settle_s, max_wait_s, want_s
+        self.busy = busy
         self._cond = threading.Condition()
         self._running = False
         self._closed = False
         self._urgent = 0  # explicit saves queued: the publishes before them wait no more
+        self._wanted: dict[str, float] = {}  # request -> since when a request waits for its save
 
-    def started(self, prefill: bool) -> None:
-        """A step begins; ``prefill``: it computes prompt tokens."""
+    @classmethod
+    def of(cls, fault: str) -> Prefills:
+        """A worker's (the ``hold-publishes`` test fault holds every publish)."""
+        held = holds_publishes(fault)
+        return cls(max_wait_s=HOLD_PUBLISHES_S if held else MAX_WAIT_S, busy=held)
+
+    def started(self, prefill: bool, hurry: Iterable[str] = ()) -> None:
+        """A step begins; ``prefill``: it computes prompt tokens; ``hurry``:
+        requests whose saves a request waits for (:meth:`want`)."""
         with self._cond:
             self._running = prefill
+        self.want(hurry)
 
     def ended(self) -> None:
         """The step's forward is over."""
@@ -103,10 +120,40 @@ class Prefills:
             self._urgent += delta
             self._cond.notify_all()
 
-    def hurried(self) -> bool:
-        """Whether an explicit save is queued (what is before it hurries too)."""
+    def want(self, req_ids: Iterable[str]) -> None:
+        """Another request waits for these requests' saves (``SparkCacheMetadata.hurry``):
+        until they are published (:meth:`published`), at most ``want_s``, no
+        publish waits (what is queued before them hurries too)."""
+        if not req_ids:
+            return
         with self._cond:
-            return self._urgent > 0
+            now = time.monotonic()
+            for req_id in req_ids:
+                self._wanted.setdefault(req_id, now)
+            self._cond.notify_all()
+
+    def wanted(self, req_id: str) -> bool:
+        """Whether a request waits for ``req_id``'s save."""
+        with self._cond:
+            return req_id in self._wanted
+
+    def published(self, req_id: str) -> None:
+        """``req_id``'s save was published (or failed): nobody waits for it now."""
+        with self._cond:
+            self._wanted.pop(req_id, None)
+
+    def _hurrying(self) -> bool:
+        """(Under the lock.)  Whether an explicit or a wanted save is queued; a
+        want whose save never came (dropped, skipped) lapses after ``want_s``."""
+        if self._wanted:
+            lapsed = time.monotonic() - self.want_s
+            self._wanted = {r: t for r, t in self._wanted.items() if t > lapsed}
+        return self._urgent > 0 or bool(self._wanted)
+
+    def hurried(self) -> bool:
+        """Whether an explicit or a wanted save is queued (what is before it hurries too)."""
+        with self._cond:
+            return self._hurrying()
 
     def close(self) -> None:
         """Wait no more (the worker is closing)."""
@@ -122,9 +169,9 @@ class Prefills:
         deadline = since + self.max_wait_s
         with self._cond:
             settle = min(since + self.settle_s, deadline)
-            while not (self._closed or self._urgent) and time.monotonic() < settle:
+            while not (self._closed or self._hurrying()) and time.monotonic() < settle:
                 self._cond.wait(settle - time.monotonic())
-            while self._running and not (self._closed or self._urgent):
+            while (self._running or self.busy) and not (self._closed or self._hurrying()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -140,13 +187,13 @@ class Publisher:
         identity: the rank's model identity.
         rank: the rank whose segments it publishes.
         counters: the worker's counters (``saves``, ``saved_tokens``, ...).
-        done: called with a publish's ``tag`` after it ended, failed or not.
+        done: called with a publish's job and ``tag`` after it ended, failed or not.
         fault: the test fault (``SPARKCACHE_TEST_FAULT``), if any.
         prefills: what a publish waits for (None: nothing, it starts at once).
     """
 
     def __init__(self, store: Any, identity: ModelIdentity, rank: int, counters: Counters,
-                 done: Callable[[Any], None], fault: str = "",
+                 done: Callable[[SaveJob, Any], None], fault: str = "",
                  prefills: Prefills | None = None) -> None:
         self.store, self.identity, self.rank = store, identity, rank
         self.counters, self.fault, self._done = counters, fault, done
@@ -186,8 +233,8 @@ class Publisher:
         self._writer.shutdown(wait=not self._thread.is_alive())
 
     def _hurry(self, job: SaveJob) -> bool:
-        """An explicit save, or one before it in the queue: written at the
-        engine's priority (on this thread), not below it."""
+        """An explicit or a wanted save, or one before it in the queue: written
+        at the engine's priority (on this thread), not below it."""
         return job.explicit or (self.prefills is not None and self.prefills.hurried())
 
     def _run(self) -> None:
@@ -202,10 +249,12 @@ class Publisher:
                 logger.exception("sparkcache save for %s crashed: %s", job.req_id, exc)
                 self.counters.add("save_failures")
             finally:
-                if self.prefills is not None and job.explicit:
-                    self.prefills.urgent(-1)
+                if self.prefills is not None:
+                    if job.explicit:
+                        self.prefills.urgent(-1)
+                    self.prefills.published(job.req_id)
                 del item, pages
-                self._done(tag)
+                self._done(job, tag)
 
     def publish(self, job: SaveJob, pages: list[np.ndarray]) -> None:
         """Write one save to the store; failures are logged and counted."""

@@ -20,16 +20,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sparkcache.connector.costs import CostPlanner
 from sparkcache.connector.fetcher import Fetcher
-from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
+from sparkcache.connector.jobs import Counters, LoadJob, SaveJob, save_tag
 from sparkcache.connector.requests import Offer, RequestState, Rules, TenantLabels
 from sparkcache.connector.resharded import sibling_match
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
+from sparkcache.hashing import common_prefix, prefix_hashes, prefix_seed
 from sparkcache.store import Match, SnapshotStore
 
 __all__ = ["LOAD_LEASE_SECONDS", "Restores"]
@@ -53,9 +55,28 @@ def _shared_blocks(a: list[bytes], b: list[bytes]) -> int:
     return lo
 
 
-#: How long a request waits at most for an explicit cache write in flight (an
-#: asked breakpoint of another request, being published) that holds more of it.
+#: How long a request waits at most for another request's save in flight (an
+#: asked breakpoint, or a finished request's prompt and answer, being
+#: published) that holds more of it.
 WRITE_WAIT_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class _Write:
+    """A save planned, perhaps not published yet (:meth:`Restores.writing`)."""
+
+    req_id: str
+    tag: str  # its name in the workers' reports (``jobs.save_tag``)
+    seed: bytes  # its scope's prefix seed: only requests in that scope wait for it
+    key: str  # the snapshot key it publishes (``Catalog.publish_ended``)
+    token_ids: np.ndarray
+    #: An explicit cache write's boundaries, which a lookup reaches exactly
+    #: (into their block with the tail block; a windowed model: its end).
+    marks: tuple[int, ...]
+    #: Any save's whole-block boundaries a lookup starts from, growing block by
+    #: block (none for a windowed model, which restores only ends).
+    aliases: tuple[int, ...]
+    since: float
 
 
 class Restores:
@@ -82,34 +103,87 @@ class Restores:
         self._inflight: dict[str, list[bytes]] = {}  # async loads: hashes of what they load
         self._leases: dict[str, int] = {}  # request -> lease on the snapshot it loads
         self._loads: list[LoadJob] = []
-        #: Explicit cache writes planned: (token ids, what a lookup reaches, since).
-        self._writes: list[tuple[np.ndarray, tuple[int, ...], float]] = []
+        #: Saves planned, until published or past their wait (``WRITE_WAIT_SECONDS``).
+        self._writes: list[_Write] = []
+        #: Requests whose saves a request waits for: published at once (``take_hurry``).
+        self._hurry: set[str] = set()
+        #: Ranks that reported each save's publish ended (``jobs.save_tag``), until all did.
+        self._reported: dict[str, int] = {}
         #: The model's KV heads in all, set by the connector (0: unknown, no
         #: lookups of snapshots stored by engines of another TP size).
         self.total_kv_heads = 0
 
     def writing(self, job: SaveJob) -> None:
-        """An explicit cache write (``SaveJob.explicit``) was planned: until it is
-        published, at most :data:`WRITE_WAIT_SECONDS`, a request sharing
-        its tokens past one of its boundaries waits for it (vLLM asks again)
-        instead of computing what it is about to store."""
+        """A save was planned: until it is published, at most
+        :data:`WRITE_WAIT_SECONDS`, a request sharing more of its tokens than
+        is stored or live waits for it (vLLM asks again) instead of computing
+        what it is about to store, and the save is published at once
+        (:meth:`take_hurry`): an asked breakpoint's, or a finished request's
+        whose blocks vLLM has evicted since (the client's next turn)."""
         n, bs = job.token_ids.size, self.rules.bs
         # What a lookup reaches once it is published: a windowed model only the
-        # snapshot's end; else each boundary (into its block with the tail block).
-        reach = (n,) if self.rules.groups.ends_only else tuple(sorted(
+        # snapshot's end; else each boundary (into its block with the tail
+        # block), and from an alias (a stride, a boundary, the end) block by block.
+        ends = self.rules.groups.ends_only
+        marks = (n,) if ends else tuple(sorted(
             {m if self.tail_block else m // bs * bs for m in job.breakpoints if 0 < m <= n}))
-        if reach:
-            self._writes.append((job.token_ids, reach, time.monotonic()))
+        stride = max(bs, self.store.alias_stride // bs * bs)
+        aliases = () if ends else tuple(sorted(
+            {*range(stride, n + 1, stride), n, *(m // bs * bs for m in marks)}))
+        if not job.explicit:  # only a whole block more is worth waiting for
+            marks = (n,) if ends else ()
+        seed = prefix_seed(self.rules.identity, job.scope)
+        key = prefix_hashes(seed, job.token_ids, bs)[-1].hex()
+        self._writes.append(_Write(job.req_id, save_tag(job), seed, key, job.token_ids,
+                                   marks, aliases, time.monotonic()))
 
-    def _waits_for_write(self, tokens: Any, want: int, have: int) -> bool:
-        """Whether a write in flight holds more of the prompt (up to ``want``)
-        than the ``have`` tokens found now; writes past their wait are forgotten."""
-        now = time.monotonic()
-        self._writes = [w for w in self._writes if now - w[2] < WRITE_WAIT_SECONDS]
-        for ids, marks, _since in self._writes:
-            for m in marks:
-                if have < m <= want and np.array_equal(ids[:m], np.asarray(tokens[:m], np.uint32)):
-                    return True
+    def ended(self, reports: dict[str, int]) -> None:
+        """The workers report these saves' publishes ended (``SparkCacheWorkerMeta``:
+        published, skipped, failed or dropped), with how many ranks did: once
+        every rank did, nobody waits for the save any more (a lookup finds what
+        it stored, if anything)."""
+        for tag, ranks in reports.items():
+            self._reported[tag] = self._reported.get(tag, 0) + ranks
+        world = self.rules.identity.world_size
+        self._writes = [w for w in self._writes if self._reported.get(w.tag, 0) < world]
+        pending = {w.tag for w in self._writes}
+        self._reported = {t: n for t, n in self._reported.items() if t in pending}
+
+    def take_hurry(self) -> list[str]:
+        """The requests whose saves a request waits for, since the last call:
+        their publishes wait for no quiet moment (``publisher.Prefills.want``)."""
+        hurry, self._hurry = sorted(self._hurry), set()
+        return hurry
+
+    def _waits_for_write(self, state: RequestState, tokens: Any, want: int, have: int) -> bool:
+        """Whether a save in flight in the request's scope holds more of the prompt
+        (up to ``want``) than the ``have`` tokens found now (its request is then
+        hurried).  Saves past their wait are forgotten, and so is one whose
+        publish the index shows ended (quarantined since, say) before the
+        workers' report of it arrived."""
+        now, bs = time.monotonic(), self.rules.bs
+        self._writes = [w for w in self._writes if now - w.since < WRITE_WAIT_SECONDS]
+        prompt = np.asarray(tokens[:want], np.uint32)
+        for w in list(self._writes):
+            if w.seed != state.seed:
+                continue
+            shared = common_prefix(w.token_ids, prompt)
+            reach = max((m for m in w.marks if m <= shared), default=0)
+            if any(a <= shared for a in w.aliases):
+                reach = max(reach, shared // bs * bs)
+            if have >= min(reach, want):
+                continue
+            try:
+                ended = self.store.catalog.publish_ended(self.rules.identity, w.key)
+            except SparkCacheError as exc:
+                logger.warning("sparkcache: could not tell whether a save was published "
+                               "(waiting for it): %s", exc)
+                ended = False
+            if ended:
+                self._writes.remove(w)
+                continue
+            self._hurry.add(w.req_id)
+            return True
         return False
 
     def asked(self, req_id: str) -> None:
@@ -141,7 +215,8 @@ class Restores:
         if found is None:
             return 0, False
         match, claim = found
-        if self._writes and self._waits_for_write(tokens, want, max(claim, num_computed)):
+        if self._writes and self._waits_for_write(state, tokens, want,
+                                                   max(claim, num_computed)):
             return None, False  # another request's cache write brings more: ask again
         part = state.restore
         if self._ask_tier(request, state, limit, max(claim, num_computed), hashes):

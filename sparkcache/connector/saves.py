@@ -47,7 +47,7 @@ class Saves:
         self.store, self.rules, self.counters = store, rules, counters
         self.enabled = enabled
         self._saves: list[SaveJob] = []
-        self._writes: list[SaveJob] = []  # the explicit ones, until take_writes
+        self._writes: list[SaveJob] = []  # those with blocks, until take_writes
         self._saving: set[str] = set()  # blocks held until the workers copied them
         self._kept: dict[int, float] = {}  # snapshot -> when our keep lease on it ends
         #: The model's KV heads in all, set by the connector (0: unknown, no
@@ -277,12 +277,12 @@ class Saves:
 
     def _add(self, job: SaveJob) -> None:
         self._saves.append(job)
-        if job.explicit:
+        if job.blocks:
             self._writes.append(job)
 
     def take_writes(self) -> list[SaveJob]:
-        """The explicit cache writes (``SaveJob.explicit``) planned since the last
-        call, each handed out once (the restores wait for them: ``Restores.writing``)."""
+        """The saves that write (not a release) planned since the last call, each
+        handed out once (the restores wait for them: ``Restores.writing``)."""
         writes, self._writes = self._writes, []
         return writes
 

@@ -235,20 +235,27 @@ class SchedulerSide:
         self._note_writes()
         return loads, self.saves.take_saves()
 
+    def take_hurry(self) -> list[str]:
+        """Requests whose saves another request waits for (``Restores.take_hurry``)."""
+        return self.restores.take_hurry()
+
     def _note_writes(self) -> None:
-        """Cache writes planned since the last look: a request reading past one of
-        their boundaries waits for them (the next request may read one at once)."""
+        """Saves planned since the last look: a request reading more of one than
+        is stored or live waits for it (the next request may read one at once)."""
         for job in self.saves.take_writes():
             self.restores.writing(job)
 
     def on_output(self, finished_recving: Iterable[str], finished_sending: Iterable[str],
-                  stats: Any = None) -> None:
+                  stats: Any = None, ended: dict[str, int] | None = None) -> None:
         """``update_connector_output``: loads landed (their leases go, followers
-        are answered again), saves copied (their blocks are no longer held);
+        are answered again), saves copied (their blocks are no longer held),
+        publishes ``ended`` (``SparkCacheWorkerMeta``: nobody waits for them);
         the step's time and the workers' ``stats`` measure the cost model."""
         self.clock.ended()
         if self.restores.costs is not None and stats is not None:
             self.restores.costs.loads_measured(getattr(stats, "data", None))
+        if ended:
+            self.restores.ended(ended)
         landed = list(finished_recving)
         self.restores.landed(landed)
         for req_id in landed:

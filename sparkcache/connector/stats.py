@@ -24,14 +24,15 @@ from sparkcache.errors import SparkCacheError
 from sparkcache.store import SnapshotStore
 
 __all__ = ["PROM_COUNTERS", "STORE_METRICS", "TENANT_PROM_COUNTERS", "SparkCacheMetadata",
-           "SparkCachePromMetrics", "SparkCacheStats", "StoreCollector",
-           "register_store_collector"]
+           "SparkCachePromMetrics", "SparkCacheStats", "SparkCacheWorkerMeta", "StoreCollector",
+           "computes_prompt", "register_store_collector"]
 
 logger = logging.getLogger(__name__)
 
 _base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
 _metrics = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
 KVConnectorMetadata: Any = _base.KVConnectorMetadata
+KVConnectorWorkerMetadata: Any = _base.KVConnectorWorkerMetadata
 KVConnectorStats: Any = _metrics.KVConnectorStats
 KVConnectorPromMetrics: Any = _metrics.KVConnectorPromMetrics
 
@@ -49,6 +50,33 @@ class SparkCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
     idle: bool = False
     #: The step computes prompt tokens: publishes wait (``publisher.Prefills``).
     prefill: bool = False
+    #: Requests whose saves a request waits for: published at once (``Prefills.want``).
+    hurry: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SparkCacheWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Workers -> scheduler, each step: the saves whose publish ended (published,
+    skipped or failed) since the last step, each named by ``jobs.save_tag``,
+    with how many ranks report it (vLLM sums the ranks' reports: :meth:`aggregate`).
+    Sent whether or not vLLM logs stats: the scheduler's waits for a save end
+    here (``Restores.ended``)."""
+
+    ended: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: SparkCacheWorkerMeta) -> SparkCacheWorkerMeta:
+        ended = dict(self.ended)
+        for tag, ranks in getattr(other, "ended", {}).items():
+            ended[tag] = ended.get(tag, 0) + ranks
+        return SparkCacheWorkerMeta(ended=ended)
+
+
+def computes_prompt(scheduler_output: Any) -> bool:
+    """Whether a step computes prompt tokens (``SparkCacheMetadata.prefill``):
+    more than one token for some request (a prompt or a chunk of one; a
+    decode step computes one each)."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    return any(int(n) > 1 for n in scheduled.values())
 
 
 # -- stats (workers and scheduler -> the logger process) ---------------------------------

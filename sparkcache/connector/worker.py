@@ -49,7 +49,7 @@ import numpy as np
 from sparkcache.connector.costs import LOAD_KEY
 from sparkcache.connector.faults import FAULT_ENV, scramble, slow_restore
 from sparkcache.connector.groups import KVGroups
-from sparkcache.connector.jobs import Counters, LoadJob, SaveJob
+from sparkcache.connector.jobs import Counters, LoadJob, SaveJob, save_tag
 from sparkcache.connector.kvlayers import LayerGroups, Pages
 from sparkcache.connector.publisher import Prefills, Publisher
 from sparkcache.connector.resharded import load_resharded
@@ -111,6 +111,7 @@ class WorkerIO:
         self._recved: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pending_bytes = 0
+        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()  # publishes ended
         # Notified when a breakpoint copy finished or a load landed.
         self._progress = threading.Condition(self._lock)
         # Breakpoint saves of running requests: copies not done yet, per request;
@@ -141,7 +142,7 @@ class WorkerIO:
             threading.Thread(target=self._in_step_loop, name="sparkcache-in-step", daemon=True),
         ]
         #: Whether the forward computes prompt tokens now: publishes wait for it.
-        self.prefills = Prefills()
+        self.prefills = Prefills.of(self.fault)
         self._publisher = Publisher(self.store, self.identity, self.rank, self.counters,
                                     self._published, self.fault, self.prefills)
         for thread in self._threads:
@@ -383,6 +384,8 @@ class WorkerIO:
     def submit_save(self, job: SaveJob) -> None:
         """Queue a save; the blocks are reported sent once copied out (or dropped)."""
         if self.groups is None or not job.blocks:
+            if job.blocks:  # nothing to write it with
+                self._ended.put(save_tag(job))
             if job.report:
                 self._mark_sent(job.req_id)
             return
@@ -404,6 +407,7 @@ class WorkerIO:
                 logger.exception("sparkcache copy-out for %s failed: %s", job.req_id, exc)
                 self.counters.add("save_failures")
                 self._unqueue(job, nbytes, seq)
+                self._ended.put(save_tag(job))
                 return
             try:
                 self._saves.put_nowait((job, nbytes, seq, fence, early))
@@ -411,6 +415,7 @@ class WorkerIO:
             except queue.Full:
                 self._unqueue(job, nbytes, seq)
         self.counters.add("saves_dropped")
+        self._ended.put(save_tag(job))
         if job.report:
             self._mark_sent(job.req_id)
 
@@ -505,16 +510,27 @@ class WorkerIO:
             if pages is not None:  # written below the engine's priority (publisher)
                 self._publisher.submit(job, pages, nbytes)
             else:
-                self._published(nbytes)
+                self._published(job, nbytes)
             del pages
         self._saves.task_done()
 
-    def _published(self, nbytes: int) -> None:
-        """A save's publish ended (or it had nothing to publish): its host bytes
-        are free and its queue entry done (what ``flush`` waits for)."""
+    def _published(self, job: SaveJob, nbytes: int) -> None:
+        """A save's publish ended (or it had nothing to publish): its host bytes are
+        free, its queue entry done (``flush``), the scheduler told (:meth:`take_ended`)."""
         with self._lock:
             self._pending_bytes -= nbytes
+            self._ended.put(save_tag(job))
+            self._progress.notify_all()  # a request may wait for it (wait_for_loads)
         self._saves.task_done()
+
+    def take_ended(self) -> dict[str, int]:
+        """Saves (``jobs.save_tag``) whose publish here ended since the last call
+        (published, skipped, failed, dropped), each with how often."""
+        ended: dict[str, int] = {}
+        while not self._ended.empty():
+            tag = self._ended.get_nowait()
+            ended[tag] = ended.get(tag, 0) + 1
+        return ended
 
     def _gather(self, job: SaveJob, fence: object,
                 early: dict[int, list[np.ndarray]]) -> list[np.ndarray]:
@@ -537,12 +553,13 @@ class WorkerIO:
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block up to ``timeout`` s while async loads are in flight and none has
-        landed yet.  Called on steps that compute nothing: instead of vLLM
-        spinning through empty steps (which holds the GIL and a core the loader
-        needs) the engine sleeps until a load lands."""
+        landed yet, or a save a request waits for is published and none ended
+        yet.  On steps that compute nothing: instead of vLLM spinning through empty
+        steps (holding the GIL and a core the I/O needs) the engine sleeps."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while not self._recved and self._loads.unfinished_tasks:
+            while not self._recved and (self._loads.unfinished_tasks or (
+                    self._ended.empty() and self.prefills.hurried())):
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._progress.wait(left):
                     return

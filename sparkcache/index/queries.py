@@ -62,6 +62,7 @@ LIVE_SNAPSHOT_BY_KEY = (
     f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots "
     "WHERE model_id = ? AND snap_key = ? AND state IN ('pending', 'ready')"
 )
+SNAPSHOT_STATES_BY_KEY = "SELECT state FROM snapshots WHERE model_id = ? AND snap_key = ?"
 INSERT_SNAPSHOT = (
     "INSERT INTO snapshots (model_id, snap_key, n_tokens, start_token, parent_id, depth, "
     "world_size, nbytes, state, pinned, created_at, last_used, use_count, scope_json, tenant) "

@@ -14,13 +14,24 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparkcache import SnapshotStore
+from sparkcache import SnapshotStore, admin
 from sparkcache.connector import restores
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.scheduler import SchedulerSide, breakpoints_of
 from sparkcache.connector.worker import WorkerIO
 
-from .helpers import BS, GatedPages, Req, blocks_of, finished, identity, prompt, save, step
+from .helpers import (
+    BS,
+    GatedPages,
+    Req,
+    blocks_of,
+    ended,
+    finished,
+    identity,
+    prompt,
+    save,
+    step,
+)
 
 
 def test_breakpoints_from_kv_transfer_params(one_rank: Any) -> None:
@@ -221,3 +232,75 @@ def test_the_next_request_waits_for_a_cache_write_in_flight(
     assert sched.matched_tokens(fourth, 4 * BS) == (None, False)
     monkeypatch.setattr(restores, "WRITE_WAIT_SECONDS", 0.0)
     assert sched.matched_tokens(fourth, 4 * BS) == (0, False)
+
+
+def test_the_next_turn_waits_for_its_previous_turns_save_when_vllm_evicted_it(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finished request's save (no breakpoint asked) planned, not published:
+    the conversation's next turn, sharing more of it than is stored or live
+    (vLLM evicted its blocks), asks again and names that request to hurry;
+    once the worker reports the publish it restores the previous turn; a
+    request holding the shared part live, or sharing less than a lookup can
+    reach, does not wait; nor does one after the publish ended with nothing
+    to offer (cleared, or quarantined before the workers' report came), or
+    one in another scope."""
+    store, sched, io, _counters = one_rank
+    turn = prompt(6 * BS + 3, 61)  # a turn's prompt and answer
+    first = Req("a", turn)
+    sched.matched_tokens(first, 0)
+    held, _ = sched.finished(finished(first), blocks_of(first))
+    assert held
+    nxt = Req("b", turn + prompt(20, 62))
+    assert sched.matched_tokens(nxt, 0) == (None, False)  # evicted: waits for the save
+    assert sched.take_hurry() == ["a"] and sched.take_hurry() == []
+    assert sched.matched_tokens(Req("c", turn + prompt(20, 63)), 6 * BS) == (0, False)  # live
+    assert sched.matched_tokens(Req("d", turn[:BS + 5] + prompt(40, 64)), 0) == (0, False)
+    _, (job,) = sched.take_jobs()
+    assert not job.explicit
+    io.submit_save(job)
+    assert io.flush()
+    sent, _ = io.poll()
+    sched.on_output((), sent, None, ended(io))
+    assert sched.matched_tokens(nxt, 0) == (len(turn), True)  # the previous turn, restored
+    # Published, reported, and cleared at once: nobody waits for it.
+    other = prompt(5 * BS, 65)
+    save(sched, io, Req("e", other))
+    cleared = admin.clear_model(store, store.snapshots()[-1].model_id)
+    assert cleared.deleted
+    assert sched.matched_tokens(Req("f", other + prompt(9, 66)), 0) == (0, False)
+    # Published and quarantined before the workers' report came: the index
+    # shows the publish ended, so nobody waits for it.
+    bad = prompt(5 * BS, 69)
+    quarantined = Req("i", bad)
+    sched.matched_tokens(quarantined, 0)
+    assert sched.finished(finished(quarantined), blocks_of(quarantined))[0]
+    _, (job,) = sched.take_jobs()
+    io.submit_save(job)
+    assert io.flush()
+    assert sched.matched_tokens(Req("j", bad + prompt(9, 70)), 0) == (len(bad), True)
+    store.quarantine(store.snapshots()[-1].id, "test")
+    assert sched.matched_tokens(Req("k", bad + prompt(9, 71)), 0) == (0, False)
+    assert sched.take_hurry() == []
+    sched.on_output((), io.poll()[0], None, ended(io))
+    # A save in another scope (a tenant's) holds none of this request's prefixes.
+    mine = prompt(5 * BS, 72)
+    tenant = Req("l", mine, kv_transfer_params={"sparkcache": {"tenant": "t1"}})
+    sched.matched_tokens(tenant, 0)
+    assert sched.finished(finished(tenant), blocks_of(tenant))[0]
+    assert sched.matched_tokens(Req("m", mine + prompt(9, 73)), 0) == (0, False)
+    assert sched.matched_tokens(
+        Req("n", mine + prompt(9, 73), kv_transfer_params={"sparkcache": {"tenant": "t1"}}),
+        0) == (None, False)
+    _, (job,) = sched.take_jobs()
+    io.submit_save(job)
+    assert io.flush()
+    sched.on_output((), io.poll()[0], None, ended(io))
+    # A save whose publish is never reported holds nobody past WRITE_WAIT_SECONDS.
+    lost = prompt(5 * BS, 67)
+    gone = Req("g", lost)
+    sched.matched_tokens(gone, 0)
+    assert sched.finished(finished(gone), blocks_of(gone))[0]
+    assert sched.matched_tokens(Req("h", lost + prompt(9, 68)), 0) == (None, False)
+    monkeypatch.setattr(restores, "WRITE_WAIT_SECONDS", 0.0)
+    assert sched.matched_tokens(Req("h", lost + prompt(9, 68)), 0) == (0, False)

@@ -15,16 +15,30 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sparkcache import SnapshotStore
+from sparkcache.connector import restores
 from sparkcache.connector.jobs import Counters
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
 
-from .helpers import BS, LAYERS, PAGE_NBYTES, FakePages, Req, blocks_of, finished, identity, prompt
+from .helpers import (
+    BS,
+    LAYERS,
+    PAGE_NBYTES,
+    FakePages,
+    Req,
+    blocks_of,
+    ended,
+    finished,
+    identity,
+    prompt,
+)
 
 
-def test_two_ranks_publish_restore_and_availability(tmp_path: Path) -> None:
+def test_two_ranks_publish_restore_and_availability(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     ident = identity(tp_size=2)
     store = SnapshotStore(tmp_path / "s")
     sched = SchedulerSide(store, ident, Counters(), min_tokens=BS, load_async=True)
@@ -39,10 +53,18 @@ def test_two_ranks_publish_restore_and_availability(tmp_path: Path) -> None:
         workers[0].submit_save(save)
         assert workers[0].flush()
         assert workers[0].poll()[0] == {"a"}
-        # Rank 1 has not published: the snapshot is not offered to anyone.
-        assert sched.matched_tokens(Req("b", p), 0) == (0, False)
+        sched.on_output((), (), None, ended(workers[0]))
+        # Rank 1 has not published: the snapshot is not offered to anyone; a
+        # request sharing it waits for the save in flight (and hurries it) ...
+        assert sched.matched_tokens(Req("b", p), 0) == (None, False)
+        assert sched.take_hurry() == ["a"]
+        # ... for WRITE_WAIT_SECONDS at most, then computes.
+        with monkeypatch.context() as patch:
+            patch.setattr(restores, "WRITE_WAIT_SECONDS", 0.0)
+            assert sched.matched_tokens(Req("b", p), 0) == (0, False)
         workers[1].submit_save(save)
         assert workers[1].flush()
+        sched.on_output((), (), None, ended(workers[1]))
         # Every rank ready: all but the prompt's last token are offered, async: the
         # prompt-end alias (96 tokens) and the stored block holding tokens 96..99.
         req = Req("c", p)

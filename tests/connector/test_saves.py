@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sparkcache import SnapshotStore
-from sparkcache.connector.jobs import Counters, SaveJob
+from sparkcache.connector.jobs import Counters, SaveJob, save_tag
 from sparkcache.connector.publisher import Prefills
 from sparkcache.connector.worker import WorkerIO
 from sparkcache.cpus import LOWEST_PRIORITY
@@ -180,8 +180,8 @@ def test_a_save_queued_under_a_prefill_is_published_after_it(tmp_path: Path) -> 
 
 def test_the_connector_marks_each_step_that_computes_prompt_tokens() -> None:
     pytest.importorskip("vllm")
-    from sparkcache.connector.connector import SparkCacheConnector, computes_prompt
-    from sparkcache.connector.stats import SparkCacheMetadata
+    from sparkcache.connector.connector import SparkCacheConnector
+    from sparkcache.connector.stats import SparkCacheMetadata, computes_prompt
 
     assert computes_prompt(SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 200}))
     assert not computes_prompt(SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1}))
@@ -217,4 +217,62 @@ def test_an_explicit_save_is_published_under_a_prefill(tmp_path: Path) -> None:
         io.submit_save(SaveJob("c", np.arange(2 * BS, 3 * BS, dtype=np.uint32), ((2,),), None,
                                None, (BS,), explicit=True))
         assert io.flush(0.5) and len(store.snapshots()) == 3
+        io.close()
+
+
+def test_a_save_another_request_waits_for_is_published_under_a_prefill(tmp_path: Path) -> None:
+    """The scheduler names the requests whose saves a request waits for
+    (``SparkCacheMetadata.hurry``): such a save is published at once, with
+    the ones queued before it; the worker reports its publish ended
+    (``take_ended``, the scheduler's ``SparkCacheWorkerMeta``);
+    a want whose save never comes lapses (``WANT_S``)."""
+    pytest.importorskip("vllm")
+    from sparkcache.connector.connector import SparkCacheConnector
+    from sparkcache.connector.stats import SparkCacheMetadata, SparkCacheWorkerMeta
+
+    with SnapshotStore(tmp_path / "s") as store:
+        counters = Counters()
+        io = WorkerIO(store, identity(), 0, FakePages(8, 1), counters)
+        connector = object.__new__(SparkCacheConnector)  # only its per-step hooks run
+        connector.io = io
+        connector.bind_connector_metadata(SparkCacheMetadata(prefill=True))  # never ends
+        a = SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None, ())
+        b = SaveJob("b", np.arange(BS, 2 * BS, dtype=np.uint32), ((1,),), None, None, ())
+        io.submit_save(a)
+        io.submit_save(b)
+        time.sleep(0.2)
+        assert store.snapshots() == []  # both wait for the prefill to end
+        connector.bind_connector_metadata(SparkCacheMetadata(prefill=True, hurry=["b"]))
+        assert io.flush(0.5) and len(store.snapshots()) == 2  # b, and a before it
+        assert connector.build_connector_worker_meta().ended == {save_tag(a): 1, save_tag(b): 1}
+        assert connector.build_connector_worker_meta() is None  # each reported once
+        # vLLM sums the ranks' reports (its KVOutputAggregator calls aggregate).
+        both = SparkCacheWorkerMeta({"x": 1}).aggregate(SparkCacheWorkerMeta({"x": 1, "y": 1}))
+        assert both.ended == {"x": 2, "y": 1}
+        assert not io.prefills.wanted("b")  # published: nobody waits for it
+        io.close()
+    prefills = Prefills(settle_s=0.01, max_wait_s=5.0, want_s=0.2)
+    prefills.started(True)
+    prefills.want(["never-saved"])
+    assert prefills.hurried() and prefills.wait_quiet(time.monotonic()) < 0.05
+    time.sleep(0.25)
+    assert not prefills.hurried()  # lapsed
+
+
+def test_an_idle_step_sleeps_until_a_wanted_publish_ends(tmp_path: Path) -> None:
+    """On a step that computes nothing (``wait_for_loads``) while a request
+    waits for a save, the engine sleeps until that save's publish ended, not
+    for the whole timeout; with no save wanted it does not sleep at all."""
+    with SnapshotStore(tmp_path / "s") as store:
+        io = WorkerIO(store, identity(), 0, FakePages(8, 1), Counters())
+        started = time.monotonic()
+        io.wait_for_loads(2.0)
+        assert time.monotonic() - started < 0.1  # nothing in flight, nothing wanted
+        io.prefills.started(False, ["a"])  # the scheduler: a request waits for a's save
+        job = SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None, ())
+        threading.Timer(0.2, io.submit_save, (job,)).start()
+        started = time.monotonic()
+        io.wait_for_loads(5.0)
+        assert 0.2 <= time.monotonic() - started < 2.0
+        assert io.take_ended() == {save_tag(job): 1} and io.take_ended() == {}
         io.close()

@@ -8,6 +8,9 @@
 * deleted: the payload file of a ready snapshot removed: found at lookup when
   the block holding the prompt's end is checked (never offered), or, for a
   prompt sharing only whole blocks with it, on the worker as above.
+* a busy engine: with SPARKCACHE_TEST_FAULT=hold-publishes a save is not
+  published until a request waits for it; a chat's next turn, sent once vLLM
+  evicted the previous one, waits for that save, hurries it and restores it.
 * negative control: with SPARKCACHE_TEST_FAULT=flip-restored the worker
   scrambles restored pages *after* verification; the restore tests'
   comparison (tokens and logprobs) must then fail - proof that it would catch
@@ -24,6 +27,7 @@ import pytest
 from conftest import CHUNK
 from tiny_model import (
     ALIAS_END_PROMPT,
+    CHAT_TURNS,
     COMPUTED,
     LONG_PROMPT,
     NEEDS_VLLM,
@@ -104,6 +108,26 @@ def test_corrupt_and_deleted_snapshots_are_recomputed(
         assert stats.get("hits") == 1, stats  # long's 12 tokens only
     states = sorted(s[2] for s in run["deleted2"]["snapshots"])
     assert states == ["quarantined"] * 3 + ["ready"] * 2, run["deleted2"]["snapshots"]
+
+
+def test_the_next_turn_waits_for_its_previous_turns_save(
+    tiny_model_dir: Path, baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    """Each turn's save is held (``hold-publishes``: as if prefills never ended,
+    half a minute at most) and vLLM's prefix cache is reset after each turn,
+    and nothing waits for the store between turns: the next turn, sharing
+    more of the held save than is stored or live, waits for it, has it
+    published at once, and restores it.  Without the wait, or without the
+    hurry, every turn recomputes (cached 0)."""
+    ops = [{"op": "chat", "name": "chat", "turns": CHAT_TURNS, "reset": True, "wait": False}]
+    run = run_scenario(tiny_model_dir, tmp_path, ops, folder=tmp_path / "store", engine=CHUNK,
+                       env={FAULT_ENV: "hold-publishes"})
+    turns = run["chat"]["outs"]
+    for out, ref in zip(turns, baseline["chat"], strict=True):
+        assert same_answer(out, ref) == "", run["_log"]
+    # As when every save landed before the next turn (test_connector_restore).
+    assert [t["cached"] for t in turns] == [0, 320, 384], run["_log"]
+    assert run["chat"]["metrics"]["vllm:external_prefix_cache_hits"] == 320 + 384
 
 
 def test_negative_control_a_scrambled_restore_is_caught(

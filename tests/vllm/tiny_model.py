@@ -281,10 +281,11 @@ def assert_from_tier(rec: dict[str, Any], prompt: list[int], ref: dict[str, Any]
 #: one engine and reports what each did.  Ops:
 #:   {"op": "gen", "name", "prompts", "logprobs"?}: one generate call (prompts
 #:       run concurrently); records tokens, logprobs, num_cached_tokens per prompt;
-#:   {"op": "chat", "name", "turns", "reset"?}: turn i = previous prompt +
+#:   {"op": "chat", "name", "turns", "reset"?, "wait"?}: turn i = previous prompt +
 #:       previous answer + turns[i]; after each turn waits for its save (when the
-#:       engine has a store), resets vLLM's prefix cache if asked and runs the
-#:       "between" prompts (another conversation) before the next turn;
+#:       engine has a store, unless "wait" is false), resets vLLM's prefix cache
+#:       if asked (until vLLM accepts) and runs the "between" prompts (another
+#:       conversation) before the next turn;
 #:   {"op": "text", "prompts"}: string prompts; {"op": "template", "content"}: llm.chat;
 #:   {"op": "reset"}: llm.reset_prefix_cache();
 #:   {"op": "delete_newest"}: delete the payload file of the newest ready snapshot;
@@ -338,11 +339,16 @@ for op in args["ops"]:
             prompt = prompt + (turns[-1]["tokens"] if turns else []) + extra
             (out,) = gen([prompt], False)
             turns.append(out)
-            if store:
+            if store and op.get("wait", True):
                 wait_ready(op["ready"] + i + (len(op.get("between") or []) if i else 0))
                 out["snapshots"] = [[s.id, s.n_tokens, s.parent_id, s.nbytes] for s in ready()]
             if op.get("reset"):
-                llm.reset_prefix_cache()
+                # Refused while the finished turn's blocks are held for its save's
+                # copy-out (the engine frees them in a step of its own, soon).
+                deadline = time.monotonic() + 30
+                while not llm.reset_prefix_cache():
+                    assert time.monotonic() < deadline, "vLLM's prefix cache was not reset"
+                    time.sleep(0.01)
             if op.get("between") and i + 1 < len(op["turns"]):
                 rec["between"] = gen(op["between"], False)
                 if store:
