@@ -110,12 +110,6 @@ def blocks_of(req: Req) -> list[int]:
     return list(range(len(req.all_token_ids) // BS + 1))
 
 
-def ended(io: WorkerIO) -> dict[str, int]:
-    """The saves whose publish ended on ``io`` since the last call, as the
-    connector reports them to the scheduler (``SparkCacheWorkerMeta.ended``)."""
-    return io.take_ended()
-
-
 def save(sched: SchedulerSide, io: WorkerIO, req: Req) -> SaveJob:
     """Finish ``req``, run its save on ``io`` and report it back (copied, and
     its publish ended: the worker's metadata), as vLLM would."""
@@ -127,7 +121,7 @@ def save(sched: SchedulerSide, io: WorkerIO, req: Req) -> SaveJob:
     sent, _ = io.poll()
     assert req.request_id in sent
     assert io.poll() == (set(), set())  # reported exactly once (vLLM asserts otherwise)
-    sched.on_output((), sent, None, ended(io))
+    sched.on_output((), sent, None, io.take_ended())
     return job
 
 

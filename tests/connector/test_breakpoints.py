@@ -20,18 +20,7 @@ from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.scheduler import SchedulerSide, breakpoints_of
 from sparkcache.connector.worker import WorkerIO
 
-from .helpers import (
-    BS,
-    GatedPages,
-    Req,
-    blocks_of,
-    ended,
-    finished,
-    identity,
-    prompt,
-    save,
-    step,
-)
+from .helpers import BS, GatedPages, Req, blocks_of, finished, identity, prompt, save, step
 
 
 def test_breakpoints_from_kv_transfer_params(one_rank: Any) -> None:
@@ -261,7 +250,7 @@ def test_the_next_turn_waits_for_its_previous_turns_save_when_vllm_evicted_it(
     io.submit_save(job)
     assert io.flush()
     sent, _ = io.poll()
-    sched.on_output((), sent, None, ended(io))
+    sched.on_output((), sent, None, io.take_ended())
     assert sched.matched_tokens(nxt, 0) == (len(turn), True)  # the previous turn, restored
     # Published, reported, and cleared at once: nobody waits for it.
     other = prompt(5 * BS, 65)
@@ -282,7 +271,7 @@ def test_the_next_turn_waits_for_its_previous_turns_save_when_vllm_evicted_it(
     store.quarantine(store.snapshots()[-1].id, "test")
     assert sched.matched_tokens(Req("k", bad + prompt(9, 71)), 0) == (0, False)
     assert sched.take_hurry() == []
-    sched.on_output((), io.poll()[0], None, ended(io))
+    sched.on_output((), io.poll()[0], None, io.take_ended())
     # A save in another scope (a tenant's) holds none of this request's prefixes.
     mine = prompt(5 * BS, 72)
     tenant = Req("l", mine, kv_transfer_params={"sparkcache": {"tenant": "t1"}})
@@ -295,7 +284,7 @@ def test_the_next_turn_waits_for_its_previous_turns_save_when_vllm_evicted_it(
     _, (job,) = sched.take_jobs()
     io.submit_save(job)
     assert io.flush()
-    sched.on_output((), io.poll()[0], None, ended(io))
+    sched.on_output((), io.poll()[0], None, io.take_ended())
     # A save whose publish is never reported holds nobody past WRITE_WAIT_SECONDS.
     lost = prompt(5 * BS, 67)
     gone = Req("g", lost)

@@ -23,18 +23,7 @@ from sparkcache.connector.jobs import Counters
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
 
-from .helpers import (
-    BS,
-    LAYERS,
-    PAGE_NBYTES,
-    FakePages,
-    Req,
-    blocks_of,
-    ended,
-    finished,
-    identity,
-    prompt,
-)
+from .helpers import BS, LAYERS, PAGE_NBYTES, FakePages, Req, blocks_of, finished, identity, prompt
 
 
 def test_two_ranks_publish_restore_and_availability(tmp_path: Path,
@@ -53,7 +42,7 @@ def test_two_ranks_publish_restore_and_availability(tmp_path: Path,
         workers[0].submit_save(save)
         assert workers[0].flush()
         assert workers[0].poll()[0] == {"a"}
-        sched.on_output((), (), None, ended(workers[0]))
+        sched.on_output((), (), None, workers[0].take_ended())
         # Rank 1 has not published: the snapshot is not offered to anyone; a
         # request sharing it waits for the save in flight (and hurries it) ...
         assert sched.matched_tokens(Req("b", p), 0) == (None, False)
@@ -64,7 +53,7 @@ def test_two_ranks_publish_restore_and_availability(tmp_path: Path,
             assert sched.matched_tokens(Req("b", p), 0) == (0, False)
         workers[1].submit_save(save)
         assert workers[1].flush()
-        sched.on_output((), (), None, ended(workers[1]))
+        sched.on_output((), (), None, workers[1].take_ended())
         # Every rank ready: all but the prompt's last token are offered, async: the
         # prompt-end alias (96 tokens) and the stored block holding tokens 96..99.
         req = Req("c", p)
