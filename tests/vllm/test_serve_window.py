@@ -45,6 +45,7 @@ from serve_helpers import (
     ask,
     log_rows,
     requests,
+    settled_snapshots,
     system_prompt,
     usage,
     whole,
@@ -165,7 +166,10 @@ def server_a(gemma_dir: Path, store_dir: Path, logs: Path) -> dict[str, Any]:
         reference = ask_unmarked(server, SYSTEM, Q2, cache_salt="reference")
         reference_row = new_row(store_dir, seq)
         ask_unmarked(server, UNMARKED, Q1)
-    # Stopped: the answers' snapshots, written after they went out, are done.
+        # The answers' snapshots are written after they went out; with workers in
+        # processes of their own a save planned right before a stop is lost
+        # (docs/connector.md, "Shutdown"): let the last one land first.
+        settled_snapshots(store_dir)
     with SnapshotStore(store_dir) as store:
         ends = sorted(s.n_tokens for s in store.snapshots())
     return {"counted": counted, "first": first, "first_row": first_row,
