@@ -46,6 +46,7 @@ from sparkcache.connector.engine import (
     register_by_name,
 )
 from sparkcache.connector.events import Events, storage_events
+from sparkcache.connector.faults import slow_save_step
 from sparkcache.connector.groups import KVGroups
 from sparkcache.connector.jobs import Counters
 from sparkcache.connector.kvlayers import LayerGroups
@@ -61,6 +62,7 @@ from sparkcache.connector.logwriter import LogWriter
 from sparkcache.connector.registration import attention_layers, layer_groups
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.settings import ConnectorSettings
+from sparkcache.connector.signals import outlive_first_signal_in_worker
 from sparkcache.connector.stats import (
     SparkCacheMetadata,
     SparkCachePromMetrics,
@@ -271,8 +273,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         self._kv_manager = kv_cache_manager
 
     def _block_ids_of(self, req_id: str) -> Any:
-        """A running request's blocks, for its breakpoint saves (one list per KV
-        cache group)."""
+        """A running request's blocks per KV cache group, for its breakpoint saves."""
         manager = getattr(self, "_kv_manager", None)
         if manager is None:
             raise KeyError("vLLM did not bind its KV cache manager")
@@ -338,11 +339,9 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         return self.sched is not None and self.sched.pending_block_frees
 
     def reset_cache(self) -> bool | None:
-        """``reset_prefix_cache(reset_connector=True)``: changes nothing, returns True.
-
-        The store is persistent and shared with other engines: a reset of vLLM's
-        prefix cache must not delete snapshots (``sparkcache clear`` does that).
-        """
+        """``reset_prefix_cache(reset_connector=True)``: changes nothing, returns True:
+        the store is persistent and shared with other engines, a reset of vLLM's
+        prefix cache must not delete snapshots (``sparkcache clear`` does that)."""
         return True
 
     # ==============================================================================
@@ -388,6 +387,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             groups=groups, kinds=self.groups,
         )
         self.io.total_kv_heads = total_kv_heads(self._vllm_config)
+        outlive_first_signal_in_worker(self._vllm_config)  # the engine's drain reaches it
         if groups is not None:
             first = pages[0]
             logger.info("sparkcache worker rank %d: %d layers of %d blocks in %d KV cache "
@@ -488,6 +488,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         if self.io is None:
             return
         self._finish_step_loads()  # a save may copy blocks this step restored
+        slow_save_step(self.io.fault, len(meta.saves))
         for job in meta.saves:
             self.io.submit_save(job)
 
@@ -584,8 +585,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                 self.tier.close()
             self.events.close()
         elif self.io is not None:
-            unsent = Unsent.take(self._unsent_key)
-            if unsent:
+            if unsent := Unsent.take(self._unsent_key):
                 logger.info("sparkcache: %d save(s) planned after the last step, run at "
                             "shutdown", len(unsent))
             for job in unsent:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 __all__ = ["DIE_AT_PUBLISH", "FAULT_ENV", "HOLD_PUBLISHES_S", "die_at_publish",
-           "holds_publishes", "scramble", "slow_restore"]
+           "holds_publishes", "scramble", "slow_restore", "slow_save_step"]
 
 #: ``flip-restored`` scrambles restored pages *after* verification (every layer
 #: gets another layer's pages): a wrong restore must change the tokens or
@@ -23,7 +23,9 @@ __all__ = ["DIE_AT_PUBLISH", "FAULT_ENV", "HOLD_PUBLISHES_S", "die_at_publish",
 #: in-step restore feeds reaches its layers first.  ``hold-publishes``: a save's
 #: publish waits as if every step computed prompt tokens, for
 #: :data:`HOLD_PUBLISHES_S` at most, unless a request waits for it (a busy
-#: engine, where a finished request's save lands late).
+#: engine, where a finished request's save lands late).  ``slow-save-step``: a
+#: worker sleeps two seconds in a step that carries saves before it takes them
+#: (a stop signal sent right after an answer reaches the worker before its save).
 FAULT_ENV = "SPARKCACHE_TEST_FAULT"
 
 #: How long the ``hold-publishes`` fault holds a publish at most.
@@ -65,4 +67,10 @@ def holds_publishes(fault: str) -> bool:
 def slow_restore(fault: str, seconds: float = 0.5) -> None:
     """The ``slow-restore`` fault: wait ``seconds`` before a restore's read."""
     if fault == "slow-restore":
+        time.sleep(seconds)
+
+
+def slow_save_step(fault: str, saves: int, seconds: float = 2.0) -> None:
+    """The ``slow-save-step`` fault: wait ``seconds`` in a step carrying ``saves``."""
+    if fault == "slow-save-step" and saves:
         time.sleep(seconds)

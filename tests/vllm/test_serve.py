@@ -7,8 +7,9 @@ reads it, with exact usage (whole answers and streamed ones); OpenAI requests
 the request log; a conversation pushed out of
 vLLM's 64-block live cache by another is restored, not lost; a second server
 started on the same store (a restart) reads a breakpoint's prefix from disk
-and answers as the first one did; and the page, in a real headless Chromium,
-clears the model's snapshots and their files.
+and answers as the first one did, and keeps its answer's snapshot when it is
+stopped before the step carrying that save reached its worker; and the page,
+in a real headless Chromium, clears the model's snapshots and their files.
 
 The token positions below are counted by hand from the texts, not by the code
 under test (:data:`serve_helpers.SYSTEM_FRAME`).
@@ -227,10 +228,15 @@ def test_a_restarted_server_restores_a_breakpoint_and_answers_the_same(
     prompt = len(system) + SYSTEM_FRAME + len(user) + USER_FRAME
     log = tmp_path_factory.mktemp("serve-log") / "server-b.log"
     stored = len(settled_snapshots(store_dir))
-    with Server(tiny_model_dir, store_dir, log) as fresh:
+    # The step that carries the answer's save reaches the worker two seconds
+    # late (a test fault), so the stop below (SIGINT to every process, as a
+    # Ctrl-C) reaches the worker first.
+    with Server(tiny_model_dir, store_dir, log,
+                env={"SPARKCACHE_TEST_FAULT": "slow-save-step"}) as fresh:
         after = ask(clients(fresh)[0], system, user, max_tokens=12)
-    # Stopped right after answering: the answer's snapshot, written after the
-    # response went out, was finished before the server exited.
+    # Stopped right after answering: the worker ran the engine's last steps
+    # (connector.signals), so the answer's snapshot was written before it exited.
+    assert "died unexpectedly" not in log.read_text()
     with SnapshotStore(store_dir) as store:
         assert len(store.snapshots()) == stored + 1
     # Read to the mark, from the snapshot of the first request and its answer.
