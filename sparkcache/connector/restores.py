@@ -68,7 +68,6 @@ class _Write:
     req_id: str
     tag: str  # its name in the workers' reports (``jobs.save_tag``)
     seed: bytes  # its scope's prefix seed: only requests in that scope wait for it
-    key: str  # the snapshot key it publishes (``Catalog.publish_ended``)
     token_ids: np.ndarray
     #: An explicit cache write's boundaries, which a lookup reaches exactly
     #: (into their block with the tail block; a windowed model: its end).
@@ -133,8 +132,7 @@ class Restores:
         if not job.explicit:  # only a whole block more is worth waiting for
             marks = (n,) if ends else ()
         seed = prefix_seed(self.rules.identity, job.scope)
-        key = prefix_hashes(seed, job.token_ids, bs)[-1].hex()
-        self._writes.append(_Write(job.req_id, save_tag(job), seed, key, job.token_ids,
+        self._writes.append(_Write(job.req_id, save_tag(job), seed, job.token_ids,
                                    marks, aliases, time.monotonic()))
 
     def ended(self, reports: dict[str, int]) -> None:
@@ -173,8 +171,9 @@ class Restores:
                 reach = max(reach, shared // bs * bs)
             if have >= min(reach, want):
                 continue
+            key = prefix_hashes(w.seed, w.token_ids, bs)[-1].hex()  # what it publishes
             try:
-                ended = self.store.catalog.publish_ended(self.rules.identity, w.key)
+                ended = self.store.catalog.publish_ended(self.rules.identity, key)
             except SparkCacheError as exc:
                 logger.warning("sparkcache: could not tell whether a save was published "
                                "(waiting for it): %s", exc)
