@@ -166,9 +166,8 @@ def server_a(gemma_dir: Path, store_dir: Path, logs: Path) -> dict[str, Any]:
         reference = ask_unmarked(server, SYSTEM, Q2, cache_salt="reference")
         reference_row = new_row(store_dir, seq)
         ask_unmarked(server, UNMARKED, Q1)
-        # The answers' snapshots are written after they went out; with workers in
-        # processes of their own a save planned right before a stop is lost
-        # (docs/connector.md, "Shutdown"): let the last one land first.
+        # The answers' snapshots are written after they went out: let the last
+        # one land before the stop (a save kept through a stop is test_serve's).
         settled_snapshots(store_dir)
     with SnapshotStore(store_dir) as store:
         ends = sorted(s.n_tokens for s in store.snapshots())
