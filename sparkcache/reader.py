@@ -17,6 +17,7 @@ short read (``truncated``), where a mapping would have raised SIGBUS.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -28,11 +29,12 @@ from sparkcache import segment as seg
 from sparkcache.buffers import as_byte_view
 from sparkcache.core import Core, Match
 from sparkcache.cpus import pinned_to
-from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound
+from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
 from sparkcache.identity import ModelIdentity
+from sparkcache.index import queries as q
 from sparkcache.maintenance import quarantine
 
-__all__ = ["read_into", "read_pages", "stored_tokens"]
+__all__ = ["WARM_MAX_FILES", "Warmed", "read_into", "read_pages", "stored_tokens", "warm"]
 
 
 @dataclass(frozen=True)
@@ -466,3 +468,61 @@ def _touch(core: Core, model_id: int, links: list[_Link], n: int, nbytes: int,
     """Record the hit: every link read was used, and the restored amounts."""
     core.record_use([link.id for link in links], model_id,
                     {"hits": hits, "restored_tokens": n, "restored_bytes": nbytes})
+
+
+#: The most segment files one :func:`warm` considers (a bound on its query).
+WARM_MAX_FILES = 100_000
+#: The chunk :func:`warm` reads files through.
+WARM_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Warmed:
+    """What :func:`warm` read into the page cache."""
+
+    #: The snapshots whose every segment file was read whole.
+    snapshots: frozenset[int]
+    files: int
+    nbytes: int
+    seconds: float
+
+
+def warm(core: Core, identity: ModelIdentity, max_bytes: int,
+         stop: Callable[[], bool] | None = None) -> Warmed:
+    """Read the segment files of ``identity``'s most recently used ready
+    snapshots, newest use first, into the OS page cache, up to ``max_bytes``
+    in all (a file that does not fit in what is left is skipped).
+
+    Nothing is verified, kept or handed out: a restore still verifies every
+    byte it copies.  Only a backend whose objects are local files (``warm``)
+    has a page cache to fill; with another, nothing is read.  A file that
+    is missing or cannot be read is skipped (a restore of it finds out).
+    ``stop()`` true ends the read between chunks.
+    """
+    started = time.perf_counter()
+    reader = getattr(core.backend, "warm", None)
+    if max_bytes <= 0 or reader is None:
+        return Warmed(frozenset(), 0, 0, 0.0)
+    with core.read() as conn:
+        model_id = core.model_id(conn, identity)
+        rows = [] if model_id is None else [
+            (int(sid), str(key), int(size))
+            for sid, key, size in conn.execute(q.WARM_SEGMENTS, (model_id, WARM_MAX_FILES))]
+    chunk = np.empty(WARM_CHUNK_BYTES, np.uint8)
+    left, files, whole = max_bytes, 0, dict[int, bool]()
+    for sid, key, size in rows:
+        if stop is not None and stop():
+            break
+        if size > left:
+            whole[sid] = False
+            continue
+        try:
+            done = reader(key, chunk, stop)
+        except (SparkCacheError, OSError):
+            done = -1
+        whole[sid] = whole.get(sid, True) and done == size
+        if done > 0:
+            left -= done
+            files += 1
+    return Warmed(frozenset(sid for sid, ok in whole.items() if ok), files,
+                  max_bytes - left, time.perf_counter() - started)

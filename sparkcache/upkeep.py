@@ -1,4 +1,5 @@
-"""The store's upkeep: pins, leases, deletion, eviction, checks, sweeps, verification.
+"""The store's upkeep: pins, leases, deletion, eviction, checks, sweeps,
+verification, and reading the hottest snapshots into the page cache.
 
 :class:`StoreUpkeep` is the base class of :class:`~sparkcache.store.SnapshotStore`
 holding these verbs, so the facade stays one API in two readable halves: the
@@ -12,9 +13,10 @@ it holds in order.  Each verb calls one helper that takes the core
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, overload
 
-from sparkcache import maintenance, rehearsal, verification
+from sparkcache import maintenance, reader, rehearsal, verification
 from sparkcache.catalog import list_snapshots
 from sparkcache.core import Core, scalar
 from sparkcache.errors import InvalidArgument, NotFound
@@ -22,6 +24,7 @@ from sparkcache.holders import this_holder
 from sparkcache.identity import ModelIdentity
 from sparkcache.index import queries as q
 from sparkcache.maintenance import CheckReport
+from sparkcache.reader import Warmed
 from sparkcache.rehearsal import DryRun
 from sparkcache.retention import Retention, Sweeper, SweepReport
 from sparkcache.verification import Progress, RequeueReport, VerifyReport
@@ -40,6 +43,26 @@ class StoreUpkeep:
     _sweeper: Sweeper | None
     retention: Retention | None
     alias_stride: int
+
+    def warm(self, identity: ModelIdentity, max_bytes: int,
+             stop: Callable[[], bool] | None = None) -> Warmed:
+        """Read the local files of ``identity``'s most recently used snapshots,
+        newest use first, into the OS page cache (an engine's start: its first
+        restores then read memory, not the disk; docs/connector.md, "Engine
+        start").  Nothing is verified or kept: each restore still verifies
+        what it copies.
+
+        Args:
+            identity: whose snapshots (this sharding's).
+            max_bytes: the most bytes read in all (a file that does not fit
+                in what is left is skipped).
+            stop: called between chunks; True ends the read.
+
+        Returns:
+            What was read (:class:`~sparkcache.reader.Warmed`); nothing where
+            the store's payloads are not files on this host.
+        """
+        return reader.warm(self._core, identity, max_bytes, stop)
 
     def quarantine(self, snapshot_id: int, reason: str) -> None:
         """Never offer this snapshot (nor its descendants) again; count the reason.

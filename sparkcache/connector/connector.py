@@ -178,6 +178,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             groups=self.groups, params_key=self.params_key, costs=self.settings.cost_model,
         )
         Unsent.register(self._unsent_key, self.sched.saves.take_saves)
+        self.sched.start_warm(self.settings.folder, self.settings.warm_mb << 20)
         self.events = storage_events(self._vllm_config, self._kv_cache_config,
                                      self.settings.folder, self.identity, self.counters)
         self.sched.restores.total_kv_heads = self.sched.saves.total_kv_heads = \
@@ -212,8 +213,7 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         Changes nothing of vLLM's; what it changes here (the request's pending
         offer, counters, a quarantine) is listed in
         :meth:`SchedulerSide.matched_tokens`.  Modes ``off`` and ``store-only``
-        always answer ``(0, False)``.
-        """
+        always answer ``(0, False)``."""
         if self.sched is None:
             return 0, False
         self.events.admitted(request)

@@ -260,7 +260,15 @@ class CostPlanner:
         self._probes: dict[str, tuple[float, float]] = {}
         self._probing = False  # the next fetch result is a probe's: it replaces the rate
         self._warmed: set[str] = set()  # local sources whose first restore was not measured
+        #: Snapshots read into the page cache at the engine's start, and when.
+        self._read_ahead: tuple[frozenset[int], float] = (frozenset(), 0.0)
         self._lock = threading.Lock()
+
+    def warmed(self, snapshots: frozenset[int]) -> None:
+        """These snapshots were just read into the page cache (the engine's
+        start, :mod:`sparkcache.connector.warming`): warm for
+        :data:`WARM_SECONDS`, as if restored now.  Called from another thread."""
+        self._read_ahead = (frozenset(snapshots), self.model.clock())
 
     def _source(self, snapshot_id: int) -> str:
         try:
@@ -268,6 +276,9 @@ class CostPlanner:
         except Exception:  # gone or unreadable: the restore finds out; assume cold
             return LOCAL_COLD
         used = max(info.created_at, info.last_used)
+        read_ahead, at = self._read_ahead
+        if snapshot_id in read_ahead:
+            used = max(used, at)
         return LOCAL_WARM if self.model.clock() - used < WARM_SECONDS else LOCAL_COLD
 
     def tier_pays(self, have: int, limit: int, prompt_tokens: int) -> bool:

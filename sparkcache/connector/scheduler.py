@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from sparkcache.connector.costs import CostKeeper, CostModel, CostPlanner, StepClock, tier_source
@@ -33,6 +34,7 @@ from sparkcache.connector.requests import (
 )
 from sparkcache.connector.restores import Restores
 from sparkcache.connector.saves import Saves
+from sparkcache.connector.warming import Warmer
 from sparkcache.errors import InvalidArgument
 from sparkcache.identity import ModelIdentity
 from sparkcache.store import SnapshotStore
@@ -85,6 +87,7 @@ class SchedulerSide:
         self.clock = StepClock(self.costs)
         self.keeper: CostKeeper | None = None
         self._planned_step: tuple[int, int] | None = None  # (prefill tokens, longest)
+        self.warmer: Warmer | None = None  # the start's read into the page cache
         if costs:
             self.keeper = CostKeeper(self.costs, store.root)
             self.restores.costs = CostPlanner(
@@ -263,8 +266,21 @@ class SchedulerSide:
                 state.facts.loaded_at = time.time()
         self.saves.copied(finished_sending)
 
+    def start_warm(self, folder: str | Path, max_bytes: int) -> None:
+        """Read this model's most recently used snapshots into the page cache,
+        up to ``max_bytes``, on a thread of its own (:mod:`~sparkcache.connector.warming`;
+        nothing when restores are off); the cost model counts them warm."""
+        if not self.restores.enabled or max_bytes <= 0:
+            return
+        planner = self.restores.costs
+        self.warmer = Warmer(folder, self.identity, max_bytes, self.counters,
+                             None if planner is None else lambda got: planner.warmed(got.snapshots))
+
     def close(self) -> None:
-        """Keep what the cost model learned (when it is kept)."""
+        """Stop reading into the page cache; keep what the cost model learned
+        (when it is kept)."""
+        if self.warmer is not None:
+            self.warmer.close()
         if self.keeper is not None:
             self.keeper.close()
 

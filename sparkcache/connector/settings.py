@@ -46,6 +46,8 @@ DEFAULT_STAGING_MB = DEFAULT_STAGING_BYTES >> 20
 DEFAULT_UPLOAD_WAIT_SECONDS = 30.0
 #: How long a request waits for the shared tier before it is recomputed instead.
 DEFAULT_SHARED_DEADLINE_SECONDS = 2.0
+#: How much of the store an engine's start reads into the page cache, at most.
+DEFAULT_WARM_MB = 1024
 #: mode -> (restore, publish).
 MODES: dict[str, tuple[bool, bool]] = {
     "read-write": (True, True),
@@ -167,6 +169,11 @@ class ConnectorSettings:
     ``shared_deadline_seconds``: how long such a request waits for the tier
     before it goes on with what is local (default 2; a slow or unreachable
     tier is then a miss, recomputed).
+    ``warm_mb``: at the engine's start, read the files of this model's most
+    recently used snapshots into the page cache, up to this many MB and at
+    most a quarter of the memory available (default 1024; 0: off), so that
+    the first restores after a restart read memory, not the disk
+    (docs/connector.md, "Engine start").
     ``cost_model``: ``true`` (default) restores a match only when its measured
     restore time (per source: local disk, the shared tier) is below the
     engine's measured time to recompute it, and asks the tier only when
@@ -196,6 +203,7 @@ class ConnectorSettings:
     shared_fetch: bool = True
     shared_deadline_seconds: float = DEFAULT_SHARED_DEADLINE_SECONDS
     cost_model: bool = True
+    warm_mb: int = DEFAULT_WARM_MB
 
     @property
     def restore(self) -> bool:
@@ -253,6 +261,7 @@ class ConnectorSettings:
                 "shared_deadline_seconds",
                 extra.get("shared_deadline_seconds", DEFAULT_SHARED_DEADLINE_SECONDS)),
             cost_model=_as_bool("cost_model", extra.get("cost_model", True)),
+            warm_mb=_as_int("warm_mb", extra.get("warm_mb", DEFAULT_WARM_MB), 0),
         )
 
 

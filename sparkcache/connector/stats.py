@@ -146,6 +146,7 @@ PROM_COUNTERS = {
     "cost_too_slow": "Matches recomputed: restoring them was expected to be slower.",
     "coalesced": "Requests that waited for another request's restore of their prefix.",
     "loaded_bytes": "KV bytes copied from sparkcache into the KV cache.",
+    "warmed_bytes": "Bytes of stored snapshots read into the page cache at the engine's start.",
     "loads_in_step": "Restores read layer by layer under the forward of their prefill step.",
     "load_failures": "Restores that failed verification or were dropped (recomputed).",
     "load_seconds": "Seconds spent restoring (read, verify, copy).",

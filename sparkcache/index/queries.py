@@ -110,6 +110,15 @@ QUARANTINED_PARENTS_FIRST = (
 SAMPLE_READY_KEYS = (
     "SELECT object_key FROM segments WHERE state = 'ready' ORDER BY random() LIMIT ?"
 )
+# What an engine's start reads into the page cache (reader.warm): one model's
+# ready segment files, the most recently used snapshots first; a range scan of
+# ix_snapshots_model_state_used, stopped by LIMIT.
+WARM_SEGMENTS = (
+    "SELECT s.id, g.object_key, g.nbytes FROM snapshots s "
+    "JOIN segments g ON g.snapshot_id = s.id "
+    "WHERE s.model_id = ? AND s.state = 'ready' AND g.state = 'ready' "
+    "ORDER BY s.last_used DESC, s.id DESC, g.rank LIMIT ?"
+)
 # A restore's use, saved later than it happened (Core.record_use): never moves
 # last_used back, and adds the uses counted meanwhile.
 RECORD_USE = (

@@ -92,6 +92,9 @@ def test_restore_after_restart(
     assert metrics.get("vllm:sparkcache_loaded_bytes") == blocks * LAYERS * PAGE_BYTES
     # The default load_async: true - landed before the prefill step.
     assert metrics.get("vllm:sparkcache_loads_in_step", 0) == 0
+    # Its start read the store's snapshots into the page cache (warm_mb).
+    stored = sum(f.stat().st_size for f in Path(published["folder"]).rglob("*.safetensors"))
+    assert 0 < metrics.get("vllm:sparkcache_warmed_bytes", 0) <= stored, sorted(metrics)
     stats = restored["restart"]["stats"]
     assert stats["hits"] == 1 and stats["restored_tokens"] == blocks * BLOCK_SIZE
     assert not any(k.startswith("quarantined") for k in stats)
