@@ -3,8 +3,8 @@
 The first restores of a restarted engine are the ones a restart exists for.
 When their snapshots' pages have left the OS page cache meanwhile (a reboot,
 memory pressure, a kernel's proactive reclaim of idle pages), each such
-restore reads the disk while its request waits: ~2x a warm restore here
-(docs/benchmarks.md).  So when the scheduler side starts, a thread of the
+restore reads the disk while its request waits: 2.4-3.7x a warm restore
+here (docs/benchmarks.md).  So when the scheduler side starts, a thread of the
 lowest priority reads the files of this model's most recently used
 snapshots, newest use first, up to ``warm_mb`` and never more than a quarter
 of the memory the system reports available (:func:`warm_budget`), while the
@@ -101,6 +101,10 @@ class Warmer:
         except (SparkCacheError, OSError) as exc:
             logger.warning("sparkcache could not read its snapshots into the page cache "
                            "(restores read them from disk): %s", exc)
+            return
+        except Exception:  # never crash the engine's start over a read-ahead
+            logger.exception("sparkcache's read into the page cache failed (restores read "
+                             "from disk)")
             return
         self.result = result
         self.counters.add("warmed_bytes", result.nbytes)

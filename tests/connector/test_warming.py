@@ -128,3 +128,15 @@ def test_close_stops_the_read(engine: Any, monkeypatch: pytest.MonkeyPatch) -> N
     warmer.close()
     assert warmer.join(0) and time.monotonic() - started < 5
     assert warmer.result is not None and warmer.result.nbytes == 0
+
+
+def test_a_store_that_cannot_be_read_is_logged_and_nothing_else(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "index.sqlite").write_bytes(b"not a database" * 100)
+    counters = Counters()
+    warmer = Warmer(folder, identity(), GIB, counters)
+    assert warmer.join(30)
+    assert warmer.result is None and "warmed_bytes" not in counters.take()
+    assert "could not read its snapshots into the page cache" in caplog.text
