@@ -348,12 +348,10 @@ class LocalBackend:
         done = 0
         try:
             while done < length and target.nbytes and not (stop is not None and stop()):
-                got = os.preadv(fd, [target[:length - done]], done)
+                got = _pread(fd, target[:length - done], done, key, self.url)
                 if got <= 0:
                     break
                 done += got
-        except OSError as exc:
-            raise translate_os_error(exc, "reading", key, self.url) from exc
         finally:
             os.close(fd)
         return done
@@ -397,17 +395,7 @@ class MmapBlob:
         read, fewer only where the file ends.  Safe from several threads."""
         if self._view is None:
             raise ValueError("blob is closed; open the object again to read it")
-        target = memoryview(out).cast("B")
-        done = 0
-        try:
-            while done < target.nbytes:
-                got = os.preadv(self._fd, [target[done:]], offset + done)
-                if got <= 0:
-                    break
-                done += got
-        except OSError as exc:
-            raise translate_os_error(exc, "reading", self._key, self._url) from exc
-        return done
+        return _pread(self._fd, memoryview(out).cast("B"), offset, self._key, self._url)
 
     def close(self) -> None:
         view, self._view = self._view, None
@@ -461,6 +449,21 @@ class MmapBackend(LocalBackend):
                 os.close(fd)
             raise translate_os_error(exc, "mapping", key, self.url) from exc
         return MmapBlob(mapped, fd, key, self.url)
+
+
+def _pread(fd: int, target: memoryview, offset: int, key: str, url: str) -> int:
+    """Fill ``target`` from byte ``offset`` of ``fd``; the bytes read, fewer
+    only where the file ends (an OSError as the backend's error)."""
+    done = 0
+    try:
+        while done < target.nbytes:
+            got = os.preadv(fd, [target[done:]], offset + done)
+            if got <= 0:
+                break
+            done += got
+    except OSError as exc:
+        raise translate_os_error(exc, "reading", key, url) from exc
+    return done
 
 
 def _write_all(fd: int, view: memoryview) -> int:
