@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,13 @@ class _Write:
     #: block (none for a windowed model, which restores only ends).
     aliases: tuple[int, ...]
     since: float
+    bs: int
+
+    @cached_property
+    def key(self) -> str:
+        """The snapshot key it publishes (``Catalog.publish_ended``): hashed once,
+        and only when a request would wait for it."""
+        return prefix_hashes(self.seed, self.token_ids, self.bs)[-1].hex()
 
 
 class Restores:
@@ -133,7 +141,7 @@ class Restores:
             marks = (n,) if ends else ()
         seed = prefix_seed(self.rules.identity, job.scope)
         self._writes.append(_Write(job.req_id, save_tag(job), seed, job.token_ids,
-                                   marks, aliases, time.monotonic()))
+                                   marks, aliases, time.monotonic(), bs))
 
     def ended(self, reports: dict[str, int]) -> None:
         """The workers report these saves' publishes ended (``SparkCacheWorkerMeta``:
@@ -171,9 +179,8 @@ class Restores:
                 reach = max(reach, shared // bs * bs)
             if have >= min(reach, want):
                 continue
-            key = prefix_hashes(w.seed, w.token_ids, bs)[-1].hex()  # what it publishes
             try:
-                ended = self.store.catalog.publish_ended(self.rules.identity, key)
+                ended = self.store.catalog.publish_ended(self.rules.identity, w.key)
             except SparkCacheError as exc:
                 logger.warning("sparkcache: could not tell whether a save was published "
                                "(waiting for it): %s", exc)
