@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from sparkcache.connector.costs import CostKeeper, CostModel, CostPlanner, StepClock, tier_source
@@ -266,14 +265,14 @@ class SchedulerSide:
                 state.facts.loaded_at = time.time()
         self.saves.copied(finished_sending)
 
-    def start_warm(self, folder: str | Path, max_bytes: int) -> None:
+    def start_warm(self, max_bytes: int) -> None:
         """Read this model's most recently used snapshots into the page cache,
         up to ``max_bytes``, on a thread of its own (:mod:`~sparkcache.connector.warming`;
         nothing when restores are off); the cost model counts them warm."""
         if not self.restores.enabled or max_bytes <= 0:
             return
         planner = self.restores.costs
-        self.warmer = Warmer(folder, self.identity, max_bytes, self.counters,
+        self.warmer = Warmer(self.store.root, self.identity, max_bytes, self.counters,
                              None if planner is None else lambda got: planner.warmed(got.snapshots))
 
     def close(self) -> None:

@@ -69,9 +69,7 @@ def available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgrou
 def warm_budget(max_bytes: int, available: int | None) -> int:
     """The bytes to read: ``max_bytes``, at most :data:`MEMORY_SHARE` of
     ``available`` (None: unknown, nothing is read)."""
-    if max_bytes <= 0 or available is None:
-        return 0
-    return max(0, min(max_bytes, int(available * MEMORY_SHARE)))
+    return 0 if available is None else min(max_bytes, int(available * MEMORY_SHARE))
 
 
 class Warmer:
@@ -80,10 +78,9 @@ class Warmer:
     wait for it).  :meth:`close` stops it between chunks."""
 
     def __init__(self, folder: str | Path, identity: ModelIdentity, max_bytes: int,
-                 counters: Counters, on_done: Callable[[Warmed], None] | None = None, *,
-                 available: Callable[[], int | None] = available_bytes) -> None:
+                 counters: Counters, on_done: Callable[[Warmed], None] | None = None) -> None:
         self.folder, self.identity, self.max_bytes = folder, identity, max_bytes
-        self.counters, self.on_done, self._available = counters, on_done, available
+        self.counters, self.on_done = counters, on_done
         #: What was read, once the thread ended (None before, or if it failed).
         self.result: Warmed | None = None
         self._stop = threading.Event()
@@ -92,7 +89,7 @@ class Warmer:
 
     def _run(self) -> None:
         lower_priority()
-        budget = warm_budget(self.max_bytes, self._available())
+        budget = warm_budget(self.max_bytes, available_bytes())
         if budget <= 0:
             return
         try:

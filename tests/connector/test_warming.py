@@ -89,7 +89,7 @@ def engine(tmp_path: Path) -> Any:
 def test_a_start_reads_the_snapshots_and_the_cost_model_counts_them_warm(engine: Any) -> None:
     sched, counters = engine()
     assert sched.matched_tokens(Req("cold", P), 0) == (0, False)  # too slow from disk
-    sched.start_warm(sched.store.root, GIB)
+    sched.start_warm(GIB)
     assert sched.warmer is not None and sched.warmer.join(30)
     result = sched.warmer.result
     assert result is not None and len(result.snapshots) == 1
@@ -103,10 +103,10 @@ def test_a_start_reads_the_snapshots_and_the_cost_model_counts_them_warm(engine:
 
 def test_nothing_is_read_when_restores_are_off_or_the_budget_is_zero(engine: Any) -> None:
     sched, _counters = engine(restore=False)
-    sched.start_warm(sched.store.root, GIB)
+    sched.start_warm(GIB)
     assert sched.warmer is None
     sched, _counters = engine()
-    sched.start_warm(sched.store.root, 0)
+    sched.start_warm(0)
     assert sched.warmer is None
 
 

@@ -52,7 +52,6 @@ def _resident(path: Path) -> float:
         if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
             pytest.skip(f"mincore failed: {os.strerror(ctypes.get_errno())}")
         resident = sum(v & 1 for v in vec)
-        del address
     return resident / pages
 
 
