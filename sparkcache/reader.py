@@ -16,6 +16,7 @@ short read (``truncated``), where a mapping would have raised SIGBUS.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -487,11 +488,12 @@ class Warmed:
     seconds: float
 
 
-def warm(core: Core, identity: ModelIdentity, max_bytes: int,
+def warm(core: Core, identities: Sequence[ModelIdentity], max_bytes: int,
          stop: Callable[[], bool] | None = None) -> Warmed:
-    """Read the segment files of ``identity``'s most recently used ready
-    snapshots, newest use first, into the OS page cache, up to ``max_bytes``
-    in all (a file that does not fit in what is left is skipped).
+    """Read the segment files of ``identities``' most recently used ready
+    snapshots, newest use first across them all (an engine's own sharding and
+    the others of the same KV it restores from), into the OS page cache, up to
+    ``max_bytes`` in all (a file that does not fit in what is left is skipped).
 
     Nothing is verified, kept or handed out: a restore still verifies every
     byte it copies.  Only a backend whose objects are local files (``warm``)
@@ -504,13 +506,15 @@ def warm(core: Core, identity: ModelIdentity, max_bytes: int,
     if max_bytes <= 0 or reader is None:
         return Warmed(frozenset(), 0, 0, 0.0)
     with core.read() as conn:
-        model_id = core.model_id(conn, identity)
-        rows = [] if model_id is None else [
-            (int(sid), str(key), int(size))
-            for sid, key, size in conn.execute(q.WARM_SEGMENTS, (model_id, WARM_MAX_FILES))]
+        found = {mid for ident in identities if (mid := core.model_id(conn, ident)) is not None}
+        per_model = [[(float(used), int(sid), str(key), int(size)) for used, sid, key, size
+                      in conn.execute(q.WARM_SEGMENTS, (mid, WARM_MAX_FILES))]
+                     for mid in sorted(found)]
+    # Each model's rows come newest use first; merged, the whole family's are.
+    rows = list(heapq.merge(*per_model, key=lambda row: (-row[0], -row[1])))[:WARM_MAX_FILES]
     chunk = np.empty(WARM_CHUNK_BYTES, np.uint8)
     left, files, whole = max_bytes, 0, dict[int, bool]()
-    for sid, key, size in rows:
+    for _used, sid, key, size in rows:
         if stop is not None and stop():
             break
         if size > left:

@@ -178,11 +178,11 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             groups=self.groups, params_key=self.params_key, costs=self.settings.cost_model,
         )
         Unsent.register(self._unsent_key, self.sched.saves.take_saves)
-        self.sched.start_warm(self.settings.warm_mb << 20)
+        heads = self.sched.restores.total_kv_heads = self.sched.saves.total_kv_heads = \
+            total_kv_heads(self._vllm_config)
+        self.sched.start_warm(self.settings.warm_mb << 20, heads)
         self.events = storage_events(self._vllm_config, self._kv_cache_config,
                                      self.settings.folder, self.identity, self.counters)
-        self.sched.restores.total_kv_heads = self.sched.saves.total_kv_heads = \
-            total_kv_heads(self._vllm_config)
         if self.settings.sweep:
             # Its own store (own index connection): a long sweep never holds the
             # lock that the scheduler's lookups take.

@@ -265,15 +265,18 @@ class SchedulerSide:
                 state.facts.loaded_at = time.time()
         self.saves.copied(finished_sending)
 
-    def start_warm(self, max_bytes: int) -> None:
-        """Read this model's most recently used snapshots into the page cache,
-        up to ``max_bytes``, on a thread of its own (:mod:`~sparkcache.connector.warming`;
-        nothing when restores are off); the cost model counts them warm."""
+    def start_warm(self, max_bytes: int, total_kv_heads: int = 0) -> None:
+        """Read this model's most recently used snapshots (with
+        ``total_kv_heads``, those of its other shardings too) into the page
+        cache, up to ``max_bytes``, on a thread of its own
+        (:mod:`~sparkcache.connector.warming`; nothing when restores are off);
+        the cost model counts them warm."""
         if not self.restores.enabled or max_bytes <= 0:
             return
         planner = self.restores.costs
         self.warmer = Warmer(self.store.root, self.identity, max_bytes, self.counters,
-                             None if planner is None else lambda got: planner.warmed(got.snapshots))
+                             None if planner is None else lambda got: planner.warmed(got.snapshots),
+                             total_kv_heads=total_kv_heads)
 
     def close(self) -> None:
         """Stop reading into the page cache; keep what the cost model learned

@@ -6,7 +6,8 @@ memory pressure, a kernel's proactive reclaim of idle pages), each such
 restore reads the disk while its request waits: 2.4-3.7x a warm restore
 here (docs/benchmarks.md).  So when the scheduler side starts, a thread of the
 lowest priority reads the files of this model's most recently used
-snapshots, newest use first, up to ``warm_mb`` and never more than a quarter
+snapshots (its own sharding's and those of engines of another TP size that
+it restores from), newest use first, up to ``warm_mb`` and never more than a quarter
 of the memory the system reports available (:func:`warm_budget`), while the
 engine finishes its start and waits for requests.  It reads; it never
 verifies or keeps a byte (every restore still verifies what it copies), and
@@ -78,8 +79,11 @@ class Warmer:
     wait for it).  :meth:`close` stops it between chunks."""
 
     def __init__(self, folder: str | Path, identity: ModelIdentity, max_bytes: int,
-                 counters: Counters, on_done: Callable[[Warmed], None] | None = None) -> None:
+                 counters: Counters, on_done: Callable[[Warmed], None] | None = None, *,
+                 total_kv_heads: int = 0) -> None:
         self.folder, self.identity, self.max_bytes = folder, identity, max_bytes
+        #: Given (> 0): the other shardings' snapshots of the same KV are read too.
+        self.total_kv_heads = total_kv_heads
         self.counters, self.on_done = counters, on_done
         #: What was read, once the thread ended (None before, or if it failed).
         self.result: Warmed | None = None
@@ -94,7 +98,8 @@ class Warmer:
             return
         try:
             with SnapshotStore(self.folder) as store:
-                result = store.warm(self.identity, budget, self._stop.is_set)
+                result = store.warm(self.identity, budget, self._stop.is_set,
+                                    total_kv_heads=self.total_kv_heads)
         except (SparkCacheError, OSError) as exc:
             logger.warning("sparkcache could not read its snapshots into the page cache "
                            "(restores read them from disk): %s", exc)

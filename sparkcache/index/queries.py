@@ -112,9 +112,10 @@ SAMPLE_READY_KEYS = (
 )
 # What an engine's start reads into the page cache (reader.warm): one model's
 # ready segment files, the most recently used snapshots first; a range scan of
-# ix_snapshots_model_state_used, stopped by LIMIT.
+# ix_snapshots_model_state_used, stopped by LIMIT (the models of several
+# shardings are merged by last_used in Python).
 WARM_SEGMENTS = (
-    "SELECT s.id, g.object_key, g.nbytes FROM snapshots s "
+    "SELECT s.last_used, s.id, g.object_key, g.nbytes FROM snapshots s "
     "JOIN segments g ON g.snapshot_id = s.id "
     "WHERE s.model_id = ? AND s.state = 'ready' AND g.state = 'ready' "
     "ORDER BY s.last_used DESC, s.id DESC, g.rank LIMIT ?"

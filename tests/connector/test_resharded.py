@@ -160,3 +160,37 @@ def test_a_split_in_step_restore_of_another_tp_size_is_one_hit(
         np.testing.assert_array_equal(one.arr[layer, list(ids), HEAD_NBYTES:],
                                       kv[1].arr[layer, :len(ids)])
     assert store.stats()["hits"] - before.get("hits", 0) == 1
+
+
+def test_an_engine_start_reads_another_tp_sizes_snapshot_and_counts_it_warm(
+        tmp_path: Path) -> None:
+    """``start_warm`` given the model's KV heads reads the snapshots stored by
+    an engine of another TP size too (tests/store/test_warm.py checks the
+    files' residency): the cost model then counts such a snapshot warm."""
+    import time
+
+    from sparkcache.connector.costs import PREFILL, bucket_of
+
+    store = SnapshotStore(tmp_path / "s")
+    p = prompt(100, 3)
+    publish(store, 2, p, [Pages(16, 1, seed=rank) for rank in (0, 1)])
+    (stored,) = store.snapshots()
+    counters = Counters()
+    sched = SchedulerSide(store, ident(1), counters, min_tokens=BS, load_async=True, costs=True)
+    sched.restores.total_kv_heads = HEADS
+    now = time.time()
+    sched.costs.clock = lambda: now + 3600  # last used an hour ago: cold by its age
+    sched.costs.set(PREFILL, 1e-4, bucket=bucket_of(len(p)))
+    sched.costs.set("local_cold", 1e-5)  # a slow disk: a cold restore does not pay
+    assert sched.matched_tokens(Req("cold", p), 0) == (0, False)
+    sched.start_warm(1 << 30)  # without the KV heads: its own sharding only, none
+    assert sched.warmer is not None and sched.warmer.join(30)
+    assert sched.warmer.result is not None and sched.warmer.result.snapshots == frozenset()
+    sched.start_warm(1 << 30, HEADS)
+    assert sched.warmer.join(30)
+    result = sched.warmer.result
+    assert result is not None and result.snapshots == {stored.id} and result.files == 2
+    assert counters.take()["warmed_bytes"] == result.nbytes > 0
+    assert sched.matched_tokens(Req("warm", p), 0) == (len(p) - 1, True)
+    sched.close()
+    store.close()

@@ -136,3 +136,44 @@ def test_nothing_is_read_for_another_model_a_zero_budget_or_without_local_files(
         ident = identity()
         remote.publish(ident, 0, tokens(N), pages_for(ident, tokens(N)))
         assert remote.warm(identity(), 1 << 30).files == 0
+
+
+def test_the_other_shardings_of_the_same_kv_are_read_too_newest_use_first(
+        tmp_path: Path) -> None:
+    """An engine restores from snapshots stored by engines of another TP size
+    (sparkcache.reshard): given the model's KV heads, its start reads theirs
+    too, in one order of last use across the shardings."""
+    from .test_reshard import HEADS, TOKENS, full_kv, ident, publish
+
+    clock = Clock()
+    store = SnapshotStore(tmp_path / "store", clock=clock)
+    publish(store, 1, full_kv(0), TOKENS)  # the engine's own sharding, older
+    clock.now += 10
+    publish(store, 2, full_kv(1), TOKENS)  # two ranks' files, used last
+    (own,) = [s.id for s in store.snapshots() if s.model_id == store.ensure_model(ident(1))]
+    (other,) = [s.id for s in store.snapshots() if s.id != own]
+    files = {sid: [Path(store.backend.root) / g.object_key  # type: ignore[attr-defined]
+                   for g in store.catalog.segments(sid)] for sid in (own, other)}
+    assert len(files[other]) == 2
+    paths = [p for sid in (own, other) for p in files[sid]]
+    for path in paths:
+        _drop(path)
+    if max(_resident(p) for p in paths) > 0.5:
+        pytest.skip("this filesystem keeps dropped pages in memory (tmpfs)")
+    size = {sid: sum(p.stat().st_size for p in files[sid]) for sid in (own, other)}
+
+    # Without the KV heads: its own sharding's snapshot alone.
+    assert store.warm(ident(1), 1 << 30).snapshots == {own}
+    for path in files[own]:
+        _drop(path)
+    # With them, room for one snapshot: the other sharding's, used last.
+    warmed = store.warm(ident(1), size[other], total_kv_heads=HEADS)
+    assert warmed.snapshots == {other} and warmed.files == 2
+    assert all(_resident(p) == 1.0 for p in files[other])
+    assert all(_resident(p) < 0.5 for p in files[own])
+    # Room for both: both.
+    assert store.warm(ident(1), sum(size.values()), total_kv_heads=HEADS).snapshots == {
+        own, other}
+    # A model of other KV has no such snapshots.
+    assert store.warm(ident(1, model="other"), 1 << 30, total_kv_heads=HEADS).nbytes == 0
+    store.close()

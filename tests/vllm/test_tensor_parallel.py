@@ -287,6 +287,11 @@ def test_a_tp2_snapshot_restores_in_a_tp1_engine(
     (out,) = tp1["long"]["outs"]
     assert out["cached"] == len(LONG_PROMPT) - COMPUTED, tp1["_log"]
     assert same_answer(out, baseline["long"][0]) == ""
+    # Its start read the TP=2 snapshots into the page cache (warm_mb): the
+    # store held none of its own sharding.
+    stored = sum(f.stat().st_size for f in Path(tp1["folder"]).rglob("*.r1.safetensors"))
+    warmed = tp1["long"]["metrics"].get("vllm:sparkcache_warmed_bytes", 0)
+    assert stored < warmed, sorted(tp1["long"]["metrics"])  # both ranks' files, so > rank 1's
     # Nothing stored twice: the TP=1 engine published no copy of the prompt (by
     # the last op, its other saves have landed).
     snapshots = tp1["one"]["snapshots"]
