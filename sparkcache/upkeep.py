@@ -13,10 +13,10 @@ it holds in order.  Each verb calls one helper that takes the core
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, overload
 
-from sparkcache import maintenance, reader, rehearsal, reshard, verification
+from sparkcache import maintenance, reader, rehearsal, verification
 from sparkcache.catalog import list_snapshots
 from sparkcache.core import Core, scalar
 from sparkcache.errors import InvalidArgument, NotFound
@@ -45,7 +45,8 @@ class StoreUpkeep:
     alias_stride: int
 
     def warm(self, identity: ModelIdentity, max_bytes: int,
-             stop: Callable[[], bool] | None = None, *, total_kv_heads: int = 0) -> Warmed:
+             stop: Callable[[], bool] | None = None, *,
+             others: Sequence[ModelIdentity] = ()) -> Warmed:
         """Read the local files of ``identity``'s most recently used snapshots,
         newest use first, into the OS page cache (an engine's start: its first
         restores then read memory, not the disk; docs/connector.md, "Engine
@@ -57,19 +58,15 @@ class StoreUpkeep:
             max_bytes: the most bytes read in all (a file that does not fit
                 in what is left is skipped).
             stop: called between chunks; True ends the read.
-            total_kv_heads: the model's KV heads in all; given (> 0), the
-                snapshots of the store's other shardings of the same KV
-                (:meth:`siblings`, which such an engine restores from) are
-                read too, all of them in one order of last use.
+            others: more identities whose snapshots are read too, all in one
+                order of last use (an engine's other shardings of the same KV,
+                which it restores from: :meth:`siblings`).
 
         Returns:
             What was read (:class:`~sparkcache.reader.Warmed`); nothing where
             the store's payloads are not files on this host.
         """
-        family = [identity]
-        if total_kv_heads > 0:
-            family += reshard.siblings(self._core, identity, total_kv_heads)
-        return reader.warm(self._core, family, max_bytes, stop)
+        return reader.warm(self._core, [identity, *others], max_bytes, stop)
 
     def quarantine(self, snapshot_id: int, reason: str) -> None:
         """Never offer this snapshot (nor its descendants) again; count the reason.

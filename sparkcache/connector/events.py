@@ -3,10 +3,12 @@
 
 Scheduler side only, so an engine announces once whatever its TP size.  The
 index is the truth: a background thread reads this model's ready snapshots
-every :data:`POLL_SECONDS` and turns what appeared into ``BlockStored`` and
-what went (evicted, swept, cleared, quarantined, by any process) into
-``BlockRemoved``; vLLM takes them in :meth:`StorageEvents.take` at the end of
-each engine step and publishes them with the pool's own events.  Block
+(with those of its other shardings of the same KV, which it restores from:
+:func:`~sparkcache.connector.resharded.restorable_siblings`) every
+:data:`POLL_SECONDS` and turns what appeared into ``BlockStored`` and what went
+(evicted, swept, cleared, quarantined, by any process) into ``BlockRemoved``;
+vLLM takes them in :meth:`StorageEvents.take` at the end of each engine step
+and publishes them with the pool's own events.  Block
 hashes are vLLM's: a save's are its request's own ``block_hashes`` (LoRA,
 multimodal inputs, cache salt and so the tenant included); a snapshot this
 engine did not plan (fetched from the shared tier, another engine's, one in
@@ -31,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from sparkcache.connector.jobs import Counters, SaveJob
+from sparkcache.connector.layout import total_kv_heads
+from sparkcache.connector.resharded import restorable_siblings
 from sparkcache.core import SnapshotInfo
 from sparkcache.errors import SparkCacheError
 from sparkcache.hashing import prefix_hashes, prefix_seed
@@ -216,9 +220,12 @@ class StorageEvents(Events):
 
     def __init__(self, folder: str | Path, identity: ModelIdentity, counters: Counters, *,
                  hash_fn: Callable[[Any], bytes], hash_block_size: int | None = None,
-                 digest: int = DIGEST_SNAPSHOTS, poll_seconds: float = POLL_SECONDS) -> None:
+                 digest: int = DIGEST_SNAPSHOTS, poll_seconds: float = POLL_SECONDS,
+                 total_kv_heads: int = 0) -> None:
         self.folder = folder
         self.identity = identity
+        #: Given (> 0): the snapshots of other shardings it restores are announced too.
+        self.total_kv_heads = total_kv_heads
         self.counters = counters
         self.block_size = identity.block_size
         self.hash_block_size = hash_block_size or identity.block_size
@@ -292,6 +299,9 @@ class StorageEvents(Events):
         now = time.time()
         self._take_inbox(now)
         rows = self._store.snapshots(self.identity)
+        for other in restorable_siblings(self._store, self.identity, self.total_kv_heads,
+                                         warn=False):
+            rows += self._store.snapshots(other)
         ready = {s.id: s for s in rows if s.state == "ready"}
         events: list[Any] = []
         for gone in sorted(self.announcer.held - set(ready)):
@@ -375,4 +385,5 @@ def storage_events(vllm_config: Any, kv_cache_config: Any, folder: str | Path,
     hash_fn = _hashing.get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
     logger.info("sparkcache announces its snapshots as KV events (medium %s)", MEDIUM)
     return StorageEvents(folder, identity, counters, hash_fn=hash_fn,
-                         hash_block_size=hash_block_size)
+                         hash_block_size=hash_block_size,
+                         total_kv_heads=total_kv_heads(vllm_config))

@@ -25,9 +25,32 @@ from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.sharding import ShardingRefused, plan_reads
 from sparkcache.store import Match, SnapshotStore
 
-__all__ = ["load_resharded", "sibling_match"]
+__all__ = ["load_resharded", "restorable_siblings", "sibling_match"]
 
 logger = logging.getLogger("vllm.sparkcache")
+
+
+def restorable_siblings(store: SnapshotStore, identity: ModelIdentity, total_kv_heads: int,
+                        *, warn: bool = True) -> list[ModelIdentity]:
+    """The store's other shardings of ``identity``'s KV that this engine
+    restores from (:func:`sibling_match` looks among them; the engine's start
+    reads theirs into the page cache and announces them as KV events): none
+    when the model's KV heads in all are unknown (``total_kv_heads`` 0) or it
+    has a sliding window; a sharding this version does not re-split into the
+    engine's is left out, with a warning when ``warn``."""
+    if total_kv_heads <= 0 or identity.window_blocks:
+        return []
+    found = []
+    for other in store.siblings(identity, total_kv_heads):
+        try:
+            plan_reads(other.sharding(total_kv_heads), identity.sharding(total_kv_heads), 0)
+        except SparkCacheError as exc:
+            if warn:
+                logger.warning("sparkcache: snapshots of %s not looked up: %s",
+                               other.digest(), exc)
+            continue
+        found.append(other)
+    return found
 
 
 def sibling_match(store: SnapshotStore, identity: ModelIdentity, total_kv_heads: int,
@@ -35,12 +58,9 @@ def sibling_match(store: SnapshotStore, identity: ModelIdentity, total_kv_heads:
     """The longest match of ``tokens`` among snapshots of other shardings of
     ``identity``'s KV that this engine can restore (None: none, or the model's
     KV heads in all are unknown, ``total_kv_heads`` 0)."""
-    if total_kv_heads <= 0 or identity.window_blocks:
-        return None
     best: Match | None = None
-    for other in store.siblings(identity, total_kv_heads):
-        try:  # a pair this version does not re-shard is a miss here, saying why
-            plan_reads(other.sharding(total_kv_heads), identity.sharding(total_kv_heads), 0)
+    for other in restorable_siblings(store, identity, total_kv_heads):
+        try:
             match = store.lookup(other, tokens, scope=scope)
         except SparkCacheError as exc:
             logger.warning("sparkcache: snapshots of %s not looked up: %s",

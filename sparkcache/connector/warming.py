@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sparkcache.connector.jobs import Counters
+from sparkcache.connector.resharded import restorable_siblings
 from sparkcache.cpus import lower_priority
 from sparkcache.errors import SparkCacheError
 from sparkcache.identity import ModelIdentity
@@ -82,7 +83,8 @@ class Warmer:
                  counters: Counters, on_done: Callable[[Warmed], None] | None = None, *,
                  total_kv_heads: int = 0) -> None:
         self.folder, self.identity, self.max_bytes = folder, identity, max_bytes
-        #: Given (> 0): the other shardings' snapshots of the same KV are read too.
+        #: Given (> 0): the other shardings' snapshots of the same KV that this
+        #: engine restores from are read too.
         self.total_kv_heads = total_kv_heads
         self.counters, self.on_done = counters, on_done
         #: What was read, once the thread ended (None before, or if it failed).
@@ -98,8 +100,9 @@ class Warmer:
             return
         try:
             with SnapshotStore(self.folder) as store:
-                result = store.warm(self.identity, budget, self._stop.is_set,
-                                    total_kv_heads=self.total_kv_heads)
+                others = restorable_siblings(store, self.identity, self.total_kv_heads,
+                                             warn=False)
+                result = store.warm(self.identity, budget, self._stop.is_set, others=others)
         except (SparkCacheError, OSError) as exc:
             logger.warning("sparkcache could not read its snapshots into the page cache "
                            "(restores read them from disk): %s", exc)

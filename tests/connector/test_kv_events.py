@@ -234,3 +234,32 @@ def test_a_snapshot_is_announced_once_every_rank_published_it(store: SnapshotSto
         assert collect(events, 1, timeout=0.3) == []
     finally:
         events.close()
+
+
+def test_another_tp_sizes_snapshots_are_announced_given_the_kv_heads(tmp_path: Path) -> None:
+    """A TP=1 engine restores a TP=2 engine's snapshot of the same KV
+    (tests/connector/test_resharded.py): with the model's KV heads in all, it
+    announces it, and its removal; without them, nothing."""
+    from ..store.test_reshard import BS as TP_BS
+    from ..store.test_reshard import HEADS, TOKENS, full_kv, ident, publish
+
+    with SnapshotStore(tmp_path / "tp") as tp_store:
+        publish(tp_store, 2, full_kv(), TOKENS)
+        (stored_id,) = [s.id for s in tp_store.snapshots()]
+        blind = StorageEvents(tp_store.root, ident(1), Counters(), hash_fn=HASH,
+                              poll_seconds=0.02)
+        events = StorageEvents(tp_store.root, ident(1), Counters(), hash_fn=HASH,
+                               poll_seconds=0.02, total_kv_heads=HEADS)
+        try:
+            assert collect(blind, 1, timeout=0.3) == []
+            (stored,) = collect(events, 1)
+            assert isinstance(stored, BlockStored) and stored.medium == MEDIUM
+            chain = stored_chain(np.asarray(TOKENS, np.uint32), None, TP_BS, TP_BS, HASH)
+            assert stored.block_hashes == list(chain.hashes)
+            tp_store.delete(stored_id)
+            (removed,) = collect(events, 1)
+            assert isinstance(removed, BlockRemoved)
+            assert removed.block_hashes == stored.block_hashes
+        finally:
+            blind.close()
+            events.close()

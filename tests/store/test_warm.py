@@ -141,8 +141,8 @@ def test_nothing_is_read_for_another_model_a_zero_budget_or_without_local_files(
 def test_the_other_shardings_of_the_same_kv_are_read_too_newest_use_first(
         tmp_path: Path) -> None:
     """An engine restores from snapshots stored by engines of another TP size
-    (sparkcache.reshard): given the model's KV heads, its start reads theirs
-    too, in one order of last use across the shardings."""
+    (sparkcache.reshard): given those shardings, its start reads theirs too,
+    in one order of last use across them all."""
     from .test_reshard import HEADS, TOKENS, full_kv, ident, publish
 
     clock = Clock()
@@ -162,18 +162,19 @@ def test_the_other_shardings_of_the_same_kv_are_read_too_newest_use_first(
         pytest.skip("this filesystem keeps dropped pages in memory (tmpfs)")
     size = {sid: sum(p.stat().st_size for p in files[sid]) for sid in (own, other)}
 
-    # Without the KV heads: its own sharding's snapshot alone.
+    others = store.siblings(ident(1), HEADS)
+    assert others == [ident(2)]
+    # Without them: its own sharding's snapshot alone.
     assert store.warm(ident(1), 1 << 30).snapshots == {own}
     for path in files[own]:
         _drop(path)
     # With them, room for one snapshot: the other sharding's, used last.
-    warmed = store.warm(ident(1), size[other], total_kv_heads=HEADS)
+    warmed = store.warm(ident(1), size[other], others=others)
     assert warmed.snapshots == {other} and warmed.files == 2
     assert all(_resident(p) == 1.0 for p in files[other])
     assert all(_resident(p) < 0.5 for p in files[own])
     # Room for both: both.
-    assert store.warm(ident(1), sum(size.values()), total_kv_heads=HEADS).snapshots == {
-        own, other}
+    assert store.warm(ident(1), sum(size.values()), others=others).snapshots == {own, other}
     # A model of other KV has no such snapshots.
-    assert store.warm(ident(1, model="other"), 1 << 30, total_kv_heads=HEADS).nbytes == 0
+    assert store.siblings(ident(1, model="other"), HEADS) == []
     store.close()

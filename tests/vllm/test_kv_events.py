@@ -16,7 +16,9 @@ first prompt from the tier: the fetched snapshot is announced once, with the
 first engine's hashes.  A fourth, with tensor_parallel_size=2 (two workers
 saving a segment each, one scheduler announcing), on a store of its own,
 answers the first prompt: its snapshot is announced once, with the same
-hashes.
+hashes.  A fifth, TP=1 again, started on that TP=2 store, announces the TP=2
+snapshot at start (it restores snapshots of another TP size), found on its
+replay endpoint with the same hashes.
 """
 
 from __future__ import annotations
@@ -203,9 +205,9 @@ def chain_of(events: list[dict[str, Any]]) -> tuple[list[Any], list[int]]:
 @pytest.fixture(scope="module")
 def result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
            ) -> Iterator[dict[str, Any]]:
-    """The four engines' reports: ``first``, ``restart`` (one store),
-    ``tier`` (another host's store, restoring from the shared tier) and
-    ``tp2`` (TP=2, a store of its own)."""
+    """The five engines' reports: ``first``, ``restart`` (one store),
+    ``tier`` (another host's store, restoring from the shared tier), ``tp2``
+    (TP=2, a store of its own) and ``tp1_on_tp2`` (TP=1 on the TP=2 store)."""
     tmp = tmp_path_factory.mktemp("kv-events")
     server = s3_server()
     tier = {"url": f"s3://{server.bucket()}/kv", "s3": {"endpoint_url": server.endpoint}}
@@ -223,6 +225,11 @@ def result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         out["tp2"] = run_engine_script(SCRIPT, env=TP_ENV, args={
             **args, "part": "tp2", "folder": str(tmp / "tp2"),
             "engine": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}})
+        try:  # its failure is its test's, not every test's of the module
+            out["tp1_on_tp2"] = run_engine_script(SCRIPT, args={
+                **args, "part": "restart", "folder": str(tmp / "tp2")})
+        except AssertionError as exc:
+            out["tp1_on_tp2"] = {"error": str(exc)[-3000:]}
         yield out
     finally:
         stop_s3_servers()
@@ -279,3 +286,15 @@ def test_a_tp2_engine_announces_each_stored_block_once(result: dict[str, Any]) -
     a_hashes, a_toks = chain_of(stored(result["first"]))
     got, toks = chain_of(stored(tp2["stored"]))
     assert (got, toks) == (a_hashes, a_toks), (len(got), len(a_hashes))
+
+
+def test_a_tp1_engine_announces_a_tp2_snapshot_it_restores_at_start(
+        result: dict[str, Any]) -> None:
+    """The TP=2 engine's store holds no snapshot of TP=1's sharding; a TP=1
+    engine restores that snapshot (tests/vllm/test_tensor_parallel.py), so its
+    start's digest announces it, with the hashes of the TP=1 engine's pool."""
+    engine = result["tp1_on_tp2"]
+    assert "error" not in engine, engine.get("error")
+    a_hashes, _toks = chain_of(stored(result["first"]))
+    got, _ = chain_of(stored(engine["replayed"]))
+    assert got == a_hashes, (len(got), len(a_hashes))
