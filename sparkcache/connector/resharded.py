@@ -1,9 +1,11 @@
 """Restores of snapshots stored by engines of another TP size, both sides.
 
 The scheduler looks for a snapshot of the engine's own sharding first; when
-none holds the prompt, :func:`sibling_match` looks under the index's other
-shardings of the same KV (:func:`sparkcache.reshard.siblings`) and the load
-job names that sharding (``LoadJob.source``).  Each worker then reads the
+none holds the whole prompt, :func:`sibling_match` looks under the index's
+other shardings of the same KV that the engine restores from
+(:func:`restorable_siblings`, kept a few seconds by :class:`Siblings`), the
+longer match is restored, and the load job names its sharding
+(``LoadJob.source``).  Each worker then reads the
 heads it needs from whichever stored ranks hold them, verified
 (:func:`sparkcache.reshard.read_resharded`), and writes them into the
 request's blocks: straight into a KV cache in host memory, else assembled and
@@ -14,7 +16,9 @@ parallelism".
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,9 +29,14 @@ from sparkcache.identity import ModelIdentity, RequestScope
 from sparkcache.sharding import ShardingRefused, plan_reads
 from sparkcache.store import Match, SnapshotStore
 
-__all__ = ["load_resharded", "restorable_siblings", "sibling_match"]
+__all__ = ["SIBLINGS_SECONDS", "Siblings", "load_resharded", "restorable_siblings",
+           "sibling_match"]
 
 logger = logging.getLogger("vllm.sparkcache")
+
+#: How long an engine keeps its list of the other shardings it restores from
+#: before it reads the index's models again.
+SIBLINGS_SECONDS = 5.0
 
 
 def restorable_siblings(store: SnapshotStore, identity: ModelIdentity, total_kv_heads: int,
@@ -53,13 +62,42 @@ def restorable_siblings(store: SnapshotStore, identity: ModelIdentity, total_kv_
     return found
 
 
+class Siblings:
+    """One engine's :func:`restorable_siblings`, read from the index at most
+    every ``seconds`` (a request whose prompt its own sharding does not hold
+    whole looks among them: the models' rows are not read for each one).  A
+    sharding that is refused is warned about at the first read only."""
+
+    def __init__(self, store: SnapshotStore, identity: ModelIdentity, *,
+                 seconds: float = SIBLINGS_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.identity, self.seconds, self.clock = store, identity, seconds, clock
+        self._read = (-math.inf, 0)  # when, for which total_kv_heads
+        self._found: list[ModelIdentity] = []
+
+    def __call__(self, total_kv_heads: int, fresh: bool = False) -> list[ModelIdentity]:
+        """The other shardings (none while ``total_kv_heads`` is 0: unknown);
+        ``fresh``: read now (a fetch from the shared tier may have brought one)."""
+        now = self.clock()
+        at, heads = self._read
+        if fresh or heads != total_kv_heads or now - at >= self.seconds:
+            self._found = restorable_siblings(self.store, self.identity, total_kv_heads,
+                                              warn=at == -math.inf)
+            self._read = (now, total_kv_heads)
+        return self._found
+
+
 def sibling_match(store: SnapshotStore, identity: ModelIdentity, total_kv_heads: int,
-                  tokens: np.ndarray, scope: RequestScope | None) -> Match | None:
+                  tokens: np.ndarray, scope: RequestScope | None,
+                  others: Sequence[ModelIdentity] | None = None) -> Match | None:
     """The longest match of ``tokens`` among snapshots of other shardings of
     ``identity``'s KV that this engine can restore (None: none, or the model's
-    KV heads in all are unknown, ``total_kv_heads`` 0)."""
+    KV heads in all are unknown, ``total_kv_heads`` 0); ``others``: those
+    shardings, already known (:class:`Siblings`)."""
     best: Match | None = None
-    for other in restorable_siblings(store, identity, total_kv_heads):
+    if others is None:
+        others = restorable_siblings(store, identity, total_kv_heads)
+    for other in others:
         try:
             match = store.lookup(other, tokens, scope=scope)
         except SparkCacheError as exc:

@@ -30,7 +30,7 @@ from sparkcache.connector.costs import CostPlanner
 from sparkcache.connector.fetcher import Fetcher
 from sparkcache.connector.jobs import Counters, LoadJob, SaveJob, save_tag
 from sparkcache.connector.requests import Offer, RequestState, Rules, TenantLabels
-from sparkcache.connector.resharded import sibling_match
+from sparkcache.connector.resharded import Siblings, sibling_match
 from sparkcache.errors import CorruptSnapshot, NotFound, SparkCacheError
 from sparkcache.hashing import common_prefix, prefix_hashes, prefix_seed
 from sparkcache.store import Match, SnapshotStore
@@ -119,6 +119,7 @@ class Restores:
         #: The model's KV heads in all, set by the connector (0: unknown, no
         #: lookups of snapshots stored by engines of another TP size).
         self.total_kv_heads = 0
+        self.siblings = Siblings(store, rules.identity)  # those other TP sizes
 
     def writing(self, job: SaveJob) -> None:
         """A save was planned: until it is published, at most
@@ -300,9 +301,13 @@ class Restores:
                                       np.asarray(tokens[:limit], np.uint32),
                                       scope=state.scope, hashes=hashes,
                                       ends_only=groups.ends_only)
-            if match is None:  # none of this sharding: one of another TP size?
-                match = sibling_match(self.store, self.rules.identity, self.total_kv_heads,
-                                      np.asarray(tokens[:limit], np.uint32), state.scope)
+            if match is None or match.n_tokens < limit:  # more in another TP size's?
+                fetched = state.restore.fetch is not None and state.restore.fetch.future.done()
+                other = sibling_match(self.store, self.rules.identity, self.total_kv_heads,
+                                      np.asarray(tokens[:limit], np.uint32), state.scope,
+                                      self.siblings(self.total_kv_heads, fresh=fetched))
+                if other is not None and (match is None or other.n_tokens > match.n_tokens):
+                    match = other
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup failed (a miss): %s", exc)
             self.counters.add("lookup_errors")

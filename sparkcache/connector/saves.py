@@ -26,7 +26,7 @@ import numpy as np
 from sparkcache.connector.facts import NewPrefix
 from sparkcache.connector.jobs import Counters, SaveJob
 from sparkcache.connector.requests import RequestState, Rules, breakpoints_of
-from sparkcache.connector.resharded import sibling_match
+from sparkcache.connector.resharded import Siblings, sibling_match
 from sparkcache.core import KEEP_HOLDER, KEEP_LEASE
 from sparkcache.errors import SparkCacheError
 from sparkcache.store import Match, SnapshotStore
@@ -53,6 +53,7 @@ class Saves:
         #: The model's KV heads in all, set by the connector (0: unknown, no
         #: lookups of snapshots stored by engines of another TP size).
         self.total_kv_heads = 0
+        self.siblings = Siblings(store, rules.identity)  # those other TP sizes
 
     def start(self, state: RequestState) -> None:
         """Note a new request's marks: its breakpoints and the prompt's own save point
@@ -214,9 +215,9 @@ class Saves:
                         and kinds.copy_on_write:
                     # A whole stored snapshot is our prefix: write only the tail.
                     parent_id, parent_tokens = known.snapshot_id, known.n_tokens
-            if known is None and self._stored_otherwise(state, token_ids):
+            if self._stored_otherwise(state, token_ids):  # (whatever its own holds)
                 self.counters.add("saves_known")
-                return None, None
+                return None, known
         except SparkCacheError as exc:
             logger.warning("sparkcache lookup before save failed; saving in full: %s", exc)
         start, end = parent_tokens // bs, n // bs
@@ -266,13 +267,14 @@ class Saves:
 
     def _stored_otherwise(self, state: RequestState, token_ids: np.ndarray) -> bool:
         """Whether an engine of another TP size stored the request's whole prompt
-        (its restorable whole blocks), which this engine restores: its save would
-        be a second copy of that prefix (a copy-on-write tail cannot have a parent
-        of another sharding), so there is none."""
+        (its restorable whole blocks), which this engine restores (the longer
+        match, whatever part of it its own sharding holds): its save would be a
+        second copy of that prefix (a copy-on-write tail cannot have a parent of
+        another sharding), so there is none."""
         bs = self.rules.bs
         prompt = self.rules.restorable(int(state.request.num_prompt_tokens)) // bs * bs
         found = sibling_match(self.store, self.rules.identity, self.total_kv_heads,
-                              token_ids, state.scope)
+                              token_ids, state.scope, self.siblings(self.total_kv_heads))
         return found is not None and found.n_tokens >= prompt > 0
 
     def _add(self, job: SaveJob) -> None:

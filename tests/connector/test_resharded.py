@@ -194,3 +194,67 @@ def test_an_engine_start_reads_another_tp_sizes_snapshot_and_counts_it_warm(
     assert sched.matched_tokens(Req("warm", p), 0) == (len(p) - 1, True)
     sched.close()
     store.close()
+
+
+def test_a_longer_match_of_another_tp_size_wins_over_a_shorter_one_of_its_own(
+        tmp_path: Path) -> None:
+    """Its own sharding holds the prompt's first blocks (a shared system prompt
+    it saved), an engine of another TP size the whole prompt (the
+    conversation, from before the TP size changed): the longer is restored."""
+    store = SnapshotStore(tmp_path / "s")
+    p = prompt(100, 4)
+    publish(store, 2, p, [Pages(16, 1, seed=rank) for rank in (0, 1)])
+    publish(store, 1, p[:40], [Pages(16, 2, seed=5)])
+    sched = SchedulerSide(store, ident(1), Counters(), min_tokens=BS, load_async=True)
+    own = sched.restores.store.lookup(ident(1), np.asarray(p, np.uint32))
+    assert own is not None and 0 < own.n_tokens < len(p) - 1  # its own: a prefix
+    # The KV heads unknown: no other TP size is looked at, its own prefix is offered.
+    got, _ = sched.matched_tokens(Req("a", p), 0)
+    assert 0 < got < len(p) - 1
+    sched.restores.total_kv_heads = HEADS
+    req = Req("b", p)
+    assert sched.matched_tokens(req, 0) == (len(p) - 1, True)
+    sched.after_alloc(req, list(range(9, 16)), len(p) - 1)
+    (load,), _ = sched.take_jobs()
+    assert load.source == ident(2)
+    sched.close()
+    store.close()
+
+
+def test_the_other_shardings_are_read_from_the_index_every_few_seconds(
+        tmp_path: Path) -> None:
+    from sparkcache.connector.resharded import Siblings
+
+    now = [0.0]
+    stores = [SnapshotStore(tmp_path / name) for name in ("a", "b")]
+    by_time, by_fetch = (Siblings(s, ident(1), seconds=5, clock=lambda: now[0]) for s in stores)
+    assert by_time(HEADS) == [] and by_fetch(HEADS) == []
+    for store in stores:
+        publish(store, 2, prompt(100, 6), [Pages(16, 1, seed=rank) for rank in (0, 1)])
+    now[0] = 4.9
+    assert by_time(HEADS) == [] and by_fetch(HEADS) == []  # kept, not read again
+    assert by_fetch(HEADS, fresh=True) == [ident(2)]  # a fetch landed: read now
+    now[0] = 5.0
+    assert by_time(HEADS) == [ident(2)]  # read again
+    assert by_time(0) == []  # the KV heads unknown: none
+    for store in stores:
+        store.close()
+
+
+def test_no_save_of_a_prompt_another_tp_size_holds_whole_though_its_own_holds_a_prefix(
+        tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    p = prompt(100, 8)
+    publish(store, 2, p, [Pages(16, 1, seed=rank) for rank in (0, 1)])
+    publish(store, 1, p[:40], [Pages(16, 2, seed=5)])
+    before = {s.id for s in store.snapshots()}
+    counters = Counters()
+    sched = SchedulerSide(store, ident(1), counters, min_tokens=BS, load_async=True)
+    sched.saves.total_kv_heads = HEADS
+    req = finished(Req("c", p))
+    sched.finished(req, blocks_of(req))
+    assert sched.take_jobs() == ([], [])
+    assert counters.take().get("saves_known") == 1
+    assert {s.id for s in store.snapshots()} == before
+    sched.close()
+    store.close()

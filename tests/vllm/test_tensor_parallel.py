@@ -47,6 +47,9 @@ TP2 = {**CHUNK, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 OTHER = OTHER_PROMPT  # (the session baseline has plain TP=1 vLLM's answer)
 #: Published by the TP=1 engine only; its segment is then damaged.
 ONE = token_prompt(330, seed=74)
+#: Published by the TP=1 engine before LONG_PROMPT, whose first 300 tokens it
+#: shares (past the store's first alias, 256 tokens: a lookup matches them).
+PREFIX = LONG_PROMPT[:300] + token_prompt(130, seed=75)
 #: The publishing engine's last prompt: rank 1 dies in its publish.
 DEAD = token_prompt(360, seed=71)
 #: A breakpoint at token 300 (a 320-token snapshot: to its block's end), and a
@@ -251,15 +254,19 @@ TP1_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 def tp1(tiny_model_dir: Path, dying: dict[str, Any],
         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A TP=1 engine on a copy of the TP=2 store (OTHER's rank 1 segment damaged):
-    LONG_PROMPT restored from both TP=2 segments, OTHER refused, ONE published."""
+    PREFIX (LONG_PROMPT's first 300 tokens, then others) published under its
+    own sharding, then LONG_PROMPT restored whole from both TP=2 segments (the
+    longer match, not PREFIX's), OTHER refused, ONE published."""
     tmp = tmp_path_factory.mktemp("tp1-from-tp2")
     folder = _damaged_copy(dying["folder"], tmp, OTHER, 1)
     ops: list[dict[str, Any]] = [
+        {"op": "gen", "name": "prefix", "prompts": [PREFIX], "ready": 3},
+        {"op": "reset"},
         {"op": "gen", "name": "long", "prompts": [LONG_PROMPT], "logprobs": True},
         {"op": "reset"},
-        {"op": "gen", "name": "other", "prompts": [OTHER], "ready": 2},
+        {"op": "gen", "name": "other", "prompts": [OTHER], "ready": 3},
         {"op": "reset"},
-        {"op": "gen", "name": "one", "prompts": [ONE], "ready": 3},
+        {"op": "gen", "name": "one", "prompts": [ONE], "ready": 4},
     ]
     result = run_scenario(tiny_model_dir, tmp, ops, folder=folder, env=TP1_ENV, engine=CHUNK)
     result["folder"] = folder
@@ -284,6 +291,12 @@ def tp2x(tiny_model_dir: Path, tp1: dict[str, Any],
 def test_a_tp2_snapshot_restores_in_a_tp1_engine(
     tp1: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
+    # Its own sharding held PREFIX's first blocks, the TP=2 snapshot the whole
+    # prompt: the longer was restored.
+    prefix = tp1["prefix"]
+    assert [s[1] for s in prefix["snapshots"]].count(_stored(PREFIX)) == 1, prefix
+    # (PREFIX itself: up to the 300 tokens it shares, from the TP=2 snapshot.)
+    assert 256 <= prefix["outs"][0]["cached"] <= 300, tp1["_log"]
     (out,) = tp1["long"]["outs"]
     assert out["cached"] == len(LONG_PROMPT) - COMPUTED, tp1["_log"]
     assert same_answer(out, baseline["long"][0]) == ""
