@@ -1,8 +1,11 @@
-"""The one byte-view helper: any buffer as a flat uint8 array, without copying.
+"""The byte-buffer helpers: any buffer as a flat uint8 array, without copying,
+and page-aligned scratch buffers.
 
 Pages handed to ``publish``, destinations handed to ``read_into`` and chunks
 handed to a backend's ``put`` all come through :func:`as_byte_view`, so every
 layer agrees on what a buffer is and says the same thing about a bad one.
+Buffers that positional reads of segment files land in come from
+:func:`aligned_empty`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,24 @@ from sparkcache.errors import InvalidArgument, NotABuffer
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["as_byte_view"]
+__all__ = ["PAGE_ALIGN", "aligned_empty", "as_byte_view"]
+
+#: The alignment of :func:`aligned_empty`'s buffers: a memory page, as the
+#: segment files' data (``segment.DATA_ALIGN``).
+PAGE_ALIGN = 4096
+
+
+def aligned_empty(nbytes: int, align: int = PAGE_ALIGN) -> np.ndarray:
+    """An uninitialised flat uint8 array of ``nbytes`` whose first byte lies at a
+    multiple of ``align`` (a power of two).  A positional read from a segment
+    file lands at memory speed only where its destination and the file's data
+    are aligned alike (the kernel copies from page-aligned page-cache pages;
+    numpy's own buffers start 16 bytes into a page)."""
+    if align <= 0 or align & (align - 1):
+        raise InvalidArgument(f"align must be a power of two, got {align}")
+    raw = np.empty(nbytes + align, np.uint8)
+    skip = -raw.ctypes.data % align
+    return raw[skip : skip + nbytes]
 
 
 def as_byte_view(buf: Any, *, writable: bool = False, copy: bool = False) -> np.ndarray:

@@ -22,6 +22,9 @@ Work that can wait - writing a save's pages to disk - runs on a thread of the
 lowest scheduling priority (:func:`lower_priority`: nice 19, per thread on
 Linux), so that the forward's threads, the next request's prefill among
 them, take the cores first and the write fills the time they leave.
+
+A verified read sizes its parts by the CPU (:func:`cache_bytes`, :func:`vendor`):
+each part is hashed while it is still in the core's cache.
 """
 
 from __future__ import annotations
@@ -31,11 +34,57 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["LOWEST_PRIORITY", "lower_priority", "pinned_to", "process_cpus", "read_cpus",
-           "widen_affinity"]
+__all__ = ["LOWEST_PRIORITY", "cache_bytes", "lower_priority", "pinned_to", "process_cpus",
+           "read_cpus", "vendor", "widen_affinity"]
+
+#: Where Linux describes CPU 0's caches, one ``index*`` folder per cache.
+CACHE_FOLDER = "/sys/devices/system/cpu/cpu0/cache"
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 #: The nice value of a thread that should run only in the time the engine leaves.
 LOWEST_PRIORITY = 19
+
+
+def cache_bytes(level: int, folder: str = CACHE_FOLDER) -> int | None:
+    """The size of one core's level-``level`` data (or unified) cache, from
+    ``folder`` (Linux's sysfs); None where it does not say."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return None
+    for name in names:
+        if not name.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(folder, name, "level")) as f:
+                if int(f.read()) != level:
+                    continue
+            with open(os.path.join(folder, name, "type")) as f:
+                if f.read().strip() not in ("Data", "Unified"):
+                    continue
+            with open(os.path.join(folder, name, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        unit = _SIZE_UNITS.get(size[-1:], 1)
+        digits = size[:-1] if size[-1:] in _SIZE_UNITS else size
+        if digits.isdigit() and int(digits) > 0:
+            return int(digits) * unit
+    return None
+
+
+def vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor as Linux names it (``GenuineIntel``, ``AuthenticAMD``);
+    empty where unknown."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _thread_masks() -> Iterator[set[int]]:

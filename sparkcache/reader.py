@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from sparkcache import segment as seg
-from sparkcache.buffers import as_byte_view
+from sparkcache.buffers import aligned_empty, as_byte_view
 from sparkcache.core import Core, Match
 from sparkcache.cpus import pinned_to
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, SparkCacheError
@@ -409,7 +409,7 @@ def _copy_layers(core: Core, copies: list[_Copy],
 
     def run(k: int) -> None:
         # Positional reads land here, one chunk at a time, reused by this thread.
-        bounce = np.empty(seg.CHUNK_BYTES, np.uint8) if positional else None
+        bounce = aligned_empty(seg.CHUNK_BYTES) if positional else None
         with pinned_to(cpus[k % len(cpus)] if cpus else None):
             while (i := layers.take()) is not None:
                 try:
@@ -512,7 +512,7 @@ def warm(core: Core, identities: Sequence[ModelIdentity], max_bytes: int,
                      for mid in sorted(found)]
     # Each model's rows come newest use first; merged, the whole family's are.
     rows = list(heapq.merge(*per_model, key=lambda row: (-row[0], -row[1])))[:WARM_MAX_FILES]
-    chunk = np.empty(WARM_CHUNK_BYTES, np.uint8)
+    chunk = aligned_empty(WARM_CHUNK_BYTES)
     left, files, whole = max_bytes, 0, dict[int, bool]()
     for _used, sid, key, size in rows:
         if stop is not None and stop():

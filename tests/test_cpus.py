@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparkcache import ModelIdentity, SnapshotStore
+from sparkcache import ModelIdentity, SnapshotStore, cpus
 from sparkcache import segment as seg
 from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.connector.worker import WorkerIO
@@ -261,3 +261,47 @@ def test_a_workers_saves_run_below_its_other_threads(tmp_path: Path) -> None:
             assert {_nice(t) for t in others} == {before}
         finally:
             io.close()
+
+
+def _cache(folder: Path, index: int, level: int, kind: str, size: str) -> None:
+    where = folder / f"index{index}"
+    where.mkdir(parents=True)
+    (where / "level").write_text(f"{level}\n")
+    (where / "type").write_text(f"{kind}\n")
+    (where / "size").write_text(f"{size}\n")
+
+
+def test_cache_bytes_reads_a_cores_data_or_unified_cache(tmp_path: Path) -> None:
+    """The level asked for, its data or unified cache (never the instruction
+    one), in K, M or plain bytes; None where sysfs says nothing usable."""
+    _cache(tmp_path, 0, 1, "Data", "48K")
+    _cache(tmp_path, 1, 1, "Instruction", "32K")
+    _cache(tmp_path, 2, 2, "Unified", "2048K")
+    _cache(tmp_path, 3, 3, "Unified", "32M")
+    assert cpus.cache_bytes(1, str(tmp_path)) == 48 << 10
+    assert cpus.cache_bytes(2, str(tmp_path)) == 2 << 20
+    assert cpus.cache_bytes(3, str(tmp_path)) == 32 << 20
+    assert cpus.cache_bytes(4, str(tmp_path)) is None
+    assert cpus.cache_bytes(2, str(tmp_path / "missing")) is None
+    odd = tmp_path / "odd"
+    _cache(odd, 0, 2, "Instruction", "1024K")
+    _cache(odd, 1, 2, "Data", "lots")
+    _cache(odd, 2, 2, "Unified", "4096")
+    assert cpus.cache_bytes(2, str(odd)) == 4096
+
+
+def test_vendor_comes_from_cpuinfo(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert cpus.vendor(str(info)) == "AuthenticAMD"
+    info.write_text("processor\t: 0\n")
+    assert cpus.vendor(str(info)) == ""
+    assert cpus.vendor(str(tmp_path / "missing")) == ""
+
+
+def test_this_machines_caches_are_read() -> None:
+    """On Linux the test machine's L2 is known: the in-place read's parts are
+    sized by it (segment.LAND_BYTES)."""
+    l2 = cpus.cache_bytes(2)
+    assert l2 is not None and l2 >= 64 << 10
+    assert cpus.vendor() in ("GenuineIntel", "AuthenticAMD")

@@ -348,7 +348,7 @@ class LocalBackend:
         done = 0
         try:
             while done < length and target.nbytes and not (stop is not None and stop()):
-                got = _pread(fd, target[:length - done], done, key, self.url)
+                got = _pread(fd, [target[:length - done]], done, key, self.url)
                 if got <= 0:
                     break
                 done += got
@@ -391,11 +391,14 @@ class MmapBlob:
         return self._view
 
     def read_at(self, offset: int, out: Any) -> int:
-        """Fill ``out`` (a writable buffer) from byte ``offset``; return the bytes
-        read, fewer only where the file ends.  Safe from several threads."""
+        """Fill ``out`` (a writable buffer, or a list of them filled in order by
+        one vectored read) from byte ``offset``; return the bytes read, fewer
+        only where the file ends.  Safe from several threads."""
         if self._view is None:
             raise ValueError("blob is closed; open the object again to read it")
-        return _pread(self._fd, memoryview(out).cast("B"), offset, self._key, self._url)
+        parts = out if isinstance(out, (list, tuple)) else [out]
+        return _pread(self._fd, [memoryview(p).cast("B") for p in parts], offset,
+                      self._key, self._url)
 
     def close(self) -> None:
         view, self._view = self._view, None
@@ -451,16 +454,22 @@ class MmapBackend(LocalBackend):
         return MmapBlob(mapped, fd, key, self.url)
 
 
-def _pread(fd: int, target: memoryview, offset: int, key: str, url: str) -> int:
-    """Fill ``target`` from byte ``offset`` of ``fd``; the bytes read, fewer
-    only where the file ends (an OSError as the backend's error)."""
+def _pread(fd: int, targets: list[memoryview], offset: int, key: str, url: str) -> int:
+    """Fill ``targets`` in order from byte ``offset`` of ``fd`` (one vectored
+    read, again for what a short read left); the bytes read, fewer only where
+    the file ends (an OSError as the backend's error)."""
     done = 0
     try:
-        while done < target.nbytes:
-            got = os.preadv(fd, [target[done:]], offset + done)
+        while targets:
+            got = os.preadv(fd, targets, offset + done)
             if got <= 0:
                 break
             done += got
+            while targets and got >= targets[0].nbytes:  # the filled ones
+                got -= targets[0].nbytes
+                targets = targets[1:]
+            if targets and got:
+                targets = [targets[0][got:], *targets[1:]]
     except OSError as exc:
         raise translate_os_error(exc, "reading", key, url) from exc
     return done

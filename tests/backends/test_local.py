@@ -258,6 +258,44 @@ def test_mmap_blob_read_at(tmp_path: Path) -> None:
         blob.read_at(0, out)
 
 
+@pytest.mark.parametrize("most", [None, 700], ids=["whole", "short-reads"])
+def test_mmap_blob_read_at_fills_several_buffers(
+    tmp_path: Path, most: int | None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A list of buffers is filled in order from one offset, as one read, also
+    when the kernel returns fewer bytes than asked (``most`` per call): the
+    rest is read again from where it stopped, across buffer boundaries; short
+    only where the file ends."""
+    backend = MmapBackend(tmp_path)
+    data = np.random.default_rng(6).integers(0, 256, 5000, dtype=np.uint8)
+    backend.put("obj", [data])
+    calls: list[int] = []
+    preadv = os.preadv
+
+    def capped(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(len(buffers))
+        if most is None:
+            return preadv(fd, buffers, offset)
+        room = memoryview(bytearray(min(most, sum(b.nbytes for b in buffers))))
+        got = preadv(fd, [room], offset)
+        left = got
+        for buf in buffers:  # what a short vectored read fills: the first bytes
+            n = min(left, buf.nbytes)
+            buf[:n] = room[got - left : got - left + n]
+            left -= n
+        return got
+
+    monkeypatch.setattr(os, "preadv", capped)
+    with backend.open("obj") as blob:
+        outs = [np.zeros(n, np.uint8) for n in (300, 1, 0, 1200, 499)]
+        assert blob.read_at(1000, outs) == 2000
+        assert np.array_equal(np.concatenate(outs), data[1000:3000])
+        assert calls[0] == 5 and len(calls) == (1 if most is None else 3)
+        tail = [np.zeros(900, np.uint8), np.zeros(900, np.uint8)]
+        assert blob.read_at(4000, tail) == 1000  # the file ends there
+        assert np.array_equal(np.concatenate(tail)[:1000], data[4000:])
+
+
 def test_mmap_blob_read_at_sees_truncation(tmp_path: Path) -> None:
     """A file truncated while open: the mapping would fault (SIGBUS) past the new
     end, a positional read just returns fewer bytes."""

@@ -9,6 +9,7 @@ import numpy as np
 import xxhash
 
 from sparkcache import ModelIdentity, SnapshotStore
+from sparkcache import segment as seg
 
 BLOCK = 4
 LAYERS = 2
@@ -75,7 +76,7 @@ def forge_tokens(store: SnapshotStore, snapshot_id: int, other: np.ndarray) -> N
     entries["__metadata__"]["sparkcache"] = json.dumps(meta, sort_keys=True,
                                                        separators=(",", ":"))
     text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % seg.DATA_ALIGN)
     assert len(text) == hlen
     data[8:8 + hlen] = text
     path.write_bytes(bytes(data))

@@ -1,11 +1,12 @@
-"""sparkcache.buffers: the one byte view every layer uses for pages, destinations and chunks."""
+"""sparkcache.buffers: the one byte view every layer uses for pages, destinations and chunks,
+and the aligned scratch buffers positional reads land in."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sparkcache.buffers import as_byte_view
+from sparkcache.buffers import PAGE_ALIGN, aligned_empty, as_byte_view
 from sparkcache.errors import InvalidArgument, NotABuffer
 
 
@@ -45,3 +46,21 @@ def test_a_non_buffer_is_invalid_and_a_type_error() -> None:
         as_byte_view("text")
     assert isinstance(info.value, TypeError) and isinstance(info.value, InvalidArgument)
     assert "str" in str(info.value)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 1 << 20])
+@pytest.mark.parametrize("align", [64, PAGE_ALIGN])
+def test_aligned_buffers_start_at_a_multiple(nbytes: int, align: int) -> None:
+    """Each of several buffers starts at a multiple of ``align`` (numpy's own
+    start 16 bytes into a page), holds ``nbytes`` and is writable."""
+    for _ in range(4):
+        buf = aligned_empty(nbytes, align)
+        assert buf.dtype == np.uint8 and buf.shape == (nbytes,) and buf.flags.writeable
+        assert buf.ctypes.data % align == 0 or nbytes == 0  # (no memory to place)
+        buf[:] = 7
+
+
+def test_an_alignment_that_is_not_a_power_of_two_is_refused() -> None:
+    for align in (0, -64, 48):
+        with pytest.raises(InvalidArgument, match="power of two"):
+            aligned_empty(16, align)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,13 +39,22 @@ def _tensor(size: int = 4096) -> tuple[memoryview, seg.SegmentHeader, np.ndarray
     return buf, seg.parse_header(buf, digest), data
 
 
-def _reads(buf: memoryview, log: list[int]) -> Callable[[int, np.ndarray], int]:
-    """A positional read over ``buf`` that records each destination's address."""
-    def read_at(offset: int, out: np.ndarray) -> int:
-        log.append(out.__array_interface__["data"][0])
-        part = np.frombuffer(buf, np.uint8)[offset : offset + out.size]
-        out[: part.size] = part
-        return int(part.size)
+def _reads(buf: memoryview, log: list[int],
+           calls: list[int] | None = None) -> Callable[[int, Any], int]:
+    """A positional read over ``buf`` (into an array, or a list of arrays in
+    order) that records each destination's address, and in ``calls`` how many
+    destinations each call filled."""
+    def read_at(offset: int, out: Any) -> int:
+        parts = out if isinstance(out, list) else [out]
+        if calls is not None:
+            calls.append(len(parts))
+        done = 0
+        for room in parts:
+            log.append(room.__array_interface__["data"][0])
+            part = np.frombuffer(buf, np.uint8)[offset + done : offset + done + room.size]
+            room[: part.size] = part
+            done += int(part.size)
+        return done
     return read_at
 
 
@@ -84,6 +94,43 @@ def test_chunks_land_in_place_across_pieces(
     assert len(log) - len(in_place) == straddles  # the rest read straight into place
     whole = 5 - skip // SMALL_CHUNK - straddles  # 1000-byte chunks of 4096 bytes
     assert len(in_place) >= whole
+
+
+@pytest.mark.parametrize("part", [1000, 300])
+def test_parts_across_pieces_are_read_in_one_call(
+    small_chunks: int, part: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pieces smaller than ``LAND_BYTES`` (KV blocks smaller than a part) are
+    filled by one vectored read per part, not one read per piece."""
+    monkeypatch.setattr(seg, "LAND_BYTES", part)
+    monkeypatch.setattr(seg, "LAND_PARTS", 1000)
+    buf, header, data = _tensor()
+    backing = np.zeros(2 * 4096, np.uint8)
+    pieces = [backing[2 * at : 2 * at + 100][: 4096 - at] for at in range(0, 4096, 100)]
+    log: list[int] = []
+    calls: list[int] = []
+    seg.copy_verified(buf, header, "layer.0", 4096, seg.InPlace(seg.Pieces(pieces)),
+                      read_at=_reads(buf, log, calls))
+    assert np.array_equal(np.concatenate(pieces), data)
+    per_chunk = [min(SMALL_CHUNK, 4096 - at) for at in range(0, 4096, SMALL_CHUNK)]
+    assert len(calls) == sum(-(-size // part) for size in per_chunk)
+    assert sum(calls) == len(log) and max(calls) > 1
+
+
+def test_a_read_takes_at_most_land_parts_pieces(
+    small_chunks: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many tiny pieces (a 10-byte KV block): no vectored read takes more than
+    ``LAND_PARTS`` buffers (the kernel refuses over 1024), the bytes are right."""
+    monkeypatch.setattr(seg, "LAND_PARTS", 7)
+    buf, header, data = _tensor()
+    backing = np.zeros(2 * 4096, np.uint8)
+    pieces = [backing[2 * at : 2 * at + 10][: 4096 - at] for at in range(0, 4096, 10)]
+    calls: list[int] = []
+    seg.copy_verified(buf, header, "layer.0", 4096, seg.InPlace(seg.Pieces(pieces)),
+                      read_at=_reads(buf, [], calls))
+    assert np.array_equal(np.concatenate(pieces), data)
+    assert max(calls) == 7
 
 
 def test_a_damaged_chunk_fails_in_place(small_chunks: int) -> None:
@@ -159,3 +206,15 @@ def test_in_place_takes_buffers_only(store: SnapshotStore) -> None:
 
     with pytest.raises(InvalidArgument, match="in_place"):
         store.read_into(c.match, 0, [Sink() for _ in range(LAYERS)], in_place=True)
+
+
+def test_land_bytes_follow_the_cpu() -> None:
+    """256 KiB parts on Intel or an unknown L2, else half the core's L2 within
+    [256 KiB, one chunk]; this machine's value is one of those."""
+    assert seg.land_bytes(2 << 20, "GenuineIntel") == 256 << 10
+    assert seg.land_bytes(None, "AuthenticAMD") == 256 << 10
+    assert seg.land_bytes(1 << 20, "AuthenticAMD") == 512 << 10
+    assert seg.land_bytes(512 << 10, "AuthenticAMD") == 256 << 10
+    assert seg.land_bytes(32 << 20, "AuthenticAMD") == seg.CHUNK_BYTES
+    assert seg.land_bytes(1 << 20, "") == 512 << 10
+    assert 256 << 10 <= seg.LAND_BYTES <= seg.CHUNK_BYTES

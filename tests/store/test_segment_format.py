@@ -2,7 +2,8 @@
 
 Loaded with the real ``safetensors`` library (not our parser), it holds
 ``layer.i`` with shape ``[n_blocks, *page_shape]`` in the KV-cache dtype and
-``tokens`` as uint32, with exactly the bytes that were published.
+``tokens`` as uint32, with exactly the bytes that were published.  Its data
+starts at a multiple of ``segment.DATA_ALIGN`` (the header is padded).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import safetensors.numpy as safetensors_numpy
 from safetensors import safe_open
 
 from sparkcache import SnapshotStore
+from sparkcache import segment as seg
 from sparkcache.identity import ModelIdentity
 
 from .helpers import LAYERS, identity, pages_for, tokens
@@ -34,6 +36,10 @@ def _segment(store: SnapshotStore, snapshot_id: int) -> Path:
 
 def _check(path: Path, ident: ModelIdentity, dtype: type, toks: np.ndarray,
            pages: list[np.ndarray], start: int, end: int) -> None:
+    data = path.read_bytes()
+    hlen = int.from_bytes(data[:8], "little")
+    assert (8 + hlen) % seg.DATA_ALIGN == 0  # every layer's data starts page-aligned
+    assert data[8:8 + hlen].rstrip(b" ").endswith(b"}")  # padded with spaces only
     loaded = safetensors_numpy.load_file(str(path))
     n_blocks = (end - start) // ident.block_size
     assert set(loaded) == {*(f"layer.{i}" for i in range(LAYERS)), "tokens"}
