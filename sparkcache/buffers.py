@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PAGE_ALIGN", "aligned_empty", "as_byte_view"]
 
-#: The alignment of :func:`aligned_empty`'s buffers: a memory page, as the
-#: segment files' data (``segment.DATA_ALIGN``).
+#: The alignment of :func:`aligned_empty`'s buffers: a memory page (the
+#: segment files' data starts at one too: ``segment.DATA_ALIGN``).
 PAGE_ALIGN = 4096
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import xxhash
 
 from sparkcache.backends import Backend, Blob
-from sparkcache.buffers import aligned_empty, as_byte_view
+from sparkcache.buffers import PAGE_ALIGN, aligned_empty, as_byte_view
 from sparkcache.cpus import cache_bytes, vendor
 from sparkcache.errors import CorruptSnapshot, InvalidArgument, NotFound, UnsafeName
 from sparkcache.identity import DTYPE_SIZES, ModelIdentity, canonical_json
@@ -69,8 +69,9 @@ __all__ = [
 ]
 
 FORMAT = "sparkcache-segment-1"
-#: The data starts at a multiple of this in the file (the header is padded).
-DATA_ALIGN = 4096
+#: The data starts at a multiple of this in the file (the header is padded):
+#: a memory page, as the buffers reads land in (``buffers.aligned_empty``).
+DATA_ALIGN = PAGE_ALIGN
 #: Verification granularity: small enough to stay in L2 between hash and copy.
 CHUNK_BYTES = 1 << 20
 
@@ -494,7 +495,8 @@ def _land_in_place(land: LandAt, start: int, spans: Sequence[np.ndarray], digest
             size += part.size
             at += part.size
             if size == LAND_BYTES or len(group) == LAND_PARTS:
-                start = _land_group(land, start, group, hasher)
+                _land_group(land, start, group, hasher)
+                start += size
                 group, size = [], 0
     if group:
         _land_group(land, start, group, hasher)
@@ -502,13 +504,11 @@ def _land_in_place(land: LandAt, start: int, spans: Sequence[np.ndarray], digest
         raise _fail(f"{what} digest mismatch (payload corrupted)", "digest")
 
 
-def _land_group(land: LandAt, start: int, group: list[np.ndarray], hasher: Any) -> int:
-    """Read ``group`` (consecutive bytes from ``start``) in one call, then hash
-    it; the byte after it."""
+def _land_group(land: LandAt, start: int, group: list[np.ndarray], hasher: Any) -> None:
+    """Read ``group`` (consecutive bytes from ``start``) in one call, then hash it."""
     land(start, group)
     for part in group:
         hasher.update(cast("Buffer", part))
-    return start + sum(part.size for part in group)
 
 
 def copy_verified(
