@@ -324,12 +324,14 @@ class Core:
             self._unsaved[(model_id, name)] += value
 
     def record_use(self, snapshot_ids: Iterable[int], model_id: int,
-                   counts: dict[str, int]) -> None:
+                   counts: dict[str, int], *, later: bool = False) -> None:
         """A restore that succeeded: the snapshots it read were used now (their
         ``last_used`` and ``use_count``), and ``counts`` are added to the model's
         counters.  Saved now if the write lock is free at once, else with the
         next write: a verified read is a hit even while another process holds
-        the lock, and it never waits for it."""
+        the lock, and it never waits for it.  ``later``: only kept, for the
+        caller's :meth:`save_counts` (or the next write), once nobody waits
+        for the restore."""
         now = self.clock()
         with self._lock:
             for sid in snapshot_ids:
@@ -337,6 +339,12 @@ class Core:
                 self._uses[sid] = (now, uses + 1)
             for name, value in counts.items():
                 self._unsaved[(model_id, name)] += value
+        if not later:
+            self.save_counts()
+
+    def save_counts(self) -> None:
+        """Save what was counted now if the write lock is free at once, else
+        :data:`RETRY_SAVE_SECONDS` later on a timer thread (or with the next write)."""
         if not self.try_save():
             self._save_later(RETRY_SAVE_SECONDS)
 

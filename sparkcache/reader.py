@@ -70,6 +70,7 @@ def read_into(
     n_tokens: int | None = None, start_tokens: int | Sequence[int] = 0,
     on_layer: Callable[[int], None] | None = None, threads: int = 1,
     cpus: Sequence[int] = (), hit: bool = True, in_place: bool = False,
+    record_later: bool = False,
 ) -> int:
     """Verify and copy tokens ``[start_tokens, n_tokens)`` into ``out``.
 
@@ -90,7 +91,9 @@ def read_into(
     this returns): where the store reads positionally, each chunk copied whole
     is read straight into ``out`` and verified there (:class:`~sparkcache.
     segment.InPlace`), so a failure may leave unverified bytes in ``out``: it
-    must then be treated as never written."""
+    must then be treated as never written.  ``record_later``: the hit is
+    kept, not written, for the caller's ``Core.save_counts`` once the restore
+    is in use (or the next write)."""
     dests: list[np.ndarray | seg.Sink] = [
         seg.Pieces(o) if isinstance(o, (list, tuple))
         else o if not isinstance(o, np.ndarray) and isinstance(o, seg.Sink)
@@ -120,7 +123,8 @@ def read_into(
         return dests
 
     return _read_chain(core, match, rank, n_tokens, check, skip_tokens=start_tokens,
-                       on_layer=on_layer, threads=threads, cpus=cpus, hits=int(hit))
+                       on_layer=on_layer, threads=threads, cpus=cpus, hits=int(hit),
+                       record_later=record_later)
 
 
 def stored_tokens(core: Core, match: Match, rank: int, n_tokens: int) -> np.ndarray:
@@ -245,6 +249,7 @@ def _read_chain(
     dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Sink]], *, touch: bool = True,
     hits: int = 1, skip_tokens: int | Sequence[int] = 0,
     on_layer: Callable[[int], None] | None = None, threads: int = 1, cpus: Sequence[int] = (),
+    record_later: bool = False,
 ) -> int:
     """Verify the chain's tokens ``[0, n)`` and copy the pages of ``[skip_tokens, n)``.
 
@@ -298,7 +303,7 @@ def _read_chain(
             copies.clear()  # drop the views before the mmaps close
     n_blocks = n // bs - skip_blocks
     if touch:
-        _touch(core, model_id, links, n - low, copied, hits)
+        _touch(core, model_id, links, n - low, copied, hits, later=record_later)
     return n_blocks
 
 
@@ -465,10 +470,10 @@ def _open_verified(
 
 
 def _touch(core: Core, model_id: int, links: list[_Link], n: int, nbytes: int,
-           hits: int = 1) -> None:
+           hits: int = 1, *, later: bool = False) -> None:
     """Record the hit: every link read was used, and the restored amounts."""
     core.record_use([link.id for link in links], model_id,
-                    {"hits": hits, "restored_tokens": n, "restored_bytes": nbytes})
+                    {"hits": hits, "restored_tokens": n, "restored_bytes": nbytes}, later=later)
 
 
 #: The most segment files one :func:`warm` considers (a bound on its query).

@@ -280,11 +280,12 @@ class SchedulerSide:
 
     def close(self) -> None:
         """Stop reading into the page cache; keep what the cost model learned
-        (when it is kept)."""
+        (when it is kept); release the leases of loads planned."""
         if self.warmer is not None:
             self.warmer.close()
         if self.keeper is not None:
             self.keeper.close()
+        self.restores.leases.close()
 
     @property
     def pending_block_frees(self) -> bool:

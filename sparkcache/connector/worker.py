@@ -266,6 +266,7 @@ class WorkerIO:
         self.counters.add("loaded_bytes", self._nbytes(job))
         self.counters.add("load_seconds", time.perf_counter() - started)
         self._finish_load(job, ok=True, report=report)
+        self.store.save_counts()  # the hit, written once vLLM may use the blocks
         return True
 
     def _load(self, job: LoadJob, on_layer: Callable[[int], None] | None = None) -> None:
@@ -327,7 +328,7 @@ class WorkerIO:
             self.store.read_into(match, self.rank, out, n_tokens=job.n_tokens,
                                  start_tokens=starts, on_layer=notify,
                                  threads=self.load_threads, cpus=read_cpus(), hit=hit,
-                                 in_place=not job.in_step)
+                                 in_place=not job.in_step, record_later=True)
             self.counters.add("loads_direct")
         else:
             # Leaving the block waits for every queued upload of every group.
@@ -344,7 +345,8 @@ class WorkerIO:
                 self.store.read_into(match, self.rank,
                                      [staged[g].layers[j] for g, j in groups.where],
                                      n_tokens=job.n_tokens, start_tokens=starts,
-                                     threads=self.load_threads, on_layer=landed, hit=hit)
+                                     threads=self.load_threads, on_layer=landed, hit=hit,
+                                     record_later=True)
 
     def _groups_of(self, job: LoadJob | SaveJob) -> LayerGroups:
         """This worker's KV cache groups, which the job's per-group blocks must match."""

@@ -18,6 +18,7 @@ import pytest
 
 from sparkcache import SnapshotStore
 from sparkcache.connector.jobs import Counters, LoadJob
+from sparkcache.connector.restores import Leases
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
 
@@ -188,6 +189,44 @@ def test_an_asynchronous_load_lands_in_place(
                                   np.delete(untouched, range(22, 27), axis=1))
 
 
+@pytest.mark.parametrize("in_step", [False, True])
+def test_a_landed_loads_hit_is_written_after_it_reports(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch, in_step: bool,
+) -> None:
+    """The hit's index write waits until the load has reported (vLLM may use
+    the blocks then), and is made by the loading thread right after: another
+    process sees it once the load ended."""
+    store, sched, io, _counters = one_rank
+    p = prompt(100, 13)
+    save(sched, io, Req("a", p))
+    req = Req("b", p)
+    claim, _ = sched.matched_tokens(req, 0)
+    sched.after_alloc(req, list(range(20, 27)), claim)
+    (load,), _ = sched.take_jobs()
+    with SnapshotStore(store.root) as other:
+        before = other.stats().get("hits", 0)
+        unsaved: list[int] = []
+        real = store.save_counts
+
+        def spy() -> None:  # the hit is not in the index before the save
+            unsaved.append(other.stats().get("hits", 0) - before)
+            real()
+
+        monkeypatch.setattr(store, "save_counts", spy)
+        restorer = WorkerIO(store, identity(), 0, FakePages(64, seed=9), Counters())
+        try:
+            if in_step:
+                restorer.start_step_loads([dataclasses.replace(load, in_step=True)])
+                restorer.finish_step_loads(all_layers_waited=True)
+            else:
+                restorer.submit_load(load)
+                assert restorer.flush() and restorer.poll()[1] == {"b"}
+            assert unsaved == [0]
+            assert other.stats()["hits"] == before + 1
+        finally:
+            restorer.close()
+
+
 def test_stored_ids_unlike_the_index_are_offered_once(one_rank: Any) -> None:
     """A snapshot whose file is consistent in itself but holds other token ids
     than its index rows were made from: the worker's load fails and the
@@ -232,6 +271,7 @@ def test_a_planned_restore_leases_its_snapshot(one_rank: Any) -> None:
     io.submit_load(load)
     assert io.flush()
     sched.on_output(io.poll()[1], ())
+    assert sched.restores.leases.flush()  # (released on a thread of its own)
     assert store.evict(count=None) == [snap.id]
     # A synchronous load (never reported) holds its lease until the request finishes.
     sync = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=False,
@@ -242,7 +282,54 @@ def test_a_planned_restore_leases_its_snapshot(one_rank: Any) -> None:
     sync.after_alloc(req, list(range(7)), 100)
     assert store.evict(count=None) == []
     sync.finished(req, list(range(7)))
+    assert sync.restores.leases.flush()
     assert len(store.evict(count=None)) == 1
+
+
+def test_a_lease_is_released_off_the_callers_thread(tmp_path: Path) -> None:
+    """An acquire is written before it returns; a release returns at once and
+    the lease thread writes it; a lease on a snapshot that went is counted;
+    a second acquire for a request releases its first; close releases all."""
+    with SnapshotStore(tmp_path / "s") as store:
+        io = WorkerIO(store, identity(), 0, FakePages(32, 1), Counters())
+        sched = SchedulerSide(store, identity(), Counters(), min_tokens=BS, load_async=True)
+        save(sched, io, Req("a", prompt(100, 31)))
+        (snap,) = store.snapshots()
+
+        def held() -> int:
+            with store._core.read() as conn:
+                return len(store._core.leases(conn, snap.id))
+
+        counters = Counters()
+        leases = Leases(store, counters)
+        leases.acquire("r1", snap.id)
+        assert held() == 1
+        gate = threading.Event()
+        real = store.release_lease
+
+        def slow(lease: int) -> bool:
+            gate.wait(10)
+            return real(lease)
+
+        store.release_lease = slow  # type: ignore[method-assign]
+        started = time.monotonic()
+        leases.release("r1")
+        assert time.monotonic() - started < 1.0  # (the write waits for the gate)
+        assert not leases.flush(timeout=0.2) and held() == 1
+        gate.set()
+        assert leases.flush() and held() == 0
+        store.release_lease = real  # type: ignore[method-assign]
+        leases.release("r1")  # nothing held: nothing queued
+        assert leases.flush(timeout=0)
+        leases.acquire("r2", snap.id)
+        leases.acquire("r2", snap.id)  # its first lease goes
+        assert leases.flush() and held() == 1
+        leases.acquire("r3", 10**9)  # no such snapshot
+        assert counters.take()["lease_failures"] == 1
+        leases.close()
+        assert held() == 0
+        assert store.evict(count=None) == [snap.id]
+        io.close()
 
 
 def test_asking_again_changes_nothing_but_the_offer(one_rank: Any) -> None:

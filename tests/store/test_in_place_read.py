@@ -218,3 +218,23 @@ def test_land_bytes_follow_the_cpu() -> None:
     assert seg.land_bytes(32 << 20, "AuthenticAMD") == seg.CHUNK_BYTES
     assert seg.land_bytes(1 << 20, "") == 512 << 10
     assert 256 << 10 <= seg.LAND_BYTES <= seg.CHUNK_BYTES
+
+
+def test_a_hit_recorded_later_is_written_by_save_counts(store: SnapshotStore) -> None:
+    """``record_later``: the read returns before its hit is written (another
+    process's view of the index does not show it yet); ``save_counts``
+    writes it, with the snapshot's use."""
+    c = _publish_chain(store, (16, 40))
+    out = [np.zeros((10, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    with SnapshotStore(store.root) as other:
+        before = other.stats().get("hits", 0)
+        used = {s.id: s.use_count for s in other.snapshots()}
+        store.read_into(c.match, 0, out, record_later=True)
+        assert other.stats().get("hits", 0) == before
+        assert {s.id: s.use_count for s in other.snapshots()} == used
+        store.save_counts()
+        assert other.stats()["hits"] == before + 1
+        assert all(s.use_count == used[s.id] + 1 for s in other.snapshots())
+    store.read_into(c.match, 0, out)  # by default written before it returns
+    with SnapshotStore(store.root) as other:
+        assert other.stats()["hits"] == before + 2
