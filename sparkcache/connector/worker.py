@@ -266,7 +266,10 @@ class WorkerIO:
         self.counters.add("loaded_bytes", self._nbytes(job))
         self.counters.add("load_seconds", time.perf_counter() - started)
         self._finish_load(job, ok=True, report=report)
-        self.store.save_counts()  # the hit, written once vLLM may use the blocks
+        try:  # the hit, written once vLLM may use the blocks
+            self.store.save_counts()
+        except SparkCacheError as exc:  # (closed at shutdown: close saved what it could)
+            logger.debug("sparkcache: the restore's hit was not written: %s", exc)
         return True
 
     def _load(self, job: LoadJob, on_layer: Callable[[int], None] | None = None) -> None:

@@ -21,6 +21,7 @@ from sparkcache.connector.jobs import Counters, LoadJob
 from sparkcache.connector.restores import Leases
 from sparkcache.connector.scheduler import SchedulerSide
 from sparkcache.connector.worker import WorkerIO
+from sparkcache.errors import StoreClosed
 
 from ..store.helpers import forge_tokens
 from .helpers import BS, FakePages, Req, identity, prompt, save
@@ -225,6 +226,34 @@ def test_a_landed_loads_hit_is_written_after_it_reports(
             assert other.stats()["hits"] == before + 1
         finally:
             restorer.close()
+
+
+def test_a_hit_that_cannot_be_written_does_not_stop_the_loader(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hit's write after a load landed may meet a store closed at shutdown:
+    the load still reports landed, and the loader thread goes on to the next."""
+    store, sched, io, _counters = one_rank
+    p = prompt(100, 14)
+    save(sched, io, Req("a", p))
+    req = Req("b", p)
+    claim, _ = sched.matched_tokens(req, 0)
+    sched.after_alloc(req, list(range(20, 27)), claim)
+    (load,), _ = sched.take_jobs()
+    loads = [load, dataclasses.replace(load, req_id="c", blocks=(tuple(range(30, 37)),))]
+
+    def closed() -> None:
+        raise StoreClosed("this SnapshotStore was closed")
+
+    monkeypatch.setattr(store, "save_counts", closed)
+    restorer = WorkerIO(store, identity(), 0, FakePages(64, seed=9), Counters())
+    try:
+        for load in loads:
+            restorer.submit_load(load)
+        assert restorer.flush(timeout=10)
+        assert restorer.poll()[1] == {"b", "c"} and not restorer.take_failed_blocks()
+    finally:
+        restorer.close()
 
 
 def test_stored_ids_unlike_the_index_are_offered_once(one_rank: Any) -> None:
