@@ -190,6 +190,18 @@ def test_an_asynchronous_load_lands_in_place(
                                   np.delete(untouched, range(22, 27), axis=1))
 
 
+def _planned_load(one_rank: Any, p: list[int]) -> LoadJob:
+    """``p`` saved by request "a", then request "b" of the same prompt planned:
+    its load (of whatever the scheduler offered) into blocks 20-26."""
+    _store, sched, io, _counters = one_rank
+    save(sched, io, Req("a", p))
+    req = Req("b", p)
+    claim, _ = sched.matched_tokens(req, 0)
+    sched.after_alloc(req, list(range(20, 27)), claim)
+    (load,), _ = sched.take_jobs()
+    return load
+
+
 @pytest.mark.parametrize("in_step", [False, True])
 def test_a_landed_loads_hit_is_written_after_it_reports(
     one_rank: Any, monkeypatch: pytest.MonkeyPatch, in_step: bool,
@@ -197,13 +209,8 @@ def test_a_landed_loads_hit_is_written_after_it_reports(
     """The hit's index write waits until the load has reported (vLLM may use
     the blocks then), and is made by the loading thread right after: another
     process sees it once the load ended."""
-    store, sched, io, _counters = one_rank
-    p = prompt(100, 13)
-    save(sched, io, Req("a", p))
-    req = Req("b", p)
-    claim, _ = sched.matched_tokens(req, 0)
-    sched.after_alloc(req, list(range(20, 27)), claim)
-    (load,), _ = sched.take_jobs()
+    store = one_rank[0]
+    load = _planned_load(one_rank, prompt(100, 13))
     with SnapshotStore(store.root) as other:
         before = other.stats().get("hits", 0)
         unsaved: list[int] = []
@@ -233,13 +240,8 @@ def test_a_hit_that_cannot_be_written_does_not_stop_the_loader(
 ) -> None:
     """The hit's write after a load landed may meet a store closed at shutdown:
     the load still reports landed, and the loader thread goes on to the next."""
-    store, sched, io, _counters = one_rank
-    p = prompt(100, 14)
-    save(sched, io, Req("a", p))
-    req = Req("b", p)
-    claim, _ = sched.matched_tokens(req, 0)
-    sched.after_alloc(req, list(range(20, 27)), claim)
-    (load,), _ = sched.take_jobs()
+    store = one_rank[0]
+    load = _planned_load(one_rank, prompt(100, 14))
     loads = [load, dataclasses.replace(load, req_id="c", blocks=(tuple(range(30, 37)),))]
 
     def closed() -> None:
