@@ -279,11 +279,12 @@ class Core:
     # -- transactions --------------------------------------------------------------------
 
     @contextmanager
-    def write(self, *, wait: bool = True) -> Iterator[Conn]:
+    def write(self, *, wait: bool | float = True) -> Iterator[Conn]:
         """A write transaction (``BEGIN IMMEDIATE``; nested: a savepoint).
 
         ``wait=False`` raises StoreTimeout at once when another process holds
-        the write lock, instead of waiting up to the busy timeout."""
+        the write lock, instead of waiting up to the busy timeout; a number
+        of seconds waits at most that long."""
         after: list[Callable[[], object]] = []
         with self._lock, self.db.write(after, wait=wait) as conn:
             if self._unsaved:
@@ -342,10 +343,11 @@ class Core:
         if not later:
             self.save_counts()
 
-    def save_counts(self) -> None:
-        """Save what was counted now if the write lock is free at once, else
-        :data:`RETRY_SAVE_SECONDS` later on a timer thread (or with the next write)."""
-        if not self.try_save():
+    def save_counts(self, *, wait: float = 0.0) -> None:
+        """Save what was counted now if the locks are free within ``wait``
+        seconds (0: at once), else :data:`RETRY_SAVE_SECONDS` later on a timer
+        thread (or with the next write)."""
+        if not self.try_save(wait=wait):
             self._save_later(RETRY_SAVE_SECONDS)
 
     def _save_later(self, delay: float) -> None:
@@ -371,15 +373,16 @@ class Core:
         if not saved:
             self._save_later(min(2 * delay, MAX_RETRY_SAVE_SECONDS))
 
-    def try_save(self) -> bool:
-        """Save what was counted, if the locks are free at once; False if not
-        (the next write saves it)."""
-        if not self._lock.acquire(blocking=False):
+    def try_save(self, *, wait: float = 0.0) -> bool:
+        """Save what was counted, if the locks are free within ``wait`` seconds
+        (0: at once); False if not (the next write saves it)."""
+        if not (self._lock.acquire(timeout=wait) if wait > 0 else
+                self._lock.acquire(blocking=False)):
             return False
         try:
-            with self.write(wait=False):
+            with self.write(wait=wait if wait > 0 else False):
                 pass
-        except (StoreTimeout, StoreFull):
+        except (StoreTimeout, StoreFull, StoreClosed):  # (closed: close saved what it could)
             return False
         finally:
             self._lock.release()

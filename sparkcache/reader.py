@@ -247,9 +247,8 @@ def _read_range(match: Match, n_tokens: int | None,
 def _read_chain(
     core: Core, match: Match, rank: int, n_tokens: int | None,
     dest_for: Callable[[int, int], Sequence[np.ndarray | seg.Sink]], *, touch: bool = True,
-    hits: int = 1, skip_tokens: int | Sequence[int] = 0,
+    hits: int = 1, skip_tokens: int | Sequence[int] = 0, record_later: bool = False,
     on_layer: Callable[[int], None] | None = None, threads: int = 1, cpus: Sequence[int] = (),
-    record_later: bool = False,
 ) -> int:
     """Verify the chain's tokens ``[0, n)`` and copy the pages of ``[skip_tokens, n)``.
 

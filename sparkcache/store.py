@@ -403,8 +403,7 @@ class SnapshotStore(StoreUpkeep, StoreLog):
             cpus: the CPUs the threads copy on (thread ``k`` on ``cpus[k % len]``).
             hit: False: the restored amounts count, not a hit (a restore's first part).
             in_place: nothing reads ``out`` before this returns: chunks land there first.
-            record_later: the hit is kept, not written: the caller saves it
-                (:meth:`save_counts`) once nobody waits for the restore.
+            record_later: the hit is kept for the caller's :meth:`save_counts`.
 
         Returns:
             The number of blocks copied (``restored_*`` count only those).
@@ -417,16 +416,9 @@ class SnapshotStore(StoreUpkeep, StoreLog):
         """
         return reader.read_into(self._core, match, rank, out, n_tokens=n_tokens,
                                 start_tokens=start_tokens, on_layer=on_layer, threads=threads,
-                                cpus=cpus, hit=hit, in_place=in_place,
-                                record_later=record_later)
+                                cpus=cpus, hit=hit, in_place=in_place, record_later=record_later)
 
     # -- the shared tier (sparkcache.shared) ---------------------------------------------
-
-    def save_counts(self) -> None:
-        """Write the hits and counts kept so far (``read_into(record_later=True)``)
-        to the index: now if its write lock is free at once, else a little later
-        on a timer thread, or with the next write; never waits for the lock."""
-        self._core.save_counts()
 
     def siblings(self, identity: ModelIdentity, total_kv_heads: int) -> list[ModelIdentity]:
         """The identities this store holds ``identity``'s KV under, sharded

@@ -101,6 +101,13 @@ class StoreUpkeep:
             if conn.changes() != 1:
                 raise NotFound(f"no snapshot {snapshot_id}")
 
+    def save_counts(self, *, wait: float = 0.0) -> None:
+        """Write the hits and counts kept (``read_into(record_later=True)``): now
+        if the index's write lock is free within ``wait`` seconds, else a little
+        later on a timer thread or with the next write; nothing once closed
+        (closing saved what it could)."""
+        self._core.save_counts(wait=wait)
+
     def acquire_lease(
         self, snapshot_id: int, *, kind: str = "read", ttl: float = 60.0, holder: str | None = None
     ) -> int:

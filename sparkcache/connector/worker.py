@@ -266,10 +266,8 @@ class WorkerIO:
         self.counters.add("loaded_bytes", self._nbytes(job))
         self.counters.add("load_seconds", time.perf_counter() - started)
         self._finish_load(job, ok=True, report=report)
-        try:  # the hit, written once vLLM may use the blocks
-            self.store.save_counts()
-        except SparkCacheError as exc:  # (closed at shutdown: close saved what it could)
-            logger.debug("sparkcache: the restore's hit was not written: %s", exc)
+        with contextlib.suppress(SparkCacheError):  # the hit (beside the lease's release)
+            self.store.save_counts(wait=0.1)
         return True
 
     def _load(self, job: LoadJob, on_layer: Callable[[int], None] | None = None) -> None:
@@ -317,16 +315,14 @@ class WorkerIO:
         match = Match(job.snapshot_id, job.n_tokens, self.identity, job.token_ids, from_lookup=True)
         end = job.n_tokens // self.bs
         starts = [(end - len(job.blocks[g])) * self.bs for g, _j in groups.where]
-        # The fault hook rewrites every layer after the read: nothing is
-        # announced before that.
+        # The fault hook rewrites every layer after the read: nothing is announced before.
         notify = None if self.fault == "flip-restored" else on_layer
         views = [p.block_views(ids) for p, ids in zip(groups.pages, job.blocks, strict=True)]
         if all(v is not None for v in views):
-            # These blocks are the request's own; an asynchronous load's are read
-            # by no forward before it reports (vLLM holds the request), so each
-            # chunk lands there and is verified in place.  A failure leaves
-            # bytes in them (unverified ones, in place): reported failed and
-            # recomputed, every block of the load.
+            # These blocks are the request's own; an asynchronous load's are read by no
+            # forward before it reports (vLLM holds the request), so each chunk lands there
+            # and is verified in place.  A failure leaves bytes in them (unverified ones,
+            # in place): reported failed and recomputed, every block of the load.
             out: list[Any] = [views[g][j] for g, j in groups.where]  # type: ignore[index]
             self.store.read_into(match, self.rank, out, n_tokens=job.n_tokens,
                                  start_tokens=starts, on_layer=notify,
@@ -347,9 +343,8 @@ class WorkerIO:
 
                 self.store.read_into(match, self.rank,
                                      [staged[g].layers[j] for g, j in groups.where],
-                                     n_tokens=job.n_tokens, start_tokens=starts,
-                                     threads=self.load_threads, on_layer=landed, hit=hit,
-                                     record_later=True)
+                                     n_tokens=job.n_tokens, start_tokens=starts, hit=hit,
+                                     threads=self.load_threads, on_layer=landed, record_later=True)
 
     def _groups_of(self, job: LoadJob | SaveJob) -> LayerGroups:
         """This worker's KV cache groups, which the job's per-group blocks must match."""

@@ -181,8 +181,8 @@ class Database:
                 yield conn
 
     @contextmanager
-    def write(self, after: list[Callable[[], object]] | None = None, *, wait: bool = True
-              ) -> Iterator[apsw.Connection]:
+    def write(self, after: list[Callable[[], object]] | None = None, *,
+              wait: bool | float = True) -> Iterator[apsw.Connection]:
         """A write transaction; yields the connection.
 
         The outermost call runs ``BEGIN IMMEDIATE`` (waiting up to the busy timeout
@@ -194,7 +194,8 @@ class Database:
         on_commit callbacks to that list instead of running them, for a caller that
         holds a lock of its own around write() and runs them once it let go.  With
         ``wait=False`` the outermost call does not wait for another process's write
-        lock: it raises StoreTimeout at once (for work that may be done later).
+        lock: it raises StoreTimeout at once (for work that may be done later);
+        a number of seconds waits at most that long (below the busy timeout).
         """
         conn = self._connection()
         self._lock.acquire()
@@ -364,15 +365,15 @@ class Database:
 
     @contextmanager
     def _outermost(self, conn: apsw.Connection, begin: str, kind: str, *,
-                   wait: bool = True) -> Iterator[None]:
+                   wait: bool | float = True) -> Iterator[None]:
         """BEGIN; COMMIT when the body succeeds, ROLLBACK (and re-raise) when not.
 
         A busy timeout inside the body becomes StoreTimeout.
         """
-        if wait:
+        if wait is True:
             self._begin(conn, begin, kind)
         else:
-            conn.set_busy_timeout(0)
+            conn.set_busy_timeout(min(int(wait * 1000), self._busy_timeout_ms))
             try:
                 self._begin(conn, begin, kind)
             finally:

@@ -216,9 +216,9 @@ def test_a_landed_loads_hit_is_written_after_it_reports(
         unsaved: list[int] = []
         real = store.save_counts
 
-        def spy() -> None:  # the hit is not in the index before the save
+        def spy(**kwargs: Any) -> None:  # the hit is not in the index before the save
             unsaved.append(other.stats().get("hits", 0) - before)
-            real()
+            real(**kwargs)
 
         monkeypatch.setattr(store, "save_counts", spy)
         restorer = WorkerIO(store, identity(), 0, FakePages(64, seed=9), Counters())
@@ -244,7 +244,7 @@ def test_a_hit_that_cannot_be_written_does_not_stop_the_loader(
     load = _planned_load(one_rank, prompt(100, 14))
     loads = [load, dataclasses.replace(load, req_id="c", blocks=(tuple(range(30, 37)),))]
 
-    def closed() -> None:
+    def closed(**kwargs: Any) -> None:
         raise StoreClosed("this SnapshotStore was closed")
 
     monkeypatch.setattr(store, "save_counts", closed)

@@ -238,3 +238,15 @@ def test_a_hit_recorded_later_is_written_by_save_counts(store: SnapshotStore) ->
     store.read_into(c.match, 0, out)  # by default written before it returns
     with SnapshotStore(store.root) as other:
         assert other.stats()["hits"] == before + 2
+
+
+def test_save_counts_of_a_closed_store_does_nothing(store: SnapshotStore) -> None:
+    """A restore that lands while its store closes (an engine's shutdown) writes
+    nothing more and raises nothing: closing saved what it could."""
+    c = _publish_chain(store, (16, 40))
+    out = [np.zeros((10, c.ident.page_nbytes), np.uint8) for _ in range(LAYERS)]
+    store.read_into(c.match, 0, out, record_later=True)
+    store.close()  # saves the hit kept
+    store.save_counts(wait=0.1)
+    with SnapshotStore(store.root) as other:
+        assert other.stats()["hits"] == 1
