@@ -102,10 +102,13 @@ class StoreUpkeep:
                 raise NotFound(f"no snapshot {snapshot_id}")
 
     def save_counts(self, *, wait: float = 0.0) -> None:
-        """Write the hits and counts kept (``read_into(record_later=True)``): now
-        if the index's write lock is free within ``wait`` seconds, else a little
-        later on a timer thread or with the next write; nothing once closed
-        (closing saved what it could)."""
+        """Write the hits and counts kept (``read_into(record_later=True)``).
+
+        Args:
+            wait: seconds to wait at most for the index's write lock (0: none);
+                past them the write is left to a timer thread or the next write.
+                Nothing once closed (closing saved what it could).
+        """
         self._core.save_counts(wait=wait)
 
     def acquire_lease(
