@@ -376,11 +376,10 @@ class Core:
     def try_save(self, *, wait: float = 0.0) -> bool:
         """Save what was counted, if the locks are free within ``wait`` seconds
         (0: at once); False if not (the next write saves it)."""
-        if not (self._lock.acquire(timeout=wait) if wait > 0 else
-                self._lock.acquire(blocking=False)):
+        if not self._lock.acquire(timeout=wait):  # (0: does not block)
             return False
         try:
-            with self.write(wait=wait if wait > 0 else False):
+            with self.write(wait=wait):  # (0.0: the busy timeout is 0 as well)
                 pass
         except (StoreTimeout, StoreFull, StoreClosed):  # (closed: close saved what it could)
             return False
