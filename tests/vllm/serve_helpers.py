@@ -217,6 +217,25 @@ def requests(store: SnapshotStore, warm_up: bool = False, **query: Any) -> list[
     return rows if warm_up else [r for r in rows if not r.request_id.startswith(WARM_UP_PREFIX)]
 
 
+def complete(row: Any) -> bool:
+    """Whether a request's row has both its parts: the server's (its status)
+    and, for an answered request, the connector's (its live tokens)."""
+    return row.status is not None and (row.status != 200 or row.live_tokens is not None)
+
+
+def newest_rows(folder: Path, *prompts: int) -> list[Any]:
+    """The newest rows, once they are complete and are requests of ``prompts``
+    tokens, newest first (an answer's row is written just after the answer, so
+    right after it the newest row can still be the request before)."""
+    def ours(rows: list[Any]) -> bool:
+        return tuple(r.prompt_tokens for r in rows[:len(prompts)]) == prompts and \
+            all(complete(r) for r in rows[:len(prompts)])
+
+    rows = log_rows(folder, ours)
+    assert ours(rows), rows[:len(prompts) + 1]
+    return rows[:len(prompts)]
+
+
 def log_rows(folder: Path, until: Any = None, timeout: float = 10.0,
              warm_up: bool = False) -> list[Any]:
     """The request log, newest first; with ``until``, polled until it holds for

@@ -31,6 +31,7 @@ from serve_helpers import (
     ask,
     block_end,
     log_rows,
+    newest_rows,
     settled_snapshots,
     system_prompt,
     usage,
@@ -122,8 +123,7 @@ def test_a_breakpoint_writes_its_prefix_and_the_next_request_reads_it(served: Se
     second = ask(client, system, "bravo: and then?")
     prompt2 = len(system) + SYSTEM_FRAME + len("bravo: and then?") + USER_FRAME
     assert usage(second) == (prompt2 - boundary, boundary, 0)
-    rows = {r.request_id: r for r in log_rows(served.folder)}
-    mine = [r for r in rows.values() if r.prompt_tokens in (prompt, prompt2)]
+    mine = newest_rows(served.folder, prompt2, prompt)
     assert sorted((r.prompt_tokens, r.written_tokens, r.breakpoints) for r in mine) == sorted(
         [(prompt, whole(boundary), (boundary,)), (prompt2, 0, (boundary,))])
     with SnapshotStore(served.folder) as store:
@@ -214,7 +214,8 @@ def test_a_conversation_pushed_out_of_the_live_cache_is_restored(served: Server)
                   {"role": "user", "content": "and next?"}])
     shared = 3 + len(first_user) + USER_FRAME  # up to A's answer
     assert nxt.usage.cache_read_input_tokens >= whole(shared)
-    row = log_rows(served.folder, lambda rows: rows[0].restored_tokens is not None)[0]
+    row, = newest_rows(served.folder, nxt.usage.input_tokens + nxt.usage.cache_read_input_tokens
+                       + nxt.usage.cache_creation_input_tokens)
     assert row.restored_tokens > 0, row
     assert row.live_tokens + row.restored_tokens == nxt.usage.cache_read_input_tokens
 
@@ -241,7 +242,7 @@ def test_a_restarted_server_restores_a_breakpoint_and_answers_the_same(
         assert len(store.snapshots()) == stored + 1
     # Read to the mark, from the snapshot of the first request and its answer.
     assert usage(after) == (prompt - boundary, boundary, 0)
-    row = log_rows(store_dir, lambda rows: rows[0].restored_tokens is not None)[0]
+    row, = newest_rows(store_dir, prompt)
     assert (row.live_tokens, row.restored_tokens) == (0, boundary), row
     # The same request computed from scratch (a cache salt shares nothing).
     mark = {"type": "ephemeral"}

@@ -30,6 +30,7 @@ from serve_helpers import (
     USER_FRAME,
     Server,
     block_end,
+    complete,
     log_rows,
     saved,
     system_prompt,
@@ -73,7 +74,7 @@ def two_marks(system: str, user: str) -> dict[str, Any]:
 def logged(server: Server, prompt: int) -> Any:
     """The request log's finished row of the (one) request with ``prompt`` tokens."""
     def done(rows: list[Any]) -> bool:
-        return any(r.prompt_tokens == prompt and r.status is not None for r in rows)
+        return any(r.prompt_tokens == prompt and complete(r) for r in rows)
     return next(r for r in log_rows(server.folder, done) if r.prompt_tokens == prompt)
 
 

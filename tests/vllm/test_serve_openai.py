@@ -30,6 +30,7 @@ from serve_helpers import (
     Server,
     block_end,
     log_rows,
+    newest_rows,
     settled_snapshots,
     system_prompt,
     whole,
@@ -218,8 +219,8 @@ def test_explicit_mode_without_a_breakpoint_writes_nothing(served: Server) -> No
         messages=[{"role": "user", "content": text}],
         prompt_cache_options={"mode": "explicit"})
     assert answer.usage.prompt_tokens_details.cache_write_tokens == 0
-    rows = log_rows(served.folder, lambda rows: rows[0].output_tokens is not None)
-    assert (rows[0].restored_tokens, rows[0].written_tokens) == (0, 0)
+    row, = newest_rows(served.folder, answer.usage.prompt_tokens)
+    assert (row.restored_tokens, row.written_tokens) == (0, 0)
     assert settled_snapshots(served.folder) == before  # not even at the finish
     # The same kind of request without the option is saved when it finishes.
     client(served).chat.completions.create(
