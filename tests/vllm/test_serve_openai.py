@@ -112,9 +112,9 @@ def test_a_chat_breakpoint_writes_its_prefix_and_another_question_reads_it(
     # block shares (the cut's frame ends differently); it is stored already.
     shared = len(system) + SYSTEM_FRAME
     assert (details.cached_tokens, details.cache_write_tokens) == (shared, 0)
-    rows = log_rows(served.folder, lambda rows: sum(r.api == "chat" for r in rows) >= 2)
-    assert [(r.written_tokens, r.breakpoints) for r in rows if r.api == "chat"][:2] == \
-        [(0, (boundary,)), (boundary, (boundary,))]
+    rows = newest_rows(served.folder, second.usage.prompt_tokens, prompt)
+    assert [(r.api, r.written_tokens, r.breakpoints) for r in rows] == \
+        [("chat", 0, (boundary,)), ("chat", boundary, (boundary,))]
 
 
 def test_implicit_mode_also_writes_the_prompt_end_and_a_stream_reports_it(
@@ -132,7 +132,7 @@ def test_implicit_mode_also_writes_the_prompt_end_and_a_stream_reports_it(
     # The breakpoint's blocks and the implicit breakpoint's (the prompt's end): all new.
     assert (usage.prompt_tokens_details.cached_tokens,
             usage.prompt_tokens_details.cache_write_tokens) == (0, whole(prompt))
-    row = log_rows(served.folder, lambda rows: rows[0].prompt_tokens == prompt)[0]
+    row, = newest_rows(served.folder, prompt)
     assert row.breakpoints == (len(system) + CUT_FRAME, prompt)
     # One prefill step passed both: one snapshot to the prompt's end (the
     # breakpoint an alias inside it), kept the request's ttl, 30 minutes.
