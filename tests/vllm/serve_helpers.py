@@ -217,6 +217,12 @@ def requests(store: SnapshotStore, warm_up: bool = False, **query: Any) -> list[
     return rows if warm_up else [r for r in rows if not r.request_id.startswith(WARM_UP_PREFIX)]
 
 
+def last_seq(folder: Path) -> int:
+    """The newest request row's ``seq`` (0: none): later requests' rows come after it."""
+    rows = log_rows(folder)
+    return rows[0].seq if rows else 0
+
+
 def complete(row: Any) -> bool:
     """Whether a request's row has both its parts: the server's (its status)
     and, for an answered request, the connector's (its live tokens)."""

@@ -39,6 +39,7 @@ from serve_helpers import (
     USER_FRAME,
     Server,
     complete,
+    last_seq,
     log_rows,
     system_prompt,
     wait_for,
@@ -129,25 +130,22 @@ def sparkcache(server: Server, *argv: str) -> Any:
     return json.loads(out.stdout)
 
 
-def log_length(server: Server) -> int:
-    """How many rows the request log holds (before a test's requests: every
-    earlier test waited for its own)."""
-    return len(log_rows(server.folder))
+def logged(server: Server, n: int, after: int, newest: int | None = None) -> list[Any]:
+    """The rows logged after row ``after`` (:func:`serve_helpers.last_seq`
+    before the test's requests), newest first, once there are ``n`` of them
+    (each answer's row is written just after the answer, so the newest row can
+    still be the request before it), all complete (the connector's part and
+    the server's) and, with ``newest``, the newest has that status."""
+    def ours(rows: list[Any]) -> list[Any]:
+        return [r for r in rows if r.seq > after]
 
-
-def logged(server: Server, n: int, before: int, newest: int | None = None) -> list[Any]:
-    """The request log, newest first, once it holds ``n`` rows more than
-    ``before`` (each answer's row is written just after the answer, so the
-    newest row can still be the request before it) and its newest ``n`` are
-    complete (the connector's part and the server's) and, with ``newest``, the
-    newest row has that status."""
-    return log_rows(server.folder, lambda rows: len(rows) >= before + n and all(
-        complete(r) for r in rows[:n]) and (newest is None or rows[0].status == newest))
+    return ours(log_rows(server.folder, lambda rows: len(ours(rows)) >= n and all(
+        complete(r) for r in ours(rows)) and (newest is None or rows[0].status == newest)))
 
 
 def test_b_cannot_read_a_s_prefix_from_disk(served: Server) -> None:
     text = system_prompt(31, TEXT_CHARS)
-    before = log_length(served)
+    after = last_seq(served.folder)
     first = chat(served, text, "tenant-a")
     assert cached(first) == 0
     wait_for(lambda: "tenant-a" in snapshots(served).values())
@@ -162,7 +160,7 @@ def test_b_cannot_read_a_s_prefix_from_disk(served: Server) -> None:
     # Isolation changes nothing of the answers: computed or restored, the same.
     assert again.choices[0].message.content == first.choices[0].message.content \
         == other.choices[0].message.content
-    rows = logged(served, 4, before)
+    rows = logged(served, 4, after)
     assert (rows[0].tenant, rows[0].live_tokens, rows[0].restored_tokens) == (
         "tenant-a", 0, SHARED)
     assert [(r.tenant, r.cache_key) for r in rows[:4]] == [
@@ -172,19 +170,19 @@ def test_b_cannot_read_a_s_prefix_from_disk(served: Server) -> None:
 
 def test_b_cannot_read_a_s_prefix_from_the_live_cache(served: Server) -> None:
     text = system_prompt(32, TEXT_CHARS)
-    before = log_length(served)
+    after = last_seq(served.folder)
     assert cached(chat(served, text, "tenant-a")) == 0
     assert cached(chat(served, text, "tenant-b")) == 0  # A's blocks are in vLLM's memory
     assert cached(chat(served, text, "tenant-a")) == SHARED
     assert cached(chat(served, text, "tenant-b")) == SHARED  # its own, now
-    row = logged(served, 4, before)[0]
+    row = logged(served, 4, after)[0]
     assert (row.tenant, row.live_tokens, row.restored_tokens) == ("tenant-b", SHARED, 0)
 
 
 def test_an_anthropic_request_s_tenant_is_its_header(served: Server) -> None:
     client = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
     text = system_prompt(33, TEXT_CHARS)
-    before = log_length(served)
+    after = last_seq(served.folder)
 
     def ask(tenant: str | None) -> tuple[int, int, int]:
         headers = {} if tenant is None else {"x-sparkcache-tenant": tenant}
@@ -202,7 +200,7 @@ def test_an_anthropic_request_s_tenant_is_its_header(served: Server) -> None:
                                extra_headers={"x-sparkcache-tenant": "x" * 1025},
                                messages=[{"role": "user", "content": "hi"}])
     assert "at most 1024" in caught.value.message
-    rows = logged(served, 5, before, newest=400)
+    rows = logged(served, 5, after, newest=400)
     assert [(r.api, r.tenant, r.status) for r in rows[:5]] == [
         ("messages", None, 400), ("messages", "tenant-h", 200),
         ("messages", None, 200), ("messages", "tenant-x", 200), ("messages", "tenant-h", 200)]

@@ -43,7 +43,7 @@ from serve_helpers import (
     USER_FRAME,
     Server,
     ask,
-    log_rows,
+    last_seq,
     requests,
     settled_snapshots,
     system_prompt,
@@ -108,11 +108,6 @@ def ask_unmarked(server: Server, system: str, user: str, **extra: str) -> Any:
 
 def text(message: Any) -> str:
     return "".join(block.text for block in message.content if block.type == "text")
-
-
-def last_seq(folder: Path) -> int:
-    rows = log_rows(folder)
-    return rows[0].seq if rows else 0
 
 
 def new_row(folder: Path, after: int, timeout: float = 10.0) -> Any:
