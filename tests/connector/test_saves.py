@@ -136,6 +136,14 @@ def _waited(prefills: Prefills, since: float) -> tuple[threading.Thread, list[fl
     return thread, out
 
 
+def _copied_out(io: WorkerIO, timeout: float = 10.0) -> set[str]:
+    """The ids ``io.poll`` reports copied out, once it reports any."""
+    deadline = time.monotonic() + timeout
+    while not (sent := io.poll()[0]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sent
+
+
 def test_a_publish_waits_the_settle_time_then_for_the_prefill_to_end() -> None:
     prefills = Prefills(settle_s=0.05, max_wait_s=5.0)
     started = time.monotonic()
@@ -167,10 +175,12 @@ def test_a_save_queued_under_a_prefill_is_published_after_it(tmp_path: Path) -> 
     with SnapshotStore(tmp_path / "s") as store:
         counters = Counters()
         io = WorkerIO(store, identity(), 0, FakePages(8, 1), counters)
+        io.prefills.max_wait_s = 30.0  # a slow machine does not reach the bound first
         io.prefills.started(True)
+        queued = time.monotonic()
         io.submit_save(SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None, ()))
-        time.sleep(0.5)
-        assert io.poll()[0] == {"a"}  # copied out: vLLM has its blocks back
+        assert _copied_out(io) == {"a"}  # vLLM has its blocks back
+        time.sleep(max(0.0, 0.5 - (time.monotonic() - queued)))
         assert store.snapshots() == []  # not written while the prefill runs
         io.prefills.ended()
         assert io.flush(10) and len(store.snapshots()) == 1
@@ -206,17 +216,18 @@ def test_an_explicit_save_is_published_under_a_prefill(tmp_path: Path) -> None:
     wait, nor does a save queued before it (publishes run in order)."""
     with SnapshotStore(tmp_path / "s") as store:
         io = WorkerIO(store, identity(), 0, FakePages(8, 1), Counters())
+        io.prefills.max_wait_s = 30.0  # a save that waited would wait past the flushes
         io.prefills.started(True)  # never ends
         io.submit_save(SaveJob("a", np.arange(BS, dtype=np.uint32), ((0,),), None, None,
                                (BS,), explicit=True))
-        assert io.flush(0.5) and len(store.snapshots()) == 1
+        assert io.flush(10) and len(store.snapshots()) == 1
         io.submit_save(SaveJob("b", np.arange(BS, 2 * BS, dtype=np.uint32), ((1,),), None,
                                None, ()))
         time.sleep(0.1)
         assert len(store.snapshots()) == 1  # the implicit one waits
         io.submit_save(SaveJob("c", np.arange(2 * BS, 3 * BS, dtype=np.uint32), ((2,),), None,
                                None, (BS,), explicit=True))
-        assert io.flush(0.5) and len(store.snapshots()) == 3
+        assert io.flush(10) and len(store.snapshots()) == 3
         io.close()
 
 
@@ -233,6 +244,7 @@ def test_a_save_another_request_waits_for_is_published_under_a_prefill(tmp_path:
     with SnapshotStore(tmp_path / "s") as store:
         counters = Counters()
         io = WorkerIO(store, identity(), 0, FakePages(8, 1), counters)
+        io.prefills.max_wait_s = 30.0  # a save that waited would wait past the flush
         connector = object.__new__(SparkCacheConnector)  # only its per-step hooks run
         connector.io = io
         connector.bind_connector_metadata(SparkCacheMetadata(prefill=True))  # never ends
@@ -243,7 +255,7 @@ def test_a_save_another_request_waits_for_is_published_under_a_prefill(tmp_path:
         time.sleep(0.2)
         assert store.snapshots() == []  # both wait for the prefill to end
         connector.bind_connector_metadata(SparkCacheMetadata(prefill=True, hurry=["b"]))
-        assert io.flush(0.5) and len(store.snapshots()) == 2  # b, and a before it
+        assert io.flush(10) and len(store.snapshots()) == 2  # b, and a before it
         assert connector.build_connector_worker_meta().ended == {save_tag(a): 1, save_tag(b): 1}
         assert connector.build_connector_worker_meta() is None  # each reported once
         # vLLM sums the ranks' reports (its KVOutputAggregator calls aggregate).

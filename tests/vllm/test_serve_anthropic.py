@@ -230,8 +230,11 @@ def test_a_mark_inside_a_tool_result_writes_and_is_read_back(served: Server,
     assert counts(first.usage) == (prompt - at, 0, at, (at, 0))
     row = logged(served, prompt)
     assert row.breakpoints == (at,)
-    with SnapshotStore(served.folder) as store:
-        assert block_end(at) in {s.n_tokens for s in store.snapshots()}
+    def stored_ends() -> set[int]:
+        with SnapshotStore(served.folder) as store:
+            return {s.n_tokens for s in store.snapshots()}
+
+    wait_for(lambda: block_end(at) in stored_ends())  # published after the answer
     # The same result up to the mark, another block after it: the prefix is read.
     second_last = "juliet: another ending"
     second = client.messages.create(model=MODEL_NAME, max_tokens=4,

@@ -29,10 +29,10 @@ from serve_helpers import (
     USER_FRAME,
     Server,
     block_end,
-    log_rows,
     newest_rows,
     settled_snapshots,
     system_prompt,
+    wait_for,
     whole,
 )
 from tiny_model import NEEDS_VLLM
@@ -226,8 +226,7 @@ def test_explicit_mode_without_a_breakpoint_writes_nothing(served: Server) -> No
     client(served).chat.completions.create(
         model=MODEL_NAME, max_tokens=4, temperature=0,
         messages=[{"role": "user", "content": system_prompt(35, 400)}])
-    log_rows(served.folder, lambda _rows: len(snapshots(served)) > len(before))
-    assert len(snapshots(served)) > len(before)
+    wait_for(lambda: len(snapshots(served)) > len(before))
 
 
 def test_a_prewarm_writes_the_breakpoints_and_generates_nothing(served: Server) -> None:
