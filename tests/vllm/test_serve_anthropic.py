@@ -78,6 +78,12 @@ def logged(server: Server, prompt: int) -> Any:
     return next(r for r in log_rows(server.folder, done) if r.prompt_tokens == prompt)
 
 
+def stored_ends(server: Server) -> set[int]:
+    """The token counts of the server's snapshots (each lands after its answer)."""
+    with SnapshotStore(server.folder) as store:
+        return {s.n_tokens for s in store.snapshots()}
+
+
 def split(usage: Any) -> tuple[int, int]:
     """(5m, 1h) of a usage's ``cache_creation``, parsed as the SDK's type."""
     raw = usage.cache_creation
@@ -150,12 +156,8 @@ def test_a_prewarm_writes_and_a_real_request_reads_it(served: Server, client: An
     assert isinstance(warm, Message)
     assert (warm.content, warm.stop_reason, warm.stop_sequence) == ([], "max_tokens", None)
     assert counts(warm.usage) == expected and warm.usage.output_tokens == 0
-    def stored_ends() -> set[int]:
-        with SnapshotStore(served.folder) as store:
-            return {s.n_tokens for s in store.snapshots()}
-
     # The breakpoint's snapshot and the prompt end's land in either order.
-    wait_for(lambda: expected[2] in stored_ends())
+    wait_for(lambda: expected[2] in stored_ends(served))
     # 1867 tokens of another conversation push the warmed blocks out of vLLM's cache.
     client.messages.create(model=MODEL_NAME, max_tokens=4, extra_body={"temperature": 0},
                            messages=[{"role": "user", "content": system_prompt(34, 1860)}])
@@ -230,11 +232,7 @@ def test_a_mark_inside_a_tool_result_writes_and_is_read_back(served: Server,
     assert counts(first.usage) == (prompt - at, 0, at, (at, 0))
     row = logged(served, prompt)
     assert row.breakpoints == (at,)
-    def stored_ends() -> set[int]:
-        with SnapshotStore(served.folder) as store:
-            return {s.n_tokens for s in store.snapshots()}
-
-    wait_for(lambda: block_end(at) in stored_ends())  # published after the answer
+    wait_for(lambda: block_end(at) in stored_ends(served))  # published after the answer
     # The same result up to the mark, another block after it: the prefix is read.
     second_last = "juliet: another ending"
     second = client.messages.create(model=MODEL_NAME, max_tokens=4,
